@@ -1,0 +1,72 @@
+"""The run config: one YAML file, one pydantic model per section, every error by its path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable
+
+from pydantic import Field, model_validator
+
+from .base import Section
+from .buffer import BufferConfig
+from .explorer import EngineConfig, ExplorerConfig, SamplingConfig
+from .loader import apply_override, interpolate_env, load, read_yaml, validate
+from .logs import LoggingConfig
+from .master import MasterConfig, TasksetConfig
+from .model import ModelConfig
+from .reward import RewardConfig
+from .sync import PRESETS, SyncConfig
+from .trainer import TrainerConfig
+from .transport import CurveConfig, TransportConfig
+
+
+class RunConfig(Section):
+    """A whole run."""
+
+    name: str = Field(default="tandem", description="run name, used in logs and the run id")
+    run_dir: str = Field(default="runs/latest", description="folder every component writes into")
+    seed: int = 0
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    sync: SyncConfig = Field(default_factory=SyncConfig)
+    transport: TransportConfig = Field(default_factory=TransportConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    master: MasterConfig = Field(default_factory=MasterConfig)
+    buffer: BufferConfig = Field(default_factory=BufferConfig)
+    explorers: list[ExplorerConfig] = Field(default_factory=lambda: [ExplorerConfig()])
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+
+    @model_validator(mode="after")
+    def _explorers_consistent(self) -> "RunConfig":
+        if not self.explorers:
+            raise ValueError("explorers: at least one explorer is needed")
+        names = [e.name for e in self.explorers]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"explorers: names must be unique, {dup} repeat; give each a name")
+        if self.sync.method == "nccl" and len(self.explorers) > 1 and self.sync.asynchronous:
+            raise ValueError("sync.method: nccl needs a synchronous plan with several explorers")
+        return self
+
+    @property
+    def run_path(self) -> Path:
+        return Path(self.run_dir)
+
+    def explorer(self, name: str) -> ExplorerConfig:
+        for e in self.explorers:
+            if e.name == name:
+                return e
+        raise KeyError(f"no explorer named {name!r} in explorers (have {[e.name for e in self.explorers]})")
+
+
+def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> RunConfig:
+    """Load and validate a run config; raises ConfigError listing every bad field."""
+    return load(RunConfig, path, overrides)
+
+
+__all__ = [
+    "BufferConfig", "CurveConfig", "EngineConfig", "ExplorerConfig", "LoggingConfig",
+    "MasterConfig", "ModelConfig", "PRESETS", "RewardConfig", "RunConfig", "SamplingConfig",
+    "Section", "SyncConfig", "TasksetConfig", "TrainerConfig", "TransportConfig",
+    "apply_override", "interpolate_env", "load", "load_config", "read_yaml", "validate",
+]

@@ -1,0 +1,74 @@
+"""The experience (DESIGN §3): one sampled response, or one multi-turn episode, to one task."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .base import Array
+
+
+def experience_id(task_id: str, repeat_index: int, policy_version: int, explorer_run: str) -> str:
+    """Deterministic id: putting the same sample twice stores it once."""
+    key = f"{task_id}\x1f{repeat_index}\x1f{policy_version}\x1f{explorer_run}".encode()
+    return hashlib.blake2b(key, digest_size=16).hexdigest()
+
+
+def group_id(task_id: str, policy_version: int) -> str:
+    """All responses to one task under one policy version form a group (GRPO/RLOO)."""
+    return f"{task_id}@v{policy_version}"
+
+
+class Experience(BaseModel):
+    """Explorer to buffer (in `buffer.put`), buffer to trainer (in `buffer.sample.reply`)."""
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+
+    id: str
+    task_id: str
+    group_id: str
+    tokens: Array("int32", 1) = Field(description="prompt and response tokens")
+    prompt_len: int = Field(ge=0, description="tokens[:prompt_len] is the prompt")
+    action_mask: Array("uint8", 1) = Field(description="1 where the model produced the token")
+    logprobs: Array("float32", 1) = Field(description="behaviour-policy logprobs of the response")
+    reward: float = 0.0
+    rewards: dict[str, float] = Field(default_factory=dict, description="named components")
+    policy_version: int = Field(ge=0)
+    explorer: str = ""
+    created_at: float = Field(default_factory=time.time)
+    info: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _lengths_agree(self) -> "Experience":
+        n = int(self.tokens.shape[0])
+        if self.prompt_len > n:
+            raise ValueError(f"prompt_len {self.prompt_len} exceeds {n} tokens")
+        response = n - self.prompt_len
+        for name in ("action_mask", "logprobs"):
+            got = int(getattr(self, name).shape[0])
+            if got != response:
+                raise ValueError(
+                    f"{name} has {got} entries but the response has {response} tokens "
+                    f"({n} tokens - prompt_len {self.prompt_len})"
+                )
+        return self
+
+    @property
+    def response_len(self) -> int:
+        return int(self.tokens.shape[0]) - self.prompt_len
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.tokens.nbytes + self.action_mask.nbytes + self.logprobs.nbytes)
+
+
+class Task(BaseModel):
+    """One unit of work from the taskset: master to explorer inside a task lease."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    payload: dict[str, Any] = Field(description="the taskset row: prompt, answer, metadata")
+    epoch: int = 0
