@@ -18,6 +18,7 @@ from .reward import RewardConfig
 from .sync import PRESETS, SyncConfig
 from .trainer import TrainerConfig
 from .transport import CurveConfig, TransportConfig
+from .weights import WeightsConfig
 
 
 class RunConfig(Section):
@@ -34,6 +35,7 @@ class RunConfig(Section):
     buffer: BufferConfig = Field(default_factory=BufferConfig)
     explorers: list[ExplorerConfig] = Field(default_factory=lambda: [ExplorerConfig()])
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    weights: WeightsConfig = Field(default_factory=WeightsConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
 
     @model_validator(mode="after")
@@ -67,6 +69,6 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
 __all__ = [
     "BufferConfig", "CurveConfig", "EngineConfig", "ExplorerConfig", "LoggingConfig",
     "MasterConfig", "ModelConfig", "PRESETS", "RewardConfig", "RunConfig", "SamplingConfig",
-    "Section", "SyncConfig", "TasksetConfig", "TrainerConfig", "TransportConfig",
+    "Section", "SyncConfig", "TasksetConfig", "TrainerConfig", "TransportConfig", "WeightsConfig",
     "apply_override", "interpolate_env", "load", "load_config", "read_yaml", "validate",
 ]
