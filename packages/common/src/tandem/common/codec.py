@@ -253,40 +253,56 @@ def validate_body(type_name: str, body: Any, cls: type[Message] | None = None) -
         raise ProtocolError(f"{type_name}: {type(exc).__name__}: {exc}") from None
 
 
+def envelope_from_header(header: dict[str, Any], *, reply_type: type[Message] | None = None
+                         ) -> Envelope:
+    """Validate a decoded header's body (or a reply's result/error) into an Envelope."""
+    type_name, id_ = header["type"], header["id"]
+    if type_name == "reply":
+        ok = header.get("ok")
+        if ok is False:
+            try:
+                error = ErrorInfo.model_validate(header.get("error"))
+            except ValidationError:
+                raise ProtocolError(f"reply {id_}: malformed error {header.get('error')!r:.120}") from None
+            return Envelope(type_name, id_, ok=False, error=error)
+        if ok is not True:
+            raise ProtocolError(f"reply {id_}: field 'ok' missing or not a boolean")
+        result_type = header.get("result_type")
+        if reply_type is not None and result_type != reply_type.TYPE:
+            raise ProtocolError(
+                f"reply {id_}: expected a {reply_type.TYPE!r} result, got {result_type!r}")
+        body = validate_body(result_type if isinstance(result_type, str) else "",
+                             header.get("result"), reply_type)
+        return Envelope(type_name, id_, body=body, ok=True)
+    if "body" not in header:
+        raise ProtocolError(f"{type_name} {id_}: field 'body' missing")
+    ttl = header.get("ttl")
+    if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float))):
+        raise ProtocolError(f"{type_name} {id_}: ttl must be a number")
+    seq = header.get("seq")
+    if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int)):
+        raise ProtocolError(f"{type_name} {id_}: seq must be an integer")
+    body = validate_body(type_name, header["body"])
+    return Envelope(type_name, id_, body=body, ttl=ttl, seq=seq)
+
+
 def decode(frames: Sequence[Frame], *, reply_type: type[Message] | None = None,
            max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Envelope:
     """Decode a request, event or reply. For replies, `reply_type` validates the result."""
     try:
         header, _ = decode_header(frames, max_message_bytes=max_message_bytes)
-        type_name, id_ = header["type"], header["id"]
-        if type_name == "reply":
-            ok = header.get("ok")
-            if ok is False:
-                try:
-                    error = ErrorInfo.model_validate(header.get("error"))
-                except ValidationError:
-                    raise ProtocolError(f"reply {id_}: malformed error {header.get('error')!r:.120}")
-                return Envelope(type_name, id_, ok=False, error=error)
-            if ok is not True:
-                raise ProtocolError(f"reply {id_}: field 'ok' missing or not a boolean")
-            result_type = header.get("result_type")
-            if reply_type is not None and result_type != reply_type.TYPE:
-                raise ProtocolError(
-                    f"reply {id_}: expected a {reply_type.TYPE!r} result, got {result_type!r}")
-            body = validate_body(result_type if isinstance(result_type, str) else "",
-                                 header.get("result"), reply_type)
-            return Envelope(type_name, id_, body=body, ok=True)
-        if "body" not in header:
-            raise ProtocolError(f"{type_name} {id_}: field 'body' missing")
-        ttl = header.get("ttl")
-        if ttl is not None and not isinstance(ttl, (int, float)):
-            raise ProtocolError(f"{type_name} {id_}: ttl must be a number")
-        seq = header.get("seq")
-        if seq is not None and not isinstance(seq, int):
-            raise ProtocolError(f"{type_name} {id_}: seq must be an integer")
-        body = validate_body(type_name, header["body"])
-        return Envelope(type_name, id_, body=body, ttl=ttl, seq=seq)
+        return envelope_from_header(header, reply_type=reply_type)
     except ProtocolError:
         raise
     except Exception as exc:  # the decoder's promise: nothing but ProtocolError escapes
         raise ProtocolError(f"undecodable message ({type(exc).__name__}: {exc})") from None
+
+
+def peek_id(frames: Sequence[Frame]) -> str | None:
+    """Best effort: the `id` of a message that failed to decode, so the error can be answered."""
+    try:
+        header = msgpack.unpackb(_buffer(frames[0]), raw=False, strict_map_key=False)
+        value = header.get("id") if isinstance(header, dict) else None
+        return value if isinstance(value, str) else None
+    except Exception:
+        return None

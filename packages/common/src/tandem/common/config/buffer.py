@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from .base import Section
 
@@ -14,8 +14,39 @@ class BufferConfig(Section):
 
     address: str = Field(default="tcp://127.0.0.1:5560", description="RPC (ROUTER) address")
     db: str = Field(default="buffer.sqlite", description="SQLite file, relative to the run dir")
-    capacity: int = Field(default=1_000_000, ge=1, description="unconsumed experiences held at most")
-    policy: Literal["fifo", "newest", "priority"] = "fifo"
+    capacity: int = Field(
+        default=1_000_000, ge=1,
+        description="unconsumed experiences (waiting, ready, leased) held at most; a put beyond "
+                    "it is answered 'full' with retry_after")
+    retry_after: float = Field(
+        default=0.5, gt=0, description="seconds a 'full' answer tells the explorer to wait")
+    policy: Literal["fifo", "newest", "priority"] = Field(
+        default="fifo",
+        description="default sampling order: fifo = oldest version first, newest = newest "
+                    "version first, priority = highest group priority first")
+    priority: Literal["reward_variance", "advantage", "key"] = Field(
+        default="reward_variance",
+        description="what a group's priority is: variance of its rewards, mean |advantage| "
+                    "(info['advantage'] or reward minus the group mean), or mean of "
+                    "info[priority_key]")
+    priority_key: str | None = Field(
+        default=None, description="info key averaged over the group when priority is 'key'")
     lease_seconds: float = Field(default=120.0, gt=0, description="before a lease returns its groups")
-    reuse: int = Field(default=1, ge=1, description="times an experience may be trained on (replay)")
-    keep_consumed: bool = Field(default=False, description="keep consumed rows instead of deleting")
+    reuse: int = Field(default=1, ge=1, description="times a group may be trained on (replay)")
+    keep_consumed: int = Field(
+        default=0, ge=0,
+        description="consumed (or stale) experiences whose rows are kept for inspection, newest "
+                    "first; older ones are deleted, so the database stays bounded")
+    synchronous: Literal["full", "normal"] = Field(
+        default="full",
+        description="SQLite synchronous mode: full fsyncs every commit (survives power loss), "
+                    "normal survives a process crash only")
+    commit_batch: int = Field(
+        default=256, ge=1, description="requests folded into one commit at most (group commit)")
+
+    @model_validator(mode="after")
+    def _priority_key_given(self) -> "BufferConfig":
+        if self.priority == "key" and not self.priority_key:
+            raise ValueError("buffer.priority: 'key' needs buffer.priority_key, the info field "
+                             "to rank groups by; set it or choose another priority")
+        return self

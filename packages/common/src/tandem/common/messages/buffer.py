@@ -16,13 +16,22 @@ class PutResult(Message):
 
     stored: int = Field(description="experiences newly stored")
     duplicates: int = Field(description="experiences whose id was already stored (idempotent put)")
+    dropped_stale: int = Field(
+        default=0, description="experiences for a group already dropped as stale, counted not stored")
 
 
 @wire("buffer.put", reply=PutResult)
 class PutExperiences(Request):
-    """Explorer to buffer: store these experiences; a `full` error carries retry_after."""
+    """Explorer to buffer: store these experiences; a `full` error carries retry_after.
+
+    A group is complete, and sampleable, once it holds `group_size` experiences. `group_size`
+    (the explorer's `repeat_times`) applies to every group in the batch; when it is None the
+    buffer takes `repeat_times` of the explorer named by each experience's `explorer` field,
+    or the single `repeat_times` all configured explorers share.
+    """
 
     experiences: list[Experience]
+    group_size: int | None = Field(default=None, ge=1, description="experiences per group")
 
 
 @wire("buffer.sample.reply")
@@ -66,15 +75,18 @@ class ReleaseLease(Request):
 class BufferStats(Message):
     """Buffer to anyone: what the store holds."""
 
-    by_state: dict[str, int]
-    by_version: dict[int, int]
+    by_state: dict[str, int] = Field(
+        description="experiences per state: waiting, ready, leased, consumed, stale")
+    by_version: dict[int, int] = Field(description="unconsumed experiences per policy version")
     oldest_version: int | None
     newest_version: int | None
-    bytes: int
+    bytes: int = Field(description="array bytes of the experiences whose rows are stored")
     groups_waiting: int = Field(description="groups not yet complete")
     groups_ready: int
     dropped_stale: int
     capacity: int
+    leases: int = Field(default=0, description="leases outstanding")
+    db_bytes: int = Field(default=0, description="size of the database files on disk")
 
 
 @wire("buffer.stats", reply=BufferStats)

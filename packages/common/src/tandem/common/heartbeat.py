@@ -1,0 +1,92 @@
+"""Application heartbeats: any message counts as a sign of life; silence past `liveness` is death."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Awaitable, Callable
+
+import structlog
+
+from .errors import PeerDead, RequestFailed
+from .messages.base import Heartbeat
+
+log = structlog.get_logger(__name__)
+
+
+class Liveness:
+    """Server side: when each peer was last heard from, and which are silent past `liveness`."""
+
+    def __init__(self, liveness: float):
+        self.liveness = liveness
+        self.last_seen: dict[str, float] = {}
+
+    def touch(self, peer: str, now: float | None = None) -> None:
+        self.last_seen[peer] = time.monotonic() if now is None else now
+
+    def silent(self, now: float | None = None) -> list[str]:
+        now = time.monotonic() if now is None else now
+        return [p for p, t in self.last_seen.items() if now - t > self.liveness]
+
+    def forget(self, peer: str) -> None:
+        self.last_seen.pop(peer, None)
+
+
+class Heartbeater:
+    """Client side: pings a server every `interval` unless a reply came more recently.
+
+    `on_dead(peer)` runs once when the server has been silent past `liveness`, and
+    `on_alive(peer)` once when it answers again.
+    """
+
+    def __init__(self, client, *, name: str, role: str = "", interval: float = 1.0,
+                 liveness: float = 10.0,
+                 on_dead: Callable[[str], Awaitable[None] | None] | None = None,
+                 on_alive: Callable[[str], Awaitable[None] | None] | None = None):
+        self.client = client
+        self.name = name
+        self.role = role
+        self.interval = interval
+        self.liveness = liveness
+        self.on_dead = on_dead
+        self.on_alive = on_alive
+        self.alive = True
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name=f"heartbeat-{self.client.peer}")
+
+    async def _notify(self, callback, peer: str) -> None:
+        if callback is not None:
+            result = callback(peer)
+            if asyncio.iscoroutine(result):
+                await result
+
+    async def _run(self) -> None:
+        while True:
+            recent = self.client.last_reply_at
+            if recent is None or time.monotonic() - recent >= self.interval:
+                try:
+                    await self.client.call(Heartbeat(name=self.name, role=self.role),
+                                           timeout=self.liveness, retries=0,
+                                           timeout_key="transport.liveness")
+                    if not self.alive:
+                        self.alive = True
+                        log.info("peer.alive", peer=self.client.peer)
+                        await self._notify(self.on_alive, self.client.peer)
+                except PeerDead:
+                    if self.alive:
+                        self.alive = False
+                        log.warning("peer.dead", peer=self.client.peer, silent_for=self.liveness)
+                        await self._notify(self.on_dead, self.client.peer)
+                    continue
+                except RequestFailed as exc:
+                    log.debug("heartbeat.refused", peer=self.client.peer, error=str(exc))
+            await asyncio.sleep(self.interval)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None

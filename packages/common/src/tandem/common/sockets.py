@@ -1,0 +1,100 @@
+"""The one socket factory: bind/connect, linger, high-water marks, identity, MAXMSGSIZE, Curve.
+
+No other module calls `ctx.socket(...)`. `tcp://host:0` binds to a free port and the factory
+returns the real address.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+
+import zmq
+import zmq.asyncio
+
+from .config.transport import CurveConfig, TransportConfig
+
+
+def install_uvloop() -> bool:
+    """Use uvloop's event loop policy when it is installed; returns whether it is in use."""
+    try:
+        import uvloop
+    except ImportError:
+        return False
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    return True
+
+
+def new_identity(name: str) -> bytes:
+    """A unique routing identity that still says who the peer is."""
+    return f"{name}-{os.getpid()}-{uuid.uuid4().hex[:6]}".encode()
+
+
+class SocketFactory:
+    """Creates every socket of a process with the transport settings applied."""
+
+    def __init__(self, transport: TransportConfig | None = None,
+                 context: zmq.asyncio.Context | None = None):
+        self.transport = transport or TransportConfig()
+        self.context = context or zmq.asyncio.Context.instance()
+        self._auth_started = False
+
+    def _socket(self, kind: int, *, server: bool, identity: bytes | None = None) -> zmq.asyncio.Socket:
+        sock = self.context.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, self.transport.hwm)
+        sock.setsockopt(zmq.RCVHWM, self.transport.hwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.transport.max_message_bytes)
+        if identity is not None:
+            sock.setsockopt(zmq.IDENTITY, identity)
+        curve = self.transport.curve
+        if curve is not None:
+            self._apply_curve(sock, curve, server=server)
+        return sock
+
+    def _apply_curve(self, sock: zmq.Socket, curve: CurveConfig, *, server: bool) -> None:
+        if server:
+            from .auth import start_authenticator
+
+            if not self._auth_started:
+                start_authenticator(self.context, curve)
+                self._auth_started = True
+            sock.curve_secretkey = curve.server_secret.encode()
+            sock.curve_publickey = curve.server_public.encode()
+            sock.curve_server = True
+        else:
+            sock.curve_secretkey = curve.client_secret.encode()
+            sock.curve_publickey = curve.client_public.encode()
+            sock.curve_serverkey = curve.server_public.encode()
+
+    @staticmethod
+    def bind(sock: zmq.Socket, address: str) -> str:
+        """Bind and return the real endpoint (port 0 resolved)."""
+        try:
+            sock.bind(address)
+        except zmq.ZMQError as exc:
+            raise OSError(f"cannot bind {address}: {exc}") from None
+        endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
+        return endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
+
+    def router(self, address: str) -> tuple[zmq.asyncio.Socket, str]:
+        sock = self._socket(zmq.ROUTER, server=True)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        return sock, self.bind(sock, address)
+
+    def dealer(self, address: str, name: str) -> zmq.asyncio.Socket:
+        sock = self._socket(zmq.DEALER, server=False, identity=new_identity(name))
+        sock.connect(address)
+        return sock
+
+    def pub(self, address: str) -> tuple[zmq.asyncio.Socket, str]:
+        sock = self._socket(zmq.PUB, server=True)
+        return sock, self.bind(sock, address)
+
+    def sub(self, address: str, topics: list[str]) -> zmq.asyncio.Socket:
+        sock = self._socket(zmq.SUB, server=False)
+        for topic in topics or [""]:
+            sock.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        sock.connect(address)
+        return sock
