@@ -8,14 +8,9 @@ from pydantic import Field, model_validator
 
 from .base import Section
 
-Preset = Literal["synchronous", "one_step_off_policy", "fully_async", "multi_explorer_async"]
+from ..sync import PRESETS
 
-PRESETS: dict[str, dict[str, Any]] = {
-    "synchronous": dict(method="nccl", interval=1, offset=0, max_staleness=0),
-    "one_step_off_policy": dict(method="nccl", interval=1, offset=1, max_staleness=1),
-    "fully_async": dict(method="checkpoint", interval=1, offset=None, max_staleness=4),
-    "multi_explorer_async": dict(method="checkpoint", interval=1, offset=None, max_staleness=4),
-}
+Preset = Literal["synchronous", "one_step_off_policy", "fully_async", "multi_explorer_async"]
 
 
 class SyncConfig(Section):
