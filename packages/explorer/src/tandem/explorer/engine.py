@@ -1,0 +1,79 @@
+"""The inference engine interface every explorer rolls out through.
+
+An engine turns prompts into completions with the log-probability of every sampled token under
+the sampling policy (see `tandem.explorer.sampling`), and takes new weights as an iterable of
+(name, tensor), whichever way they travelled (checkpoint files or a broadcast).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Literal, Sequence
+
+import numpy as np
+
+from .sampling import SamplingParams
+
+FinishReason = Literal["eos", "stop", "length"]
+Prompt = str | Sequence[int]
+
+
+@dataclass
+class Completion:
+    """One sampled response to one prompt.
+
+    `token_ids` and `logprobs` are aligned: `logprobs[i]` is the log-probability of
+    `token_ids[i]` under the sampling policy. A response that ended on a stop string keeps the
+    tokens of the stop string, and `text` is the decoded `token_ids` (stop string included);
+    `stop` names the stop string that ended it. An `eos` ending keeps the eos token too.
+    """
+
+    prompt_ids: np.ndarray
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    text: str
+    finish_reason: FinishReason
+    stop: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return int(self.token_ids.shape[0])
+
+
+class Engine(ABC):
+    """Generates completions and takes new weights; `version` is the weights' policy version."""
+
+    version: int = 0
+
+    @property
+    @abstractmethod
+    def tokenizer(self) -> Any:
+        """The Hugging Face tokenizer that matches the model."""
+
+    @abstractmethod
+    async def generate(self, prompts: Sequence[Prompt], n: int,
+                       sampling: SamplingParams) -> list[list[Completion]]:
+        """`n` completions per prompt (text, or token ids), one list per prompt, in order.
+
+        Runs off the event loop, so the caller's heartbeats and subscriptions keep going.
+        """
+
+    @abstractmethod
+    def load_weights(self, weights: Iterable[tuple[str, Any]], version: int) -> int:
+        """Copy (name, tensor) pairs into the model and set `version`; returns tensors loaded."""
+
+    def close(self) -> None:
+        """Release the model and any worker thread."""
+
+
+def create_engine(config, model_config) -> Engine:
+    """The engine an `explorers[i].engine` section asks for, loading `model.path` from disk."""
+    if config.kind == "transformers":
+        from .transformers_engine import TransformersEngine
+
+        return TransformersEngine.from_pretrained(
+            model_config.path, device=config.device, dtype=model_config.dtype,
+            max_batch=config.max_batch, **config.options)
+    raise ValueError(
+        f"engine.kind {config.kind!r} is not available in this build; use engine.kind: transformers")

@@ -1,0 +1,255 @@
+"""`TransformersEngine`: batched sampling over a Hugging Face causal LM with a KV cache.
+
+Its own decode loop, rather than `model.generate`, so the log-probability of each sampled token
+comes out of the same forward pass under the sampling policy, and rows that finish are dropped
+from the batch (and the cache) instead of decoding padding until the longest row ends.
+Generation runs on one worker thread: the event loop stays free for heartbeats and barriers, and
+weights never change under a running batch because loading runs on the same thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import structlog
+import torch
+
+from .engine import Completion, Engine, Prompt
+from .sampling import SamplingParams, sample_tokens
+
+log = structlog.get_logger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class TransformersEngine(Engine):
+    """The embedded default engine, on CPU or one CUDA device."""
+
+    def __init__(self, model: Any, tokenizer: Any, *, device: str = "cpu", max_batch: int = 64,
+                 version: int = 0, seed: int = 0):
+        self.device = torch.device(device)
+        self.model = model.to(self.device).eval()
+        self._tokenizer = tokenizer
+        self.max_batch = max_batch
+        self.version = version
+        self.seed = seed
+        self._calls = 0
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self._lock = threading.Lock()
+        self.eos_ids = _eos_ids(model, tokenizer)
+        pad = tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else min(self.eos_ids)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, device: str = "cpu", dtype: str = "float32",
+                        max_batch: int = 64, **options: Any) -> "TransformersEngine":
+        """Load a model folder from disk (config, safetensors, tokenizer); never a hub."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"model.path {str(path)!r} is not a Hugging Face model folder (no config.json)")
+        if dtype not in _DTYPES:
+            raise ValueError(f"model.dtype {dtype!r}: expected one of {sorted(_DTYPES)}")
+        seed = int(options.pop("seed", 0))
+        attn = options.pop("attn_implementation", "sdpa")
+        if options:
+            raise ValueError(f"engine.options: unknown keys {sorted(options)} for transformers "
+                             "(known: seed, attn_implementation)")
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=_DTYPES[dtype], local_files_only=True, attn_implementation=attn)
+        return cls(model, tokenizer, device=device, max_batch=max_batch, seed=seed)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    async def generate(self, prompts: Sequence[Prompt], n: int,
+                       sampling: SamplingParams) -> list[list[Completion]]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self.generate_sync, prompts, n, sampling)
+
+    def generate_sync(self, prompts: Sequence[Prompt], n: int,
+                      sampling: SamplingParams) -> list[list[Completion]]:
+        """The blocking body of `generate`, for callers without an event loop."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        encoded = [self._encode(p, i) for i, p in enumerate(prompts)]
+        rows = [(p, s) for p in range(len(encoded)) for s in range(n)]
+        out: list[list[Completion | None]] = [[None] * n for _ in encoded]
+        generator = self._generator(sampling)
+        with self._lock, torch.inference_mode():
+            for start in range(0, len(rows), self.max_batch):
+                chunk = rows[start:start + self.max_batch]
+                for (p, s), completion in zip(chunk, self._generate_chunk(
+                        [encoded[p] for p, _ in chunk], sampling, generator)):
+                    out[p][s] = completion
+        return out  # type: ignore[return-value]
+
+    def _encode(self, prompt: Prompt, index: int) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self._tokenizer(prompt).input_ids
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError(f"prompt {index} is empty")
+        return ids
+
+    def _generator(self, sampling: SamplingParams) -> torch.Generator:
+        # Each call gets its own stream: reproducible for a given seed, different across calls.
+        self._calls += 1
+        seed = sampling.seed if sampling.seed is not None else self.seed * 1_000_003 + self._calls
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(seed)
+        return generator
+
+    def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingParams,
+                        generator: torch.Generator) -> list[Completion]:
+        t0 = time.perf_counter()
+        # Prefill each distinct prompt once; rows sampling the same prompt share its cache.
+        unique: dict[tuple[int, ...], int] = {}
+        row_of = [unique.setdefault(tuple(p), len(unique)) for p in prompts]
+        distinct = list(unique)
+        width = max(len(p) for p in distinct)
+        ids = torch.full((len(distinct), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(distinct), width), dtype=torch.long)
+        for i, p in enumerate(distinct):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                            past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        select = torch.tensor(row_of, device=self.device)
+        if len(distinct) != len(prompts) or row_of != list(range(len(prompts))):
+            cache.batch_select_indices(select)
+            logits, mask = logits[select], mask[select]
+        next_pos = positions[select, -1] + 1
+        t_prefill = time.perf_counter()
+
+        stops = _StopMatcher(sampling.stop, self._tokenizer)
+        tokens: list[list[int]] = [[] for _ in prompts]
+        logps: list[list[float]] = [[] for _ in prompts]
+        finish: list[tuple[str, str | None]] = [("length", None)] * len(prompts)
+        active = list(range(len(prompts)))
+        for step in range(sampling.max_tokens):
+            tok, lp = sample_tokens(logits, sampling, generator)
+            tok_list, lp_list = tok.tolist(), lp.tolist()
+            keep: list[int] = []
+            for j, row in enumerate(active):
+                tokens[row].append(tok_list[j])
+                logps[row].append(lp_list[j])
+                if tok_list[j] in self.eos_ids:
+                    finish[row] = ("eos", None)
+                elif (hit := stops.match(tokens[row])) is not None:
+                    finish[row] = ("stop", hit)
+                elif step + 1 < sampling.max_tokens:
+                    keep.append(j)
+            if not keep:
+                break
+            if len(keep) != len(active):
+                index = torch.tensor(keep, device=self.device)
+                cache.batch_select_indices(index)
+                tok, mask, next_pos = tok[index], mask[index], next_pos[index]
+                active = [active[j] for j in keep]
+            mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
+            logits = self.model(input_ids=tok[:, None], attention_mask=mask,
+                                position_ids=next_pos[:, None], past_key_values=cache,
+                                use_cache=True).logits[:, -1]
+            next_pos = next_pos + 1
+        t_end = time.perf_counter()
+
+        timings = {"prefill_s": t_prefill - t0, "decode_s": t_end - t_prefill,
+                   "generate_s": t_end - t0, "batch": float(len(prompts))}
+        return [Completion(
+            prompt_ids=np.asarray(prompts[r], dtype=np.int32),
+            token_ids=np.asarray(tokens[r], dtype=np.int32),
+            logprobs=np.asarray(logps[r], dtype=np.float32),
+            text=self._tokenizer.decode(tokens[r], skip_special_tokens=True),
+            finish_reason=finish[r][0], stop=finish[r][1], timings=dict(timings),
+        ) for r in range(len(prompts))]
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]], version: int) -> int:
+        with self._lock:
+            loaded = load_named_tensors(self.model, weights)
+            self.version = version
+        log.info("weights.loaded", version=version, tensors=loaded)
+        return loaded
+
+    async def update_weights(self, weights: Iterable[tuple[str, Any]], version: int) -> int:
+        """`load_weights` on the engine thread, so it never overlaps a running batch."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self.load_weights, weights, version)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+def load_named_tensors(model: Any, weights: Iterable[tuple[str, Any]]) -> int:
+    """Copy tensors into `model` by parameter/buffer name; every parameter must be covered.
+
+    Tied parameters (an lm_head sharing the embedding) may arrive under either name.
+    """
+    targets: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+    targets.update(model.named_buffers(remove_duplicate=False))
+    covered: set[int] = set()
+    count = 0
+    with torch.no_grad():
+        for name, tensor in weights:
+            target = targets.get(name)
+            if target is None:
+                raise ValueError(f"weights: {name!r} is not a parameter of the model "
+                                 f"({type(model).__name__}); is this the same architecture?")
+            tensor = torch.as_tensor(tensor)
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ValueError(f"weights: {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"the model expects {tuple(target.shape)}")
+            target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+            covered.add(id(target))
+            count += 1
+    missing = [n for n, p in model.named_parameters() if id(p) not in covered]
+    if missing:
+        raise ValueError(f"weights: {len(missing)} parameters were not sent, e.g. {missing[:3]}")
+    return count
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in (eos, tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value is not None:
+            ids.update(int(v) for v in value)
+    if not ids:
+        raise ValueError("the model has no eos token (generation_config.eos_token_id, "
+                         "tokenizer.eos_token) — cannot tell when a response ends")
+    return ids
+
+
+class _StopMatcher:
+    """Finds a stop string in the decoded tail of a response, checked after every token."""
+
+    def __init__(self, stops: Sequence[str], tokenizer: Any):
+        self.stops = [s for s in stops if s]
+        self.tokenizer = tokenizer
+        # A token decodes to at least one character in practice; the margin covers byte pieces.
+        self.window = max((len(s) for s in self.stops), default=0) + 8
+
+    def match(self, tokens: list[int]) -> str | None:
+        if not self.stops:
+            return None
+        tail = self.tokenizer.decode(tokens[-self.window:], skip_special_tokens=True)
+        hits = [(tail.find(s) + len(s), s) for s in self.stops if s in tail]
+        return min(hits)[1] if hits else None
