@@ -1,0 +1,37 @@
+"""Experience factories for the buffer tests (imported by name; conftest puts this folder on sys.path)."""
+
+from __future__ import annotations
+
+import numpy as np
+from tandem.common.messages import Experience, experience_id, group_id
+
+
+def make_experience(task: str, index: int, version: int = 0, *, reward: float = 0.0,
+                    tokens: int = 12, prompt_len: int = 4, explorer: str = "explorer-0",
+                    info: dict | None = None, seed: int | None = None) -> Experience:
+    """One experience of `task` (repeat `index`) under `version`, with random arrays."""
+    rng = np.random.default_rng(seed if seed is not None else hash((task, index, version)) % 2**32)
+    response = tokens - prompt_len
+    return Experience(
+        id=experience_id(task, index, version, explorer),
+        task_id=task, group_id=group_id(task, version),
+        tokens=rng.integers(0, 50_000, tokens, dtype=np.int32), prompt_len=prompt_len,
+        action_mask=rng.integers(0, 2, response, dtype=np.uint8),
+        logprobs=rng.standard_normal(response).astype(np.float32),
+        reward=reward, policy_version=version, explorer=explorer, info=info or {})
+
+
+def make_group(task: str, size: int, version: int = 0, rewards: list[float] | None = None,
+               **kwargs) -> list[Experience]:
+    rewards = rewards or [float(i) for i in range(size)]
+    return [make_experience(task, i, version, reward=rewards[i], **kwargs) for i in range(size)]
+
+
+class Clock:
+    """A settable clock for lease expiry."""
+
+    def __init__(self, now: float = 1000.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
