@@ -1,0 +1,102 @@
+"""PUB/SUB: sequence numbers, late joiners get a snapshot, gaps are detected, waits time out."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tandem.common.config import TransportConfig
+from tandem.common.errors import WaitTimeout
+from tandem.common.heartbeat import Heartbeater, Liveness
+from tandem.common.messages import Barrier, Stop
+from tandem.common.pubsub import Publisher, Subscriber
+from tandem.common.rpc import RpcClient, RpcServer
+
+T = TransportConfig(rpc_timeout=1.0, rpc_retries=0)
+
+
+async def _master():
+    server = RpcServer("tcp://127.0.0.1:0", name="master", transport=T)
+    pub = Publisher("tcp://127.0.0.1:0", name="master", transport=T)
+    address, pub_address = await server.start(), await pub.start()
+    pub.serve_snapshots(server)
+    return server, pub, address, pub_address
+
+
+async def test_late_joiner_gets_current_state_then_live_events(zmq_sockets_closed):
+    server, pub, address, pub_address = await _master()
+    for step in range(3):
+        await pub.publish("barrier.e0", Barrier(explorer="e0", step=step, version=0, wait=False))
+    await pub.publish("barrier.e1", Barrier(explorer="e1", step=9, version=9, wait=True))
+    client = RpcClient(address, peer="master", transport=T)
+    sub = Subscriber(pub_address, topics=["barrier.e0", "stop"], transport=T, snapshot=client,
+                     resync_interval=0.2)
+    try:
+        first = await sub.recv(2)
+        assert (first.topic, first.seq, first.body.step) == ("barrier.e0", 3, 2)
+        await asyncio.sleep(0.3)  # let the subscription reach the publisher
+        await pub.publish("stop", Stop(reason="done"))
+        await pub.publish("barrier.e0", Barrier(explorer="e0", step=3, version=1, wait=True))
+        got = [await sub.recv(2), await sub.recv(2)]
+        assert [(e.topic, e.seq) for e in got] == [("stop", 1), ("barrier.e0", 4)]
+        assert sub.gaps == 0
+    finally:
+        await sub.close()
+        await client.close()
+        await pub.close()
+        await server.close()
+
+
+async def test_gap_is_detected_and_wait_times_out_naming_the_knob(zmq_sockets_closed):
+    server, pub, address, pub_address = await _master()
+    sub = Subscriber(pub_address, topics=["t"], transport=T)
+    try:
+        await sub.start()
+        await asyncio.sleep(0.3)
+        await pub.publish("t", Stop(reason="1"))
+        assert (await sub.recv(2)).seq == 1
+        pub._seq["t"] = 5  # as if events 2..5 were lost on the way
+        await pub.publish("t", Stop(reason="6"))
+        assert (await sub.recv(2)).seq == 6
+        assert sub.gaps == 1
+        with pytest.raises(WaitTimeout, match="no barrier .* within 0.2s; raise sync.timeout"):
+            await sub.recv(0.2, what="barrier")
+    finally:
+        await sub.close()
+        await pub.close()
+        await server.close()
+
+
+async def test_heartbeater_reports_dead_and_alive_again(zmq_sockets_closed):
+    server = RpcServer("tcp://127.0.0.1:0", name="master", transport=T)
+    address = await server.start()
+    client = RpcClient(address, peer="master", transport=T)
+    events: list[str] = []
+    hb = Heartbeater(client, name="e0", interval=0.05, liveness=0.2,
+                     on_dead=lambda p: events.append(f"dead:{p}"),
+                     on_alive=lambda p: events.append(f"alive:{p}"))
+    try:
+        hb.start()
+        await asyncio.sleep(0.2)
+        assert events == [] and any(k.startswith("client-") for k in server.last_seen)
+        await server.close()
+        await asyncio.sleep(0.6)
+        assert events == ["dead:master"]
+        server = RpcServer(address, name="master", transport=T)
+        await server.start()
+        await asyncio.sleep(0.6)
+        assert events == ["dead:master", "alive:master"]
+    finally:
+        await hb.close()
+        await client.close()
+        await server.close()
+
+
+def test_liveness_marks_silent_peers():
+    live = Liveness(1.0)
+    live.touch("a", now=0.0)
+    live.touch("b", now=0.5)
+    assert live.silent(now=1.2) == ["a"]
+    live.touch("a", now=1.2)
+    assert live.silent(now=1.6) == ["b"]

@@ -1,0 +1,183 @@
+"""RPC over real loopback sockets: replies, error replies, garbage, retries answered once, silence."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from tandem.common.config import TransportConfig
+from tandem.common.errors import PeerDead, RequestFailed
+from tandem.common.messages import (
+    AckLease, BufferStats, GetBufferStats, Heartbeat, HeartbeatAck, Ok, ReleaseLease,
+)
+from tandem.common.rpc import RpcClient, RpcServer
+
+FAST = TransportConfig(rpc_timeout=2.0, rpc_retries=0)
+
+
+def stats(calls: int = 0) -> BufferStats:
+    return BufferStats(by_state={"calls": calls}, by_version={}, oldest_version=None,
+                       newest_version=None, bytes=0, groups_waiting=0, groups_ready=0,
+                       dropped_stale=0, capacity=1)
+
+
+async def test_call_error_reply_and_unsupported(zmq_sockets_closed):
+    server = RpcServer("tcp://127.0.0.1:0", name="buffer", transport=FAST)
+
+    @server.handler(GetBufferStats)
+    async def on_stats(msg, ctx):
+        assert ctx.remaining() > 0
+        return stats()
+
+    @server.handler(AckLease)
+    async def on_ack(msg, ctx):
+        raise RequestFailed("unknown_lease", f"no lease {msg.lease_id}", retry_after=0.5)
+
+    address = await server.start()
+    assert address.startswith("tcp://127.0.0.1:") and not address.endswith(":0")
+    client = RpcClient(address, peer="buffer", transport=FAST)
+    try:
+        assert isinstance(await client.call(GetBufferStats()), BufferStats)
+        assert isinstance(await client.call(Heartbeat(name="t")), HeartbeatAck)
+        with pytest.raises(RequestFailed) as err:
+            await client.call(AckLease(lease_id="L1"))
+        assert err.value.code == "unknown_lease" and err.value.retry_after == 0.5
+        with pytest.raises(RequestFailed, match="buffer does not handle 'buffer.release'"):
+            await client.call(ReleaseLease(lease_id="x"))
+    finally:
+        await client.close()
+        await server.close()
+
+
+async def test_handler_crash_is_an_error_reply_and_server_survives(zmq_sockets_closed):
+    server = RpcServer("tcp://127.0.0.1:0", name="svc", transport=FAST)
+
+    @server.handler(AckLease)
+    async def on_ack(msg, ctx):
+        raise ZeroDivisionError("boom")
+
+    client = RpcClient(await server.start(), peer="svc", transport=FAST)
+    try:
+        with pytest.raises(RequestFailed) as err:
+            await client.call(AckLease(lease_id="x"))
+        assert err.value.code == "internal" and "ZeroDivisionError: boom" in err.value.message
+        assert isinstance(await client.call(Heartbeat(name="t")), HeartbeatAck)
+    finally:
+        await client.close()
+        await server.close()
+
+
+async def test_garbage_gets_bad_request_or_counted_drop(zmq_sockets_closed):
+    import msgpack
+
+    server = RpcServer("tcp://127.0.0.1:0", name="svc", transport=FAST)
+    address = await server.start()
+    raw = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(address)
+    try:
+        await raw.send_multipart([b"\xff\x00garbage"])
+        await raw.send_multipart([msgpack.packb({"v": 1, "type": "no.such", "id": "abc", "body": {}})])
+        reply = await asyncio.wait_for(raw.recv_multipart(), 2)
+        header = msgpack.unpackb(reply[0])
+        assert header["id"] == "abc" and header["ok"] is False
+        assert header["error"]["code"] == "bad_request" and "no.such" in header["error"]["message"]
+        assert server.dropped == 1
+        client = RpcClient(address, peer="svc", transport=FAST)
+        assert isinstance(await client.call(Heartbeat(name="t")), HeartbeatAck)
+        await client.close()
+    finally:
+        raw.close(linger=0)
+        await server.close()
+
+
+async def test_retry_with_same_id_is_answered_once(zmq_sockets_closed):
+    server = RpcServer("tcp://127.0.0.1:0", name="slow", transport=FAST)
+    calls = 0
+
+    @server.handler(GetBufferStats)
+    async def on_stats(msg, ctx):
+        nonlocal calls
+        calls += 1
+        await asyncio.sleep(0.35)
+        return stats(calls)
+
+    client = RpcClient(await server.start(), peer="slow", transport=FAST)
+    try:
+        # Each attempt waits 0.1 s, so the request is sent 4 times while the first is served.
+        reply = await client.call(GetBufferStats(), timeout=0.1, retries=5)
+        assert reply.by_state == {"calls": 1}
+        assert calls == 1
+    finally:
+        await client.close()
+        await server.close()
+
+
+async def test_pipelined_calls_are_matched_to_their_replies(zmq_sockets_closed):
+    server = RpcServer("tcp://127.0.0.1:0", name="echo", transport=FAST)
+
+    @server.handler(AckLease)
+    async def on_ack(msg, ctx):
+        await asyncio.sleep(0.001 * (int(msg.lease_id) % 7))
+        raise RequestFailed("echo", msg.lease_id)
+
+    client = RpcClient(await server.start(), peer="echo", transport=FAST)
+
+    async def one(i):
+        try:
+            await client.call(AckLease(lease_id=str(i)))
+        except RequestFailed as exc:
+            return exc.message
+
+    try:
+        assert await asyncio.gather(*[one(i) for i in range(200)]) == [str(i) for i in range(200)]
+    finally:
+        await client.close()
+        await server.close()
+
+
+async def test_silent_peer_is_peer_dead_naming_it_and_the_key(zmq_sockets_closed):
+    client = RpcClient("tcp://127.0.0.1:9", peer="master", transport=FAST)
+    start = time.monotonic()
+    try:
+        with pytest.raises(PeerDead) as err:
+            await client.call(GetBufferStats(), timeout=0.2, retries=1, timeout_key="master.timeout")
+    finally:
+        await client.close()
+    assert 0.35 < time.monotonic() - start < 1.5
+    assert err.value.peer == "master"
+    assert "master at tcp://127.0.0.1:9" in str(err.value) and "master.timeout" in str(err.value)
+
+
+async def test_server_restart_is_survived_by_retries(zmq_sockets_closed):
+    server = RpcServer("tcp://127.0.0.1:0", name="svc", transport=FAST)
+    address = await server.start()
+    client = RpcClient(address, peer="svc", transport=FAST)
+    try:
+        await client.call(Heartbeat(name="t"))
+        await server.close()
+        server = RpcServer(address, name="svc", transport=FAST)
+        await server.start()
+        assert isinstance(await client.call(Heartbeat(name="t"), timeout=0.5, retries=4), HeartbeatAck)
+    finally:
+        await client.close()
+        await server.close()
+
+
+async def test_ok_reply_for_handlers_returning_none(zmq_sockets_closed):
+    server = RpcServer("tcp://127.0.0.1:0", name="svc", transport=FAST)
+
+    @server.handler(ReleaseLease)
+    async def on_release(msg, ctx):
+        return None
+
+    client = RpcClient(await server.start(), peer="svc", transport=FAST)
+    try:
+        assert isinstance(await client.call(ReleaseLease(lease_id="x")), Ok)
+    finally:
+        await client.close()
+        await server.close()
