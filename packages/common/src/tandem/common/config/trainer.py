@@ -1,26 +1,136 @@
-"""The `trainer` section: algorithm, optimiser, batches, checkpoints."""
+"""The `trainer` section: algorithm, off-policy corrections, optimiser, batches, checkpoints.
+
+Algorithm names (`advantage`, `loss`) are registry names of `tandem.trainer.algorithms`; the
+trainer checks them when it starts and lists the registered ones when a name is unknown.
+"""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from .base import Section
+
+Aggregation = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"]
+
+
+class KLConfig(Section):
+    """KL divergence to a frozen reference model (the initial policy unless `reference_path`)."""
+
+    coef: float = Field(default=0.0, ge=0, description="0 disables the KL term and the reference")
+    estimator: Literal["k1", "k2", "k3"] = Field(
+        default="k3", description="k1 = log ratio, k2 = half squared log ratio, k3 = Schulman's")
+    placement: Literal["loss", "reward"] = Field(
+        default="loss", description="a loss term, or a per-token penalty folded into the reward")
+    reference_path: str | None = Field(
+        default=None, description="reference model folder; default: model.path")
+
+
+class OffPolicyConfig(Section):
+    """Corrections for samples drawn by an older or different policy (asynchronous presets).
+
+    With `proximal`, the trainer recomputes log-probabilities of the batch with its current
+    weights before the update and clips the ratio against them instead of the explorer's
+    behaviour log-probabilities. With `behaviour_weight` each token's loss is also multiplied
+    by exp(proximal - behaviour) (no gradient): together, the decoupled objective. `is_cap`
+    truncates that weight (truncated importance sampling of the trainer/engine mismatch).
+    """
+
+    proximal: bool = Field(default=False, description="recompute proximal logprobs as clip anchor")
+    behaviour_weight: bool = Field(
+        default=False, description="weight tokens by exp(proximal - behaviour); needs proximal")
+    is_cap: float | None = Field(
+        default=None, gt=0, description="truncate the behaviour weight at this value")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "OffPolicyConfig":
+        if self.behaviour_weight and not self.proximal:
+            raise ValueError("off_policy.behaviour_weight needs off_policy.proximal: true "
+                             "(the weight is exp(proximal - behaviour))")
+        if self.is_cap is not None and not self.behaviour_weight:
+            raise ValueError("off_policy.is_cap truncates the behaviour weight; "
+                             "set off_policy.behaviour_weight: true (and proximal: true)")
+        return self
 
 
 class TrainerConfig(Section):
     """The optimisation loop."""
 
-    device: str = Field(default="cpu", description="cpu, cuda ...")
-    advantage: str = Field(default="grpo", description="advantage estimator registry name")
-    loss: str = Field(default="ppo_clip", description="policy loss registry name")
-    groups_per_step: int = Field(default=8, ge=1, description="groups sampled per trainer step")
+    device: str = Field(default="cpu", description="cpu, cuda, cuda:1 ... (torchrun: cuda = local rank)")
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        default="auto", description="auto: bf16 autocast on CUDA, fp32 on CPU")
+    gradient_checkpointing: bool = False
+    seed: int | None = Field(default=None, description="default: the run's seed")
+
+    # algorithm
+    advantage: str = Field(default="grpo", description="grpo, dr_grpo, rloo, reinforce_pp, gae")
+    loss: str = Field(default="ppo_clip", description="ppo_clip, gspo, pg, sft, dpo")
+    aggregation: Aggregation = Field(
+        default="token_mean", description="how token losses become one number")
+    clip_low: float = Field(default=0.2, ge=0, description="ratio lower bound is 1 - clip_low")
+    clip_high: float = Field(default=0.2, ge=0, description="ratio upper bound is 1 + clip_high")
+    dual_clip: float | None = Field(
+        default=None, gt=1, description="dual-clip bound c for negative advantages (e.g. 3)")
+    entropy_coef: float = Field(default=0.0, ge=0, description="entropy bonus coefficient")
+    entropy_metric: bool = Field(default=True, description="report entropy even without a bonus")
+    std_eps: float = Field(default=1e-6, gt=0, description="added to std in advantage scaling")
+    gamma: float = Field(default=1.0, ge=0, le=1, description="discount (gae, reinforce_pp)")
+    lam: float = Field(default=1.0, ge=0, le=1, description="GAE lambda")
+    value_coef: float = Field(default=0.5, ge=0, description="value loss coefficient (gae)")
+    value_clip: float | None = Field(default=0.2, gt=0, description="value clipping (gae)")
+    dpo_beta: float = Field(default=0.1, gt=0, description="DPO inverse temperature")
+    temperature: float | None = Field(
+        default=None, ge=0,
+        description="sampling temperature logprobs are computed at; default explorers[0]'s")
+    dynamic_sampling: bool = Field(
+        default=False, description="drop groups whose rewards are all equal (DAPO)")
+    kl: KLConfig = Field(default_factory=KLConfig)
+    off_policy: OffPolicyConfig = Field(default_factory=OffPolicyConfig)
+
+    # optimiser and schedule
     lr: float = Field(default=1e-5, gt=0)
     weight_decay: float = Field(default=0.0, ge=0)
+    betas: tuple[float, float] = Field(default=(0.9, 0.999))
+    adam_eps: float = Field(default=1e-8, gt=0)
     warmup_steps: int = Field(default=0, ge=0)
+    schedule: Literal["constant", "cosine"] = Field(
+        default="constant", description="after warmup; cosine decays to min_lr_ratio * lr")
+    total_steps: int | None = Field(
+        default=None, ge=1, description="trainer steps in the run; the cosine horizon")
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
     max_grad_norm: float = Field(default=1.0, gt=0)
-    micro_batch_tokens: int = Field(default=8192, ge=1, description="token budget per micro-batch")
+
+    # batches
+    groups_per_step: int = Field(default=8, ge=1, description="groups sampled per trainer step")
+    micro_batch_tokens: int = Field(
+        default=8192, ge=1, description="padded tokens per micro-batch (gradient accumulation)")
+    sample_wait: float = Field(
+        default=5.0, gt=0, description="seconds one buffer.sample request waits for groups")
+    idle_timeout: float = Field(
+        default=600.0, gt=0, description="seconds without a trainable batch before giving up")
+
+    # outputs
     checkpoint_every: int = Field(default=0, ge=0, description="steps between checkpoints; 0 = end")
+    keep_checkpoints: int = Field(default=2, ge=1, description="checkpoint folders kept")
     keep_weight_versions: int = Field(default=3, ge=1, description="weights/v{N} folders kept")
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    tensorboard: bool = Field(default=True, description="write metrics to run_dir/tensorboard")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "TrainerConfig":
+        if self.schedule == "cosine" and self.total_steps is None:
+            raise ValueError("trainer.schedule: cosine needs trainer.total_steps (the horizon)")
+        if self.total_steps is not None and self.warmup_steps > self.total_steps:
+            raise ValueError("trainer.warmup_steps exceeds trainer.total_steps; lower warmup_steps")
+        if self.advantage == "gae" and self.loss in ("sft", "dpo"):
+            raise ValueError(f"trainer.advantage: gae trains a value head, which trainer.loss: "
+                             f"{self.loss} does not use; pick advantage: grpo")
+        if self.kl.placement == "reward" and self.loss in ("sft", "dpo"):
+            raise ValueError(f"trainer.kl.placement: reward has no reward to penalise with "
+                             f"trainer.loss: {self.loss}; use kl.placement: loss")
+        return self
+
+    @property
+    def needs_reference(self) -> bool:
+        """A frozen reference model is loaded for a KL term and for DPO."""
+        return self.kl.coef > 0 or self.loss == "dpo"

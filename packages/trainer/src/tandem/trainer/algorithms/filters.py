@@ -1,0 +1,21 @@
+"""Dynamic sampling (DAPO): a group whose rewards are all equal has zero group-relative
+advantage and carries no learning signal; it can be dropped before the forward passes."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def informative_rows(rewards: Tensor, groups: Tensor, tol: float = 1e-6) -> tuple[Tensor, int]:
+    """A [B] bool keep-mask of rows whose group's rewards differ, and the number of dropped groups."""
+    num = int(groups.max()) + 1 if groups.numel() else 0
+    hi = torch.full((num,), -torch.inf, dtype=rewards.dtype).scatter_reduce(
+        0, groups, rewards, reduce="amax")
+    lo = torch.full((num,), torch.inf, dtype=rewards.dtype).scatter_reduce(
+        0, groups, rewards, reduce="amin")
+    informative = (hi - lo) > tol
+    present = torch.zeros(num, dtype=torch.bool)
+    present[groups] = True
+    dropped = int((present & ~informative).sum())
+    return informative[groups], dropped

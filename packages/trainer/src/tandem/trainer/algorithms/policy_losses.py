@@ -1,0 +1,130 @@
+"""Policy losses. Each takes `PolicyInputs`, the trainer config and an `Aggregator` and returns
+(the loss of this micro-batch, metrics as 0-d tensors averaged over its action tokens).
+
+`old_logprobs` is the clip anchor: the behaviour log-probabilities from the engine, or the
+proximal ones the trainer recomputed before the update (`trainer.off_policy.proximal`).
+`weights`, when given, multiplies every token's loss (the behaviour importance weight of the
+decoupled objective / truncated IS); it carries no gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from tandem.common.config import TrainerConfig
+
+from .aggregation import Aggregator
+from .masked import masked_mean
+from .registry import Registry
+
+
+@dataclass
+class PolicyInputs:
+    logprobs: Tensor                   # [B, T] current policy, with gradient
+    old_logprobs: Tensor               # [B, T] clip anchor, no gradient
+    advantages: Tensor                 # [B, T]
+    mask: Tensor                       # [B, T] float, 1 on action tokens
+    weights: Tensor | None = None      # [B, T] behaviour importance weights, no gradient
+    ref_logprobs: Tensor | None = None # [B, T] frozen reference (dpo)
+
+
+PolicyLossFn = Callable[[PolicyInputs, TrainerConfig, Aggregator], tuple[Tensor, dict[str, Tensor]]]
+POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss", "trainer.loss")
+
+_LOG_RATIO_CLAMP = 20.0
+
+
+def _weighted(token_loss: Tensor, inp: PolicyInputs) -> Tensor:
+    return token_loss if inp.weights is None else token_loss * inp.weights
+
+
+def _clipped_objective(ratio: Tensor, inp: PolicyInputs, cfg: TrainerConfig
+                       ) -> tuple[Tensor, dict[str, Tensor]]:
+    """max(-A r, -A clip(r, 1-low, 1+high)), then min(., -A c) where A < 0 (dual clip)."""
+    adv, mask = inp.advantages, inp.mask
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    metrics = {"policy/clip_frac": masked_mean((clipped > unclipped).float(), mask)}
+    if cfg.dual_clip is not None:
+        bound = -adv * cfg.dual_clip
+        dual = (adv < 0) & (loss > bound)
+        loss = torch.where(dual, bound, loss)
+        metrics["policy/dual_clip_frac"] = masked_mean(dual.float(), mask)
+    return loss, metrics
+
+
+def _ratio_metrics(ratio: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    on = mask > 0
+    r = ratio.detach()
+    return {
+        "policy/ratio_mean": masked_mean(r, mask),
+        "policy/ratio_max": r[on].max() if on.any() else r.new_ones(()),
+        "policy/ratio_min": r[on].min() if on.any() else r.new_ones(()),
+    }
+
+
+@POLICY_LOSSES.register("ppo_clip")
+def ppo_clip(inp: PolicyInputs, cfg: TrainerConfig, agg: Aggregator):
+    """PPO's clipped surrogate with asymmetric bounds (DAPO clip-higher) and optional dual clip."""
+    ratio = torch.exp((inp.logprobs - inp.old_logprobs).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
+    token_loss, metrics = _clipped_objective(ratio, inp, cfg)
+    metrics.update(_ratio_metrics(ratio, inp.mask))
+    return agg(_weighted(token_loss, inp), inp.mask), metrics
+
+
+@POLICY_LOSSES.register("gspo")
+def gspo(inp: PolicyInputs, cfg: TrainerConfig, agg: Aggregator):
+    """GSPO: the ratio is the sequence's length-normalised likelihood ratio.
+
+    Written per token as s_i * exp(logp_t - sg(logp_t)) (GSPO-token): its value is the sequence
+    ratio s_i on every token and its gradient s_i * grad(logp_t), so with seq_mean_token_mean
+    aggregation this is exactly the sequence-level objective.
+    """
+    mask = inp.mask
+    seq_log_ratio = ((inp.logprobs - inp.old_logprobs) * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    seq_log_ratio = seq_log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    ratio = torch.exp(seq_log_ratio.detach()[:, None] + inp.logprobs - inp.logprobs.detach())
+    token_loss, metrics = _clipped_objective(ratio, inp, cfg)
+    metrics.update(_ratio_metrics(ratio, mask))
+    return agg(_weighted(token_loss, inp), mask), metrics
+
+
+@POLICY_LOSSES.register("pg")
+def policy_gradient(inp: PolicyInputs, cfg: TrainerConfig, agg: Aggregator):
+    """Plain policy gradient (REINFORCE): -A * logp."""
+    token_loss = -inp.advantages * inp.logprobs
+    return agg(_weighted(token_loss, inp), inp.mask), {}
+
+
+@POLICY_LOSSES.register("sft")
+def sft(inp: PolicyInputs, cfg: TrainerConfig, agg: Aggregator):
+    """Supervised fine-tuning: cross-entropy (-logp) of the action tokens; advantages unused."""
+    token_loss = -inp.logprobs
+    return agg(token_loss, inp.mask), {"sft/nll": masked_mean(token_loss.detach(), inp.mask)}
+
+
+@POLICY_LOSSES.register("dpo")
+def dpo(inp: PolicyInputs, cfg: TrainerConfig, agg: Aggregator):
+    """DPO on pairs: rows are (chosen, rejected, chosen, rejected, ...); needs reference logprobs.
+
+    loss = -log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r))), pi and ref summed over the
+    action tokens; the mean runs over the pairs of the whole step.
+    """
+    if inp.ref_logprobs is None:
+        raise ValueError("dpo needs reference log-probabilities (a reference model)")
+    if inp.mask.shape[0] % 2:
+        raise ValueError("dpo needs rows in (chosen, rejected) pairs")
+    mask = inp.mask
+    policy = (inp.logprobs * mask).sum(-1).view(-1, 2)
+    ref = (inp.ref_logprobs * mask).sum(-1).view(-1, 2)
+    margin = cfg.dpo_beta * ((policy[:, 0] - ref[:, 0]) - (policy[:, 1] - ref[:, 1]))
+    pair_loss = -F.logsigmoid(margin)
+    pairs = None if agg.total_seqs is None else agg.total_seqs / 2
+    metrics = {"dpo/margin": margin.detach().mean(), "dpo/accuracy": (margin > 0).float().mean()}
+    return agg.sequences(pair_loss, pairs), metrics
