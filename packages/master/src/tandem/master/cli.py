@@ -1,0 +1,205 @@
+"""The umbrella `tandem` command and `tandem-master`.
+
+Subcommands that live in other modules (`up`, `timeline`, `quickstart`) are imported only when
+they are invoked, so `tandem --help` stays instant and a module that is not written yet does not
+break the others. Add one by naming it in `LAZY_COMMANDS`: "name": ("module", "attribute").
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+
+import click
+
+from tandem.common.errors import ConfigError, TandemError
+
+LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
+    # name: (module, click command attribute, one-line help shown by `tandem --help`)
+    "up": ("tandem.master.up", "up", "Start a whole run on this machine as separate processes."),
+    "timeline": ("tandem.master.timeline", "timeline", "Draw a run's trace as a timeline."),
+    "quickstart": ("tandem.master.quickstart", "quickstart",
+                   "Run a tiny end-to-end example on CPU."),
+}
+
+
+class LazyGroup(click.Group):
+    """A click group whose `LAZY_COMMANDS` are imported on first use."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(super().list_commands(ctx)) | set(LAZY_COMMANDS))
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        command = super().get_command(ctx, name)
+        if command is not None or name not in LAZY_COMMANDS:
+            return command
+        module_name, attr, help_text = LAZY_COMMANDS[name]
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            return _unavailable(name, module_name, help_text)
+        return getattr(module, attr)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        # `tandem --help` lists the lazy commands by their help line, without importing them
+        limit = formatter.width - 6 - max(len(n) for n in self.list_commands(ctx))
+        rows = []
+        for name in self.list_commands(ctx):
+            command = self.commands.get(name)
+            rows.append((name, command.get_short_help_str(limit) if command is not None
+                         else LAZY_COMMANDS[name][2]))
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+def _unavailable(name: str, module_name: str, help_text: str) -> click.Command:
+    def fail() -> None:
+        raise click.ClickException(f"`tandem {name}` is not available: {module_name} is missing")
+    return click.Command(name, callback=fail, help=help_text, short_help=help_text)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+def tandem() -> None:
+    """tandem: reinforcement fine-tuning with rollout and training as separate processes."""
+
+
+def _offset(value: str | None) -> int | None | str:
+    if value is None:
+        return "unset"
+    if value.strip().lower() in ("null", "none", "async"):
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise click.BadParameter(f"expected an integer or null, got {value!r}") from None
+
+
+def _times(value: str) -> list[float]:
+    try:
+        out = [float(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected seconds, or a comma-separated list, got {value!r}")
+    if not out:
+        raise click.BadParameter("expected at least one duration")
+    return out
+
+
+@tandem.command()
+@click.option("--preset", default="synchronous", show_default=True,
+              type=click.Choice(["synchronous", "one_step_off_policy", "fully_async",
+                                 "multi_explorer_async"]), help="starting point for the knobs")
+@click.option("--interval", type=int, help="sync.interval (overrides the preset)")
+@click.option("--offset", help="sync.offset, an integer or null for asynchronous")
+@click.option("--max-staleness", type=int, help="sync.max_staleness")
+@click.option("--method", type=click.Choice(["nccl", "checkpoint"]), help="sync.method")
+@click.option("--explorers", type=int, help="number of explorers (default: one per rollout time; "
+              "2 for multi_explorer_async)")
+@click.option("--steps", type=int, default=8, show_default=True, help="trainer steps to replay")
+@click.option("--rollout-time", default="1.0", show_default=True,
+              help="seconds per explorer step; a comma list gives each explorer its own")
+@click.option("--train-time", type=float, default=1.0, show_default=True,
+              help="seconds per trainer step")
+@click.option("--sync-time", type=float, default=0.1, show_default=True,
+              help="seconds per weight sync (broadcast, or checkpoint write / load)")
+@click.option("--json", "as_json", is_flag=True, help="print the timeline as JSON")
+@click.option("--png", type=click.Path(dir_okay=False), help="also draw it to this PNG file")
+@click.option("--width", type=int, default=96, show_default=True, help="terminal columns")
+def plan(preset: str, interval: int | None, offset: str | None, max_staleness: int | None,
+         method: str | None, explorers: int | None, steps: int, rollout_time: str,
+         train_time: float, sync_time: float, as_json: bool, png: str | None,
+         width: int) -> None:
+    """Replay a sync plan over assumed durations and draw the timeline."""
+    from tandem.common.sync import SyncPlan
+
+    from .render import render_png, render_terminal
+    from .simulate import simulate
+
+    times = _times(rollout_time)
+    if explorers is None:
+        explorers = len(times) if len(times) > 1 else (
+            2 if preset == "multi_explorer_async" else 1)
+    if explorers < 1:
+        raise click.BadParameter("must be >= 1", param_hint="--explorers")
+    if len(times) == 1:
+        times = times * explorers
+    elif len(times) != explorers:
+        raise click.BadParameter(f"{len(times)} rollout times for {explorers} explorers",
+                                 param_hint="--rollout-time")
+    knobs = {k: v for k, v in dict(interval=interval, max_staleness=max_staleness,
+                                   method=method).items() if v is not None}
+    parsed_offset = _offset(offset)
+    if parsed_offset != "unset":
+        knobs["offset"] = parsed_offset
+    try:
+        sync_plan = SyncPlan.preset(preset, batches_per_step=explorers, **knobs)
+        timeline = simulate(sync_plan, steps=steps, rollout_times=times, train_time=train_time,
+                            sync_time=sync_time)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps(timeline.to_json(), indent=None))
+    else:
+        render_terminal(timeline, width=width)
+    if png:
+        path = render_png(timeline, png)
+        if not as_json:
+            click.echo(f"wrote {path}")
+
+
+@tandem.command()
+@click.option("--master", "address", help="master RPC address (default: from --config, else "
+              "the config default)")
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
+              help="run config to read master.address from")
+@click.option("--timeout", type=float, default=5.0, show_default=True,
+              help="seconds to wait for the master")
+@click.option("--json", "as_json", is_flag=True, help="print the raw status as JSON")
+def status(address: str | None, config_path: str | None, timeout: float, as_json: bool) -> None:
+    """Print the master's registry, counters, versions, staleness and leases."""
+    from .status import fetch_status, print_status
+
+    try:
+        reply = fetch_status(address, config_path, timeout)
+    except TandemError as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps(reply.model_dump(), default=str))
+    else:
+        print_status(reply)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
+              help="run config (YAML)")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="override a config key, e.g. --set master.address=tcp://0.0.0.0:5550")
+def master_main_command(config_path: str | None, overrides: tuple[str, ...]) -> None:
+    """Run the master: the run's clock (registry, task leases, barriers, journal)."""
+    from tandem.common.config import load_config
+
+    try:
+        config = load_config(config_path, overrides)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    from .service import run_master
+
+    try:
+        code = run_master(config)
+    except TandemError as exc:
+        raise click.ClickException(str(exc)) from None
+    sys.exit(code)
+
+
+def main() -> None:
+    tandem(prog_name="tandem")
+
+
+def master_main() -> None:
+    master_main_command(prog_name="tandem-master")
+
+
+if __name__ == "__main__":
+    main()
