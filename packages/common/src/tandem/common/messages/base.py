@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Any, ClassVar
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, WrapValidator
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationInfo
 
 PROTOCOL_VERSION = 1
 
@@ -45,20 +45,24 @@ def _is_torch_tensor(value: Any) -> bool:
 
 
 def _array_validator(dtype: str | None, ndim: int | None):
-    def validate(value: Any, handler: Any, info: ValidationInfo) -> Any:
-        from_wire = bool(info.context and info.context.get("wire"))
+    target = np.dtype(dtype) if dtype is not None else None
+
+    def validate(value: Any, info: ValidationInfo) -> Any:
+        if value.__class__ is np.ndarray and (target is None or value.dtype == target):
+            if ndim is not None and value.ndim != ndim:
+                raise ValueError(f"expected {ndim}-d array, got shape {tuple(value.shape)}")
+            return value
+        if info.context and info.context.get("wire"):
+            got = value.dtype if isinstance(value, np.ndarray) else type(value).__name__
+            raise ValueError(f"expected dtype {dtype}, got {got}" if isinstance(value, np.ndarray)
+                             else f"expected an array, got {got}")
         if _is_torch_tensor(value):
-            if dtype is None:
+            if target is None:
                 return value
             value = value.detach().cpu().numpy()
-        if not isinstance(value, np.ndarray):
-            if from_wire:
-                raise ValueError(f"expected an array, got {type(value).__name__}")
-            value = np.asarray(value, dtype=dtype)
-        if dtype is not None and value.dtype != np.dtype(dtype):
-            if from_wire:
-                raise ValueError(f"expected dtype {dtype}, got {value.dtype}")
-            value = value.astype(dtype, casting="same_kind")
+        value = np.asarray(value)
+        if target is not None and value.dtype != target:
+            value = value.astype(target, casting="same_kind")
         if ndim is not None and value.ndim != ndim:
             raise ValueError(f"expected {ndim}-d array, got shape {tuple(value.shape)}")
         return value
@@ -72,7 +76,7 @@ def Array(dtype: str | None = None, ndim: int | None = None) -> Any:
     Python callers may pass lists or other dtypes, which are converted; values decoded from the
     wire must already have the declared dtype (a wrong dtype is a protocol error, not a cast).
     """
-    return Annotated[Any, WrapValidator(_array_validator(dtype, ndim))]
+    return Annotated[Any, PlainValidator(_array_validator(dtype, ndim))]
 
 
 class ErrorInfo(BaseModel):
