@@ -50,7 +50,7 @@ class TransformersEngine(Engine):
     def from_pretrained(cls, path: str | Path, *, device: str = "cpu", dtype: str = "float32",
                         max_batch: int = 64, **options: Any) -> "TransformersEngine":
         """Load a model folder from disk (config, safetensors, tokenizer); never a hub."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
         path = Path(path)
         if not (path / "config.json").is_file():
@@ -63,7 +63,7 @@ class TransformersEngine(Engine):
         if options:
             raise ValueError(f"engine.options: unknown keys {sorted(options)} for transformers "
                              "(known: seed, attn_implementation)")
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        tokenizer = load_tokenizer(path)
         model = AutoModelForCausalLM.from_pretrained(
             str(path), dtype=_DTYPES[dtype], local_files_only=True, attn_implementation=attn)
         return cls(model, tokenizer, device=device, max_batch=max_batch, seed=seed)
@@ -194,6 +194,25 @@ class TransformersEngine(Engine):
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The folder's tokenizer, exactly as saved when it was saved as a plain `tokenizer.json`.
+
+    transformers 5 maps a generic fast tokenizer (`TokenizersBackend`) to the model type's own
+    class (Qwen2Tokenizer for a Qwen2), which rebuilds the pre-tokenizer and, for a character
+    vocabulary, silently drops whitespace; loading it as `PreTrainedTokenizerFast` keeps it intact.
+    """
+    import json
+
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    path = Path(path)
+    config_file = path / "tokenizer_config.json"
+    declared = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.is_file() else None
+    if declared in ("TokenizersBackend", "PreTrainedTokenizerFast") and (path / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
 def load_named_tensors(model: Any, weights: Iterable[tuple[str, Any]]) -> int:

@@ -1,0 +1,102 @@
+"""What a workflow is: tasks in, experiences out, through an engine and a reward scorer."""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from tandem.common.messages.experience import Experience, Task, experience_id, group_id
+
+from ..engine import Engine
+from ..rewards import RewardScorer
+from ..sampling import SamplingParams
+
+
+@dataclass
+class RolloutContext:
+    """Everything a workflow needs for one explorer step."""
+
+    engine: Engine
+    sampling: SamplingParams
+    repeat_times: int
+    explorer: str
+    run: str = "local"
+    step: int = 0
+    scorer: RewardScorer | None = None
+    version: int | None = None  # defaults to the engine's
+
+    @property
+    def policy_version(self) -> int:
+        return self.engine.version if self.version is None else self.version
+
+
+class WorkflowArgs(BaseModel):
+    """Base of each workflow's `workflow_args`; unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class Workflow(ABC):
+    """Turns a batch of tasks into experiences: `repeat_times` per task, one group per task."""
+
+    Args: ClassVar[type[WorkflowArgs]] = WorkflowArgs
+
+    def __init__(self, tokenizer: Any, args: dict[str, Any] | None = None):
+        try:
+            self.args = self.Args.model_validate(args or {})
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}" for e in exc.errors())
+            raise ValueError(f"workflow_args for {type(self).__name__}: {problems}") from None
+        self.tokenizer = tokenizer
+
+    @abstractmethod
+    async def run(self, tasks: list[Task], ctx: RolloutContext) -> list[Experience]:
+        """Roll out every task `ctx.repeat_times` times; experiences grouped per task, in order."""
+
+
+@dataclass
+class Trajectory:
+    """The tokens of one sampled response or episode, before it becomes an experience."""
+
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    action_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+    def add(self, ids, logprobs=None, *, action: bool) -> None:
+        ids = [int(t) for t in ids]
+        self.response_ids += ids
+        self.action_mask += [1 if action else 0] * len(ids)
+        self.logprobs += [float(x) for x in logprobs] if logprobs is not None else [0.0] * len(ids)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+
+def make_experience(task: Task, index: int, traj: Trajectory, ctx: RolloutContext, *,
+                    reward: float, rewards: dict[str, float], info: dict[str, Any]) -> Experience:
+    """An experience per DESIGN §3, with the group size the buffer needs to close a group."""
+    version = ctx.policy_version
+    return Experience(
+        id=experience_id(task.id, index, version, ctx.run),
+        task_id=task.id,
+        group_id=group_id(task.id, version),
+        tokens=np.asarray(traj.tokens, dtype=np.int32),
+        prompt_len=len(traj.prompt_ids),
+        action_mask=np.asarray(traj.action_mask, dtype=np.uint8),
+        logprobs=np.asarray(traj.logprobs, dtype=np.float32),
+        reward=float(reward),
+        rewards={k: float(v) for k, v in rewards.items()},
+        policy_version=version,
+        explorer=ctx.explorer,
+        created_at=time.time(),
+        info={"group_size": ctx.repeat_times, "repeat_index": index, "step": ctx.step,
+              "epoch": task.epoch, "sampling": ctx.sampling.describe(), **info},
+    )

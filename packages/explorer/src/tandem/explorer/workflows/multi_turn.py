@@ -1,0 +1,114 @@
+"""`multi_turn`: episodes with an environment, every turn of every episode batched together.
+
+An episode starts from the environment's instructions rendered as the prompt. Each round, every
+unfinished episode gets one model turn (ending at the environment's stop strings, eos, or the
+per-turn token limit); the environment's reply is appended with action_mask 0 and logprob 0.
+An episode ends when the environment says so, the model emits eos, it has taken `max_turns`
+turns, or its response (model and environment tokens) would pass `max_episode_tokens`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import Field
+
+from tandem.common.messages.experience import Experience, Task
+
+from ..environments import Environment, get_environment
+from ..templates import PromptTemplate
+from .base import RolloutContext, Trajectory, Workflow, WorkflowArgs, make_experience
+
+
+class MultiTurnArgs(WorkflowArgs):
+    env: str = Field(description="environment registry name: calculator, guess_number")
+    env_args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the env")
+    max_turns: int = Field(default=8, ge=1, description="model turns per episode")
+    max_episode_tokens: int = Field(
+        default=512, ge=1, description="token budget of the whole response (model + environment)")
+    system: str | None = None
+    chat: Literal["auto", "always", "never"] = "auto"
+    template: str = "{system}{prompt}"
+
+
+@dataclass
+class _Episode:
+    task: Task
+    index: int
+    env: Environment
+    traj: Trajectory
+    turns: int = 0
+    done: bool = False
+    end: str = ""
+    generate_s: float = 0.0
+    finish_reasons: list[str] = field(default_factory=list)
+
+
+class MultiTurn(Workflow):
+    """Episodes against an environment from the registry (`workflow_args.env`)."""
+
+    Args = MultiTurnArgs
+
+    def __init__(self, tokenizer: Any, args: dict[str, Any] | None = None):
+        super().__init__(tokenizer, args)
+        self.env_cls = get_environment(self.args.env)
+        self.template = PromptTemplate(tokenizer, chat=self.args.chat,
+                                       template=self.args.template, system=self.args.system)
+
+    def _new_episode(self, task: Task, index: int) -> _Episode:
+        try:
+            env = self.env_cls(task.payload, **self.args.env_args)
+        except TypeError as exc:
+            raise ValueError(f"workflow_args.env_args for {self.args.env}: {exc}") from None
+        return _Episode(task, index, env, Trajectory(self.template.render(env.instructions())))
+
+    async def run(self, tasks: list[Task], ctx: RolloutContext) -> list[Experience]:
+        episodes = [self._new_episode(t, k) for t in tasks for k in range(ctx.repeat_times)]
+        budget = self.args.max_episode_tokens
+        stops = tuple(dict.fromkeys(ctx.sampling.stop + self.env_cls.stop))
+        sampling = dataclasses.replace(ctx.sampling, stop=stops)
+        start = time.time()
+        while active := [ep for ep in episodes if not ep.done]:
+            t0 = time.time()
+            turns = await ctx.engine.generate([ep.traj.tokens for ep in active], 1, sampling)
+            elapsed = time.time() - t0
+            for ep, [c] in zip(active, turns):
+                ep.generate_s += elapsed
+                ep.turns += 1
+                ep.finish_reasons.append(c.finish_reason)
+                room = budget - len(ep.traj.response_ids)
+                ep.traj.add(c.token_ids[:room], c.logprobs[:room], action=True)
+                if len(c.token_ids) >= room:
+                    self._finish(ep, "budget")
+                elif c.finish_reason == "eos":
+                    self._finish(ep, "eos")
+                else:
+                    reply = ep.env.step(c.text)
+                    if reply.done:
+                        self._finish(ep, "env")
+                    elif ep.turns >= self.args.max_turns:
+                        self._finish(ep, "max_turns")
+                    else:
+                        ids = self.template.encode_continuation(reply.text)
+                        if len(ids) >= budget - len(ep.traj.response_ids):
+                            self._finish(ep, "budget")  # end on a model turn, not a cut reply
+                        else:
+                            ep.traj.add(ids, action=False)
+        wall = time.time() - start
+        experiences = []
+        for ep in episodes:
+            outcome = ep.env.outcome()
+            experiences.append(make_experience(
+                ep.task, ep.index, ep.traj, ctx, reward=outcome.reward, rewards=outcome.components,
+                info={"env": self.args.env, "turns": ep.turns, "end": ep.end,
+                      "finish_reasons": ep.finish_reasons, "reward_reason": outcome.reason,
+                      "generate_s": ep.generate_s, "episode_s": wall}))
+        return experiences
+
+    @staticmethod
+    def _finish(ep: _Episode, why: str) -> None:
+        ep.done = True
+        ep.end = why

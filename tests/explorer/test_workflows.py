@@ -1,0 +1,152 @@
+"""Workflows with the tiny model: well-formed experiences (masks, lengths, groups, ids)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from tandem.common.messages.experience import Task, experience_id, group_id
+from tandem.common.messages.reward import Score, ScoreItem
+from tandem.explorer.sampling import SamplingParams
+from tandem.explorer.templates import PromptTemplate
+from tandem.explorer.workflows import RolloutContext, create_workflow
+
+
+class DigitCountScorer:
+    """A reward function of this test: the share of response characters that are digits."""
+
+    def __init__(self):
+        self.items: list[ScoreItem] = []
+
+    async def score(self, items):
+        self.items += items
+        out = []
+        for item in items:
+            share = sum(ch.isdigit() for ch in item.response) / max(1, len(item.response))
+            out.append(Score(score=share, components={"digits": share, "format": 1.0}))
+        return out
+
+    async def close(self):
+        pass
+
+
+def check_experience(exp, *, group_size):
+    n = len(exp.tokens)
+    assert exp.tokens.dtype == np.int32 and exp.action_mask.dtype == np.uint8
+    assert exp.logprobs.dtype == np.float32
+    assert len(exp.action_mask) == len(exp.logprobs) == n - exp.prompt_len > 0
+    assert np.all(exp.logprobs[exp.action_mask == 0] == 0.0)
+    assert np.all(exp.logprobs[exp.action_mask == 1] <= 0.0)
+    assert exp.info["group_size"] == group_size
+    assert exp.group_id == group_id(exp.task_id, exp.policy_version)
+    # the message validates its own lengths; a round trip through pydantic must hold
+    type(exp).model_validate(exp.model_dump())
+
+
+def test_single_turn_groups_samples_and_rewards(engine):
+    engine.version = 2
+    scorer = DigitCountScorer()
+    wf = create_workflow("single_turn", engine.tokenizer, {"prompt_key": "question"})
+    tasks = [Task(id=f"t{i}", payload={"question": f"{i}+{i}=", "answer": str(2 * i)})
+             for i in range(3)]
+    ctx = RolloutContext(engine=engine, sampling=SamplingParams(max_tokens=12, seed=0),
+                         repeat_times=4, explorer="explorer-0", run="run1/explorer-0",
+                         scorer=scorer, step=5)
+    exps = asyncio.run(wf.run(tasks, ctx))
+    assert len(exps) == 12 and len({e.id for e in exps}) == 12
+    for i, task in enumerate(tasks):
+        group = exps[4 * i:4 * i + 4]
+        assert {e.group_id for e in group} == {f"t{i}@v2"}
+        assert [e.id for e in group] == [experience_id(task.id, k, 2, "run1/explorer-0")
+                                         for k in range(4)]
+        prompt = engine.tokenizer(f"{i}+{i}=").input_ids
+        for e in group:
+            check_experience(e, group_size=4)
+            assert list(e.tokens[:e.prompt_len]) == prompt
+            assert e.action_mask.all() and e.policy_version == 2 and e.info["step"] == 5
+            assert e.rewards == {"digits": e.reward, "format": 1.0}
+            assert e.info["sampling"] == {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+    assert [it.truth for it in scorer.items] == ["0"] * 4 + ["2"] * 4 + ["4"] * 4
+    assert scorer.items[0].response == engine.tokenizer.decode(
+        exps[0].tokens[exps[0].prompt_len:], skip_special_tokens=True)
+
+
+def test_single_turn_names_a_missing_prompt_field(engine):
+    wf = create_workflow("single_turn", engine.tokenizer, {})
+    ctx = RolloutContext(engine=engine, sampling=SamplingParams(max_tokens=2), repeat_times=1,
+                         explorer="e", scorer=DigitCountScorer())
+    with pytest.raises(ValueError, match="has no 'prompt' field"):
+        asyncio.run(wf.run([Task(id="x", payload={"question": "?"})], ctx))
+
+
+def test_unknown_workflow_and_bad_args_are_clear_errors(engine):
+    with pytest.raises(ValueError, match="unknown workflow 'nope'"):
+        create_workflow("nope", engine.tokenizer)
+    with pytest.raises(ValueError, match="promptkey"):
+        create_workflow("single_turn", engine.tokenizer, {"promptkey": "q"})
+    with pytest.raises(ValueError, match="unknown environment"):
+        create_workflow("multi_turn", engine.tokenizer, {"env": "chess"})
+
+
+def test_multi_turn_masks_environment_tokens_and_keeps_the_budget(engine):
+    # The random tiny model never writes a valid guess, so every turn draws the environment's
+    # "invalid" feedback: episodes alternate model tokens (mask 1) and feedback (mask 0).
+    wf = create_workflow("multi_turn", engine.tokenizer, {
+        "env": "guess_number", "max_turns": 3, "max_episode_tokens": 200,
+        "env_args": {"max_guesses": 10}})
+    tasks = [Task(id="g0", payload={"secret": 7, "low": 1, "high": 10}),
+             Task(id="g1", payload={"seed": 3})]
+    ctx = RolloutContext(engine=engine, sampling=SamplingParams(max_tokens=10, seed=1),
+                         repeat_times=2, explorer="explorer-0", run="r")
+    exps = asyncio.run(wf.run(tasks, ctx))
+    assert len(exps) == 4 and [e.group_id for e in exps] == ["g0@v0"] * 2 + ["g1@v0"] * 2
+    feedback = engine.tokenizer("<feedback>invalid: write <guess>N</guess></feedback>\n",
+                                add_special_tokens=False).input_ids
+    for e in exps:
+        check_experience(e, group_size=2)
+        assert e.info["turns"] == 3 and e.info["end"] == "max_turns"
+        mask = e.action_mask.tolist()
+        response = e.tokens[e.prompt_len:].tolist()
+        # three model turns of 10 tokens, two feedback replies between them
+        assert mask == [1] * 10 + [0] * len(feedback) + [1] * 10 + [0] * len(feedback) + [1] * 10
+        assert response[10:10 + len(feedback)] == feedback
+        assert e.rewards["solved"] == 0.0 and e.rewards["guesses"] == 3.0
+        assert e.reward == 0.0
+
+    tight = create_workflow("multi_turn", engine.tokenizer, {
+        "env": "guess_number", "max_turns": 5, "max_episode_tokens": 25})
+    for e in asyncio.run(tight.run(tasks[:1], ctx)):
+        assert len(e.tokens) - e.prompt_len <= 25 and e.info["end"] == "budget"
+        assert e.action_mask[-1] == 1  # an episode ends on a model turn, never a cut reply
+
+
+def test_multi_turn_calculator_prompt_uses_the_template(engine):
+    wf = create_workflow("multi_turn", engine.tokenizer, {
+        "env": "calculator", "template": "Q: {prompt}\nA: ", "chat": "never"})
+    ctx = RolloutContext(engine=engine, sampling=SamplingParams(max_tokens=8, seed=2),
+                         repeat_times=3, explorer="e")
+    [e0, *_] = exps = asyncio.run(wf.run([Task(id="c", payload={"expression": "6*7"})], ctx))
+    prompt = engine.tokenizer.decode(e0.tokens[:e0.prompt_len])
+    assert prompt.startswith("Q: What is 6*7?\n") and prompt.endswith("\nA: ")
+    for e in exps:
+        check_experience(e, group_size=3)
+        # no tool call and no answer: the calculator ends the episode after the first turn
+        assert e.info["end"] in ("env", "eos") and e.info["turns"] == 1
+        assert e.rewards["correctness"] == 0.0
+
+
+def test_chat_template_is_used_when_the_tokenizer_has_one(engine):
+    tok = engine.tokenizer
+    tok.chat_template = ("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}[assistant] {% endif %}")
+    try:
+        t = PromptTemplate(tok, system="be brief")
+        assert tok.decode(t.render("hi")) == "[system] be brief\n[user] hi\n[assistant] "
+        plain = PromptTemplate(tok, chat="never", template="{system}Q: {prompt}", system="sys")
+        assert tok.decode(plain.render("hi")) == "sys\nQ: hi"
+    finally:
+        tok.chat_template = None
+    with pytest.raises(ValueError, match="no chat template"):
+        PromptTemplate(tok, chat="always")
