@@ -1,0 +1,77 @@
+"""What a reward function is, and the registry that finds one by name.
+
+Two kinds. A `PureReward` is a plain function of the item (math, k12, vision, format): cheap to
+call, safe to run anywhere, and when `isolated` is set the scorer runs it in a worker process
+that is killed if it overruns its time limit. An `AsyncReward` does its own waiting (the code
+sandbox waits on a subprocess, the reward model on a batched forward pass) and is cancelled
+when it overruns.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from tandem.common.config.reward import RewardConfig
+from tandem.common.messages.reward import Score, ScoreItem
+
+REGISTRY: dict[str, type["RewardFunction"]] = {}
+
+
+def register(name: str):
+    """Class decorator: make a reward function available under `name`."""
+
+    def add(cls: type[RewardFunction]) -> type[RewardFunction]:
+        if name in REGISTRY and REGISTRY[name] is not cls:
+            raise TypeError(f"reward function {name!r} registered twice")
+        cls.name = name
+        REGISTRY[name] = cls
+        return cls
+
+    return add
+
+
+def lookup(name: str) -> type["RewardFunction"]:
+    """The reward function class registered as `name`; a clear error naming the known ones."""
+    from . import functions  # noqa: F401  (registers the built-in functions)
+
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown reward function {name!r}; known: {sorted(REGISTRY)}") from None
+
+
+def result(score: float, reason: str, **components: float) -> Score:
+    """A function's answer: its score, why, and its named parts."""
+    return Score(score=float(score), reason=reason,
+                 components={k: float(v) for k, v in components.items()})
+
+
+class RewardFunction:
+    """Base of every reward function; `config` is the whole `reward` section."""
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, config: RewardConfig):
+        self.config = config
+
+
+class PureReward(RewardFunction):
+    """A function of the item alone; `isolated` ones run in killable worker processes."""
+
+    isolated: ClassVar[bool] = False
+
+    def score(self, item: ScoreItem) -> Score:
+        raise NotImplementedError
+
+
+class AsyncReward(RewardFunction):
+    """A reward that waits on something (a subprocess, a model); cancelled on timeout."""
+
+    async def start(self) -> None:
+        """Acquire what it needs (load a model, probe the sandbox) before the first item."""
+
+    async def score(self, item: ScoreItem) -> Score:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        """Release it; pending evaluations are cancelled by the caller first."""

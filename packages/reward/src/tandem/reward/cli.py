@@ -1,0 +1,54 @@
+"""`tandem-reward --config run.yaml [--set key=value ...]`: serve reward requests."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+
+@click.command()
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+              help="run config YAML (the `reward` and `transport` sections are used)")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="override a config value, e.g. --set reward.workers=4")
+@click.option("--address", default=None, help="bind here instead of reward.address")
+def main(config_path: str | None, overrides: tuple[str, ...], address: str | None) -> None:
+    """Serve tandem reward functions (math, code, k12, vision, format, reward_model) over RPC."""
+    import asyncio
+    import signal
+
+    from tandem.common.config import load_config
+    from tandem.common.errors import TandemError
+    from tandem.common.logging import configure_logging
+    from tandem.common.sockets import install_uvloop
+
+    try:
+        config = load_config(config_path, overrides)
+    except TandemError as exc:
+        click.echo(f"tandem-reward: {exc}", err=True)
+        sys.exit(2)
+    configure_logging("reward", level=config.logging.level, run_dir=config.run_dir)
+
+    from .service import RewardService
+
+    async def run() -> None:
+        service = RewardService(config, address=address)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, service.stop)
+        try:
+            await service.serve()
+        finally:
+            await service.close()
+
+    install_uvloop()
+    try:
+        asyncio.run(run())
+    except TandemError as exc:
+        click.echo(f"tandem-reward: {exc}", err=True)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""Worker processes that run pure reward functions under a time limit that really holds.
+
+A thread cannot be stopped and math-verify's own limit (SIGALRM) works on the main thread
+only, so an evaluation that must be bounded runs in a worker process; when it overruns, the
+worker is killed (SIGKILL) and a fresh one started in the background, and the evaluation
+scores 0 with reason `timeout`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+
+import structlog
+
+from tandem.common.config.reward import RewardConfig
+from tandem.common.errors import TandemError
+from tandem.common.messages.reward import Score, ScoreItem
+
+from .frames import HEADER, pack, unpack
+
+log = structlog.get_logger(__name__)
+
+STARTUP_TIMEOUT = 120.0
+
+
+class EvaluationTimeout(Exception):
+    """The evaluation overran its limit; the worker that ran it was killed."""
+
+
+class _Worker:
+    def __init__(self, proc: asyncio.subprocess.Process):
+        self.proc = proc
+
+    async def send(self, obj: object) -> None:
+        self.proc.stdin.write(pack(obj))
+        await self.proc.stdin.drain()
+
+    async def recv(self) -> dict:
+        head = await self.proc.stdout.readexactly(HEADER.size)
+        (size,) = HEADER.unpack(head)
+        return unpack(await self.proc.stdout.readexactly(size))
+
+    async def kill(self) -> None:
+        if self.proc.returncode is None:
+            self.proc.kill()
+        await self.proc.wait()
+
+
+class WorkerPool:
+    """`size` worker processes; `evaluate(fn, item, timeout)` runs on the first idle one."""
+
+    def __init__(self, config: RewardConfig, *, size: int | None = None):
+        self.config = config
+        self.size = size or config.workers
+        self._idle: asyncio.Queue[_Worker] = asyncio.Queue()
+        self._all: set[_Worker] = set()
+        self._spawning: set[asyncio.Task] = set()
+        self._started = False
+        self._closed = False
+        self.killed = 0
+
+    async def start(self) -> None:
+        """Start the workers and wait until they are ready (their imports take a second)."""
+        if self._started:
+            return
+        self._started = True
+        workers = await asyncio.gather(*(self._spawn() for _ in range(self.size)))
+        for worker in workers:
+            self._idle.put_nowait(worker)
+        log.info("reward.pool_ready", workers=self.size)
+
+    async def _spawn(self) -> _Worker:
+        env = dict(os.environ)
+        env["PYTHONUNBUFFERED"] = "1"
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "tandem.reward.worker", stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE, env=env)
+        worker = _Worker(proc)
+        self._all.add(worker)
+        try:
+            await worker.send(self.config.model_dump(mode="json"))
+            hello = await asyncio.wait_for(worker.recv(), STARTUP_TIMEOUT)
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
+            await worker.kill()
+            self._all.discard(worker)
+            raise TandemError(f"reward worker (pid {proc.pid}) did not start within "
+                              f"{STARTUP_TIMEOUT:g}s: {type(exc).__name__}") from exc
+        if not hello.get("ready"):
+            raise TandemError(f"reward worker sent {hello!r} instead of ready")
+        return worker
+
+    def _replace(self, worker: _Worker) -> None:
+        self._all.discard(worker)
+        if self._closed:
+            return
+
+        async def respawn() -> None:
+            while not self._closed:
+                try:
+                    self._idle.put_nowait(await self._spawn())
+                    return
+                except TandemError as exc:
+                    log.error("reward.worker_start_failed", error=str(exc))
+                    await asyncio.sleep(1.0)
+
+        task = asyncio.create_task(respawn())
+        self._spawning.add(task)
+        task.add_done_callback(self._spawning.discard)
+
+    async def evaluate(self, fn: str, item: ScoreItem, timeout: float) -> Score:
+        """Score `item` with `fn` in a worker; EvaluationTimeout after `timeout` seconds."""
+        if not self._started:
+            await self.start()
+        worker = await self._idle.get()
+        start = time.monotonic()
+        try:
+            await worker.send({"fn": fn, "item": item.model_dump(mode="json")})
+            reply = await asyncio.wait_for(worker.recv(), timeout)
+        except asyncio.TimeoutError:
+            self.killed += 1
+            log.warning("reward.evaluation_killed", fn=fn, seconds=round(time.monotonic() - start, 3),
+                        limit=timeout, key="reward.timeout")
+            await worker.kill()
+            self._replace(worker)
+            raise EvaluationTimeout() from None
+        except BaseException:
+            # Cancelled mid-evaluation, or the worker died: its state is unknown, replace it.
+            await asyncio.shield(worker.kill())
+            self._replace(worker)
+            raise
+        self._idle.put_nowait(worker)
+        if "error" in reply:
+            raise ValueError(reply["error"])
+        return Score.model_validate(reply)
+
+    async def close(self) -> None:
+        self._closed = True
+        for task in list(self._spawning):
+            task.cancel()
+        await asyncio.gather(*self._spawning, return_exceptions=True)
+        for worker in list(self._all):
+            if worker.proc.stdin is not None:
+                worker.proc.stdin.close()
+        await asyncio.gather(*(w.kill() for w in self._all), return_exceptions=True)
+        self._all.clear()

@@ -1,0 +1,82 @@
+"""The reward service: score requests over tandem RPC, evaluated by a LocalScorer.
+
+Each `reward.score` request is one batch, scored concurrently by the scorer's worker pool
+(`reward.workers` processes for isolated pure functions, as many concurrent code sandboxes).
+Every evaluation is bounded by `reward.timeout` and by the request's own deadline (the
+caller's time-to-live, less a margin for the reply to travel), so an explorer always gets an
+answer in time: overrun evaluations score 0 with reason `timeout` and are counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import structlog
+
+from tandem.common.config import RunConfig
+from tandem.common.errors import RequestFailed
+from tandem.common.messages.reward import GetRewardStats, RewardStats, ScoreBatch, Scores
+from tandem.common.rpc import CallContext, RpcServer
+
+from .scorer import LocalScorer
+
+log = structlog.get_logger(__name__)
+
+REPLY_MARGIN = 0.05  # of the caller's time-to-live, kept for the reply's way back
+
+
+class RewardService:
+    """`RewardService(config)`; `await start()` (returns the bound address), `serve()`, `close()`."""
+
+    def __init__(self, config: RunConfig, *, address: str | None = None):
+        self.config = config
+        self.reward = config.reward
+        self.scorer = LocalScorer(config=self.reward)
+        self.server = RpcServer(address or self.reward.address, name="reward",
+                                transport=config.transport)
+        self.server.register(ScoreBatch, self._on_score)
+        self.server.register(GetRewardStats, self._on_stats)
+        self.requests = 0
+        self.items = 0
+        self._stop = asyncio.Event()
+
+    async def start(self) -> str:
+        await self.scorer.start()
+        bound = await self.server.start()
+        log.info("reward.serving", address=bound, functions=self.reward.functions,
+                 workers=self.reward.workers, timeout=self.reward.timeout)
+        return bound
+
+    async def serve(self) -> None:
+        """Serve until `stop()` (a signal handler may call it) or `close()`."""
+        await self.start()
+        await self._stop.wait()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def _on_score(self, msg: ScoreBatch, ctx: CallContext) -> Scores:
+        if len(msg.items) > self.reward.max_batch:
+            raise RequestFailed("too_large", f"{len(msg.items)} items in one request; the "
+                                             f"service takes reward.max_batch={self.reward.max_batch}")
+        self.requests += 1
+        self.items += len(msg.items)
+        deadline = ctx.deadline - max(REPLY_MARGIN * ctx.remaining(), 0.01)
+        start = time.monotonic()
+        scores = await self.scorer.score(msg.items, deadline=deadline)
+        log.debug("reward.scored", peer=ctx.peer, items=len(msg.items),
+                  seconds=round(time.monotonic() - start, 4))
+        return Scores(scores=scores)
+
+    async def _on_stats(self, msg: GetRewardStats, ctx: CallContext) -> RewardStats:
+        return RewardStats(requests=self.requests, items=self.items,
+                           by_function={k: dict(v) for k, v in self.scorer.stats.items()},
+                           workers=self.reward.workers)
+
+    async def close(self) -> None:
+        self._stop.set()
+        await self.server.close()
+        await self.scorer.close()
+        log.info("reward.stopped", requests=self.requests, items=self.items,
+                 by_function={k: dict(v) for k, v in self.scorer.stats.items()})

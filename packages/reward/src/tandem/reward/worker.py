@@ -1,0 +1,70 @@
+"""A worker process for pure reward functions: `python -m tandem.reward.worker`.
+
+Protocol on stdin/stdout, each frame a 4-byte big-endian length and a msgpack map:
+parent -> worker: first the `reward` config section, then `{"fn": name, "item": {...}}` per
+evaluation; worker -> parent: `{"ready": true}` once the functions are imported, then one
+`{"score", "components", "reason"}` or `{"error": "..."}` per evaluation. The worker runs each
+function on its main thread, so it needs no time limit of its own: the parent kills it when an
+evaluation overruns. It exits on EOF, and with its parent (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import signal
+import sys
+
+from .frames import HEADER, pack, unpack
+
+
+def read_frame(stream) -> object | None:
+    head = stream.read(HEADER.size)
+    if len(head) < HEADER.size:
+        return None
+    (size,) = HEADER.unpack(head)
+    return unpack(stream.read(size))
+
+
+def write_frame(stream, obj: object) -> None:
+    stream.write(pack(obj))
+    stream.flush()
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: EOF on stdin still ends the worker
+
+
+def main() -> None:
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the parent; it stops us
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # a stray print in a function must not corrupt the protocol
+    # math-verify logs every parse failure with the whole input; the reason says enough.
+    logging.getLogger("math_verify").setLevel(logging.CRITICAL)
+    from tandem.common.config.reward import RewardConfig
+    from tandem.common.messages.reward import ScoreItem
+
+    from .base import PureReward, lookup
+
+    config = RewardConfig.model_validate(read_frame(stdin))
+    instances: dict[str, PureReward] = {}
+    import math_verify  # noqa: F401  (the slow import, done before saying ready)
+
+    write_frame(stdout, {"ready": True})
+    while (request := read_frame(stdin)) is not None:
+        try:
+            name = request["fn"]
+            if name not in instances:
+                instances[name] = lookup(name)(config)
+            score = instances[name].score(ScoreItem.model_validate(request["item"]))
+            write_frame(stdout, score.model_dump())
+        except Exception as exc:
+            write_frame(stdout, {"error": f"{type(exc).__name__}: {exc}"[:500]})
+
+
+if __name__ == "__main__":
+    main()
