@@ -60,7 +60,9 @@ class TrainerConfig(Section):
     device: str = Field(default="cpu", description="cpu, cuda, cuda:1 ... (torchrun: cuda = local rank)")
     precision: Literal["auto", "fp32", "bf16"] = Field(
         default="auto", description="auto: bf16 autocast on CUDA, fp32 on CPU")
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = Field(default=False, description="recompute activations")
+    parallel: Literal["auto", "fsdp", "ddp"] = Field(
+        default="auto", description="under torchrun: auto = FSDP2 on CUDA, DDP on CPU")
     seed: int | None = Field(default=None, description="default: the run's seed")
 
     # algorithm

@@ -1,0 +1,140 @@
+"""Trainer checkpoints: everything needed to continue a run exactly.
+
+    checkpoints/step_00000012/
+        model/                    Hugging Face folder (save_pretrained, safetensors) + tokenizer
+        value_head.safetensors    PPO value head (gae only)
+        optimizer.pt              AdamW state, keyed by parameter name (portable across ranks)
+        scheduler.pt, rng.pt      LR schedule position; torch / numpy / python RNG states
+        trainer_state.json        step and version
+
+A checkpoint is written into a hidden temporary folder and renamed into place, so a crash never
+leaves a half-written `step_*`. Only files this trainer wrote are read back with `torch.load`,
+and with `weights_only=True`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import structlog
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict)
+
+if TYPE_CHECKING:
+    from .learner import Learner
+
+log = structlog.get_logger(__name__)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt", "chat_template.jinja", "added_tokens.json")
+
+
+def _full() -> StateDictOptions:
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def full_model_state(actor: nn.Module, mode: str) -> dict[str, torch.Tensor]:
+    """Unsharded parameters by name (gathered on every rank under FSDP)."""
+    if mode == "fsdp":
+        return get_model_state_dict(actor, options=_full())
+    return actor.state_dict()
+
+
+def latest(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under `root`, or None."""
+    root = Path(root)
+    done = [p for p in root.glob("step_*") if (p / "trainer_state.json").exists()]
+    return max(done, key=lambda p: int(p.name.split("_")[1])) if done else None
+
+
+def _rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": (np_state[0], torch.from_numpy(np_state[1].copy()), *np_state[2:]),
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, keys.numpy(), *rest))
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save(learner: "Learner", root: Path) -> Path | None:
+    """Collective: every rank gathers; rank 0 writes `root/step_N` and prunes old ones."""
+    model_state = full_model_state(learner.actor, learner.mode)
+    optim_state = get_optimizer_state_dict(learner.actor, learner.optimizer, options=_full())
+    final = None
+    if learner.dist.is_main:
+        start = time.perf_counter()
+        root.mkdir(parents=True, exist_ok=True)
+        step = learner.step_count
+        final = root / f"step_{step:08d}"
+        tmp = root / f".step_{step:08d}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        policy = {k[len("model."):]: v for k, v in model_state.items() if k.startswith("model.")}
+        learner.actor.model.save_pretrained(str(tmp / "model"), state_dict=policy,
+                                            safe_serialization=True)
+        source = Path(learner.config.model.path)
+        for name in TOKENIZER_FILES:
+            if (source / name).exists():
+                shutil.copy2(source / name, tmp / "model" / name)
+        value = {k[len("value_head."):]: v.contiguous() for k, v in model_state.items()
+                 if k.startswith("value_head.")}
+        if value:
+            save_file(value, str(tmp / "value_head.safetensors"))
+        torch.save(optim_state, tmp / "optimizer.pt")
+        torch.save(learner.scheduler.state_dict(), tmp / "scheduler.pt")
+        torch.save(_rng_state(), tmp / "rng.pt")
+        (tmp / "trainer_state.json").write_text(json.dumps(
+            {"step": step, "version": learner.version, "saved_at": time.time()}))
+        for path in tmp.rglob("*"):
+            if path.is_file():
+                with open(path, "rb") as f:
+                    os.fsync(f.fileno())
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        done = sorted((p for p in root.glob("step_*") if p.is_dir()),
+                      key=lambda p: int(p.name.split("_")[1]))
+        for old in done[: -learner.tc.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+        log.info("checkpoint.saved", path=str(final), step=step,
+                 seconds=round(time.perf_counter() - start, 3))
+    if learner.dist.enabled:
+        dist.barrier()
+    return final
+
+
+def load_value_head(value_head: nn.Module, path: Path) -> None:
+    value_head.load_state_dict(load_file(str(path / "value_head.safetensors")))
+
+
+def load_training_state(learner: "Learner", path: Path) -> dict[str, Any]:
+    """Restore optimiser, scheduler and RNG (the model was built from `path/model`)."""
+    state = json.loads((path / "trainer_state.json").read_text())
+    optim_state = torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu")
+    set_optimizer_state_dict(learner.actor, learner.optimizer, optim_state_dict=optim_state,
+                             options=StateDictOptions(full_state_dict=True))
+    learner.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+    _set_rng_state(torch.load(path / "rng.pt", weights_only=True))
+    return state

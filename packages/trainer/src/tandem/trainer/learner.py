@@ -1,0 +1,324 @@
+"""The learner: model, reference, optimiser and one training step, with no sockets.
+
+`Learner.step(experiences)` is a whole trainer step: build the batch, drop uninformative groups,
+recompute what the update needs (proximal logprobs, reference logprobs, values), compute
+advantages, then forward/backward over micro-batches, clip, and take one optimiser step.
+Under torchrun every rank calls it with the same experiences and trains its own share.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import structlog
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from tandem.common.config import RunConfig
+from tandem.common.errors import ConfigError
+from tandem.common.messages.experience import Experience
+
+from . import checkpoint as ckpt
+from .algorithms import (
+    ADVANTAGES, POLICY_LOSSES, AdvantageInputs, Aggregator, PolicyInputs, ValueHead,
+    behaviour_weights, informative_rows, kl_estimate, value_loss)
+from .algorithms.masked import masked_mean
+from .batch import TrainBatch, build_batch, dpo_pairs, plan_micro_batches, shard_rows
+from .distributed import DistInfo, gradient_sync, resolve_device, wrap
+from .forward import Actor, token_logprobs
+from .metrics import MetricAccumulator
+
+log = structlog.get_logger(__name__)
+
+
+def lr_multiplier(step: int, warmup: int, schedule: str, total: int | None, min_ratio: float) -> float:
+    """Linear warmup over `warmup` steps, then constant or cosine down to `min_ratio`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant" or total is None:
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class Learner:
+    """Owns the policy, the optional value head and reference, the optimiser and the schedule."""
+
+    def __init__(self, config: RunConfig, *, dist_info: DistInfo | None = None,
+                 resume_from: str | Path | None = None):
+        from transformers import AutoModelForCausalLM
+
+        self.config = config
+        tc = self.tc = config.trainer
+        self.dist = dist_info or DistInfo()
+        self.device = resolve_device(tc.device, self.dist)
+        self.advantage_fn = ADVANTAGES.get(tc.advantage)
+        self.loss_fn = POLICY_LOSSES.get(tc.loss)
+        if not config.model.path:
+            raise ConfigError(["model.path: the trainer needs a Hugging Face model folder"])
+        seed = tc.seed if tc.seed is not None else config.seed
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+        temperature = tc.temperature
+        if temperature is None:
+            temperature = config.explorers[0].sampling.temperature
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.resume_from = Path(resume_from) if resume_from is not None else None
+
+        model_path = self.resume_from / "model" if self.resume_from else Path(config.model.path)
+        model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
+        self.pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+        if tc.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        value_head = None
+        if tc.advantage == "gae":
+            value_head = ValueHead(model.config.hidden_size)
+            if self.resume_from:
+                ckpt.load_value_head(value_head, self.resume_from)
+        self.actor = Actor(model, value_head).to(self.device)
+        self.wrapped, self.mode = wrap(self.actor, self.dist, self.device, tc.parallel)
+
+        self.reference: nn.Module | None = None
+        if tc.needs_reference:
+            ref_path = tc.kl.reference_path or config.model.path
+            ref_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+            self.reference = AutoModelForCausalLM.from_pretrained(ref_path, dtype=ref_dtype)
+            self.reference.to(self.device).eval().requires_grad_(False)
+
+        self.optimizer = torch.optim.AdamW(
+            self.wrapped.parameters(), lr=tc.lr, betas=tc.betas, eps=tc.adam_eps,
+            weight_decay=tc.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_multiplier(s, tc.warmup_steps, tc.schedule,
+                                                    tc.total_steps, tc.min_lr_ratio))
+        self.step_count = 0
+        if self.resume_from:
+            state = ckpt.load_training_state(self, self.resume_from)
+            self.step_count = state["step"]
+            log.info("trainer.resumed", path=str(self.resume_from), step=self.step_count)
+
+    # -- the step ------------------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        """Weights version: the number of optimiser steps folded into the current weights."""
+        return self.step_count
+
+    def step(self, experiences: Sequence[Experience]) -> dict[str, float]:
+        """One trainer step on these experiences (whole groups); returns its metrics."""
+        tc = self.tc
+        start = time.perf_counter()
+        batch = build_batch(experiences, self.pad_id)
+        metrics = self._batch_metrics(batch)
+        if tc.dynamic_sampling:
+            keep, dropped = informative_rows(batch.rewards, batch.groups)
+            metrics["dynamic_sampling/dropped_groups"] = float(dropped)
+            batch = batch.select(keep.nonzero().flatten())
+        unit = 1
+        if tc.loss == "dpo":
+            batch, dropped = dpo_pairs(batch)
+            metrics["dpo/dropped_groups"] = float(dropped)
+            unit = 2
+        if batch.size == 0:
+            metrics["train/skipped"] = 1.0
+            log.warning("train.skipped", reason="no informative groups", step=self.step_count)
+            return metrics
+
+        lengths = batch.lengths.tolist()
+        shards = shard_rows(lengths, self.dist.world_size, unit)
+        plans = [[[shard[i] for i in mb] for mb in
+                  plan_micro_batches([lengths[r] for r in shard], tc.micro_batch_tokens, unit)]
+                 for shard in shards]
+        mine = plans[self.dist.rank]
+        n_micro = max(len(p) for p in plans)
+
+        prep_start = time.perf_counter()
+        acc = MetricAccumulator()
+        self._prepare(batch, mine, n_micro, acc)
+        metrics["time/prepare_s"] = time.perf_counter() - prep_start
+
+        agg = Aggregator(tc.aggregation, total_tokens=float(batch.mask.sum().clamp(min=1)),
+                         total_seqs=float(batch.size))
+        self.wrapped.train()
+        for i in range(n_micro):
+            last = i == n_micro - 1
+            with gradient_sync(self.wrapped, self.mode, last), self._autocast():
+                if i < len(mine):
+                    mb = batch.select(mine[i]).to(self.device)
+                    loss, m = self._micro_loss(mb, agg)
+                    acc.add(m, weight=float(mb.mask.sum()))
+                else:  # this rank has fewer micro-batches: keep collectives in step
+                    loss = self._dummy_loss()
+            (loss * self.dist.world_size).backward()
+
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.wrapped.parameters(), tc.max_grad_norm)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        grad_norm = float(grad_norm)
+        metrics["optim/lr"] = self.scheduler.get_last_lr()[0]
+        metrics["optim/grad_norm"] = grad_norm
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            metrics["train/skipped_nonfinite"] = 1.0
+            log.warning("train.nonfinite_grad", step=self.step_count, grad_norm=grad_norm)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.step_count += 1
+
+        metrics.update(acc.result(self.dist.world_size))
+        elapsed = time.perf_counter() - start
+        metrics["time/step_s"] = elapsed
+        metrics["throughput/tokens_per_s"] = float(batch.lengths.sum()) / elapsed
+        metrics["batch/micro_batches"] = float(n_micro)
+        return metrics
+
+    def _batch_metrics(self, batch: TrainBatch) -> dict[str, float]:
+        staleness = (self.version - batch.versions).float()
+        response = batch.mask.sum(-1)
+        return {
+            "reward/mean": float(batch.rewards.mean()),
+            "reward/std": float(batch.rewards.std()) if batch.size > 1 else 0.0,
+            "staleness/mean": float(staleness.mean()),
+            "staleness/max": float(staleness.max()),
+            "batch/sequences": float(batch.size),
+            "batch/groups": float(batch.num_groups),
+            "batch/tokens": float(batch.lengths.sum()),
+            "batch/response_len_mean": float(response.mean()),
+        }
+
+    def _autocast(self):
+        tc = self.tc
+        if self.device.type == "cuda" and tc.precision in ("auto", "bf16"):
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        if tc.precision == "bf16":
+            return torch.autocast("cpu", dtype=torch.bfloat16)
+        return nullcontext()
+
+    @torch.no_grad()
+    def _prepare(self, batch: TrainBatch, mine: list[list[int]], n_micro: int,
+                 acc: MetricAccumulator) -> None:
+        """Fill proximal / reference / value tensors and the advantages of the whole batch.
+
+        Each rank computes its own rows; a sum over ranks assembles the whole batch (every row
+        belongs to exactly one rank), so advantages that normalise over groups or the batch see
+        every row on every rank.
+        """
+        tc = self.tc
+        shape = batch.mask.shape
+        need_prox, need_values = tc.off_policy.proximal, tc.advantage == "gae"
+        prox = torch.zeros(shape) if need_prox else None
+        values = torch.zeros(shape) if need_values else None
+        ref = torch.zeros(shape) if self.reference is not None else None
+        if need_prox or need_values:
+            self.wrapped.eval()
+            for i in range(n_micro):
+                with self._autocast():
+                    if i >= len(mine):
+                        self._dummy_forward()
+                        continue
+                    mb = batch.select(mine[i]).to(self.device)
+                    out = self.wrapped(mb.tokens, mb.attention, self.temperature)
+                width = mb.mask.shape[1]
+                if prox is not None:
+                    prox[mine[i], :width] = out.logprobs.float().cpu()
+                if values is not None:
+                    values[mine[i], :width] = out.values.float().cpu()
+        if ref is not None:
+            for rows in mine:
+                mb = batch.select(rows).to(self.device)
+                with self._autocast():
+                    logits = self.reference(input_ids=mb.tokens, attention_mask=mb.attention,
+                                            use_cache=False).logits
+                logp, _ = token_logprobs(logits[:, :-1], mb.tokens[:, 1:], self.temperature)
+                ref[rows, : mb.mask.shape[1]] = logp.float().cpu()
+        if self.dist.enabled:
+            for tensor in (prox, values, ref):
+                if tensor is not None:
+                    dist.all_reduce(tensor)
+        mask = batch.mask
+        for tensor in (prox, values, ref):
+            if tensor is not None:
+                tensor.mul_(mask)
+        batch.proximal, batch.old_values, batch.reference = prox, values, ref
+
+        anchor = prox if prox is not None else batch.behaviour
+        token_rewards = None
+        if ref is not None and tc.kl.coef > 0 and tc.kl.placement == "reward":
+            token_rewards = -tc.kl.coef * kl_estimate(anchor, ref, tc.kl.estimator) * mask
+        adv = self.advantage_fn(
+            AdvantageInputs(batch.rewards, batch.groups, mask, token_rewards, values), tc)
+        batch.advantages, batch.returns = adv.advantages, adv.returns
+        if prox is not None:
+            weights, m = behaviour_weights(prox, batch.behaviour, mask, tc.off_policy.is_cap)
+            if tc.off_policy.behaviour_weight:
+                batch.weights = weights
+            # whole-batch values, identical on every rank: added once, on rank 0
+            acc.add(m if self.dist.is_main else {}, weight=float(mask.sum()))
+        acc.add({"advantage/mean": masked_mean(batch.advantages, mask)} if self.dist.is_main else {},
+                weight=float(mask.sum()))
+
+    def _micro_loss(self, mb: TrainBatch, agg: Aggregator) -> tuple[Tensor, dict[str, Tensor]]:
+        tc = self.tc
+        entropy = "loss" if tc.entropy_coef > 0 else ("metric" if tc.entropy_metric else None)
+        out = self.wrapped(mb.tokens, mb.attention, self.temperature, entropy)
+        anchor = mb.proximal if mb.proximal is not None else mb.behaviour
+        inp = PolicyInputs(out.logprobs, anchor, mb.advantages, mb.mask, mb.weights, mb.reference)
+        loss, metrics = self.loss_fn(inp, tc, agg)
+        metrics["loss/policy"] = loss.detach()
+        if mb.reference is not None and tc.loss != "dpo":
+            kl = kl_estimate(out.logprobs, mb.reference, tc.kl.estimator)
+            metrics["kl/reference"] = masked_mean(kl.detach(), mb.mask)
+            if tc.kl.coef > 0 and tc.kl.placement == "loss":
+                kl_loss = agg(kl, mb.mask)
+                loss = loss + tc.kl.coef * kl_loss
+                metrics["loss/kl"] = kl_loss.detach()
+        if out.entropy is not None:
+            metrics["policy/entropy"] = masked_mean(out.entropy.detach(), mb.mask)
+            if tc.entropy_coef > 0:
+                ent_loss = agg(out.entropy, mb.mask)
+                loss = loss - tc.entropy_coef * ent_loss
+                metrics["loss/entropy"] = ent_loss.detach()
+        if out.values is not None:
+            vl, clipped = value_loss(out.values, mb.old_values, mb.returns, tc.value_clip)
+            v = agg(vl, mb.mask)
+            loss = loss + tc.value_coef * v
+            metrics["loss/value"] = v.detach()
+            metrics["value/clip_frac"] = masked_mean(clipped.float(), mb.mask)
+        metrics["loss/total"] = loss.detach()
+        return loss, metrics
+
+    def _dummy_forward(self):
+        tokens = torch.full((1, 2), self.pad_id, dtype=torch.long, device=self.device)
+        return self.wrapped(tokens, torch.ones_like(tokens), self.temperature)
+
+    def _dummy_loss(self) -> Tensor:
+        out = self._dummy_forward()
+        loss = out.logprobs.sum() * 0.0
+        if out.values is not None:
+            loss = loss + out.values.sum() * 0.0
+        return loss
+
+    # -- weights and checkpoints ---------------------------------------------------------------
+
+    def policy_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+        """The policy's weights with Hugging Face names, on CPU (a collective under FSDP)."""
+        full = ckpt.full_model_state(self.actor, self.mode)
+        out = {}
+        for name, tensor in full.items():
+            if name.startswith("model."):
+                t = tensor.detach().to("cpu")
+                out[name[len("model."):]] = t.to(dtype) if dtype is not None else t
+        return out
+
+    def save_checkpoint(self, root: str | Path) -> Path | None:
+        """Write checkpoints/step_N (every rank must call it; rank 0 writes)."""
+        return ckpt.save(self, Path(root))

@@ -1,0 +1,57 @@
+"""Shared fixtures: one tiny Qwen2 per session and experiences built from its tokenizer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tandem.common.config import RunConfig
+from tandem.common.messages.experience import Experience, experience_id, group_id
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory):
+    from tandem.common.tiny import build_tiny_model
+
+    path = tmp_path_factory.mktemp("tiny") / "model"
+    build_tiny_model(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_model_path))
+
+
+def make_config(model_path, run_dir=None, **trainer) -> RunConfig:
+    trainer = {"micro_batch_tokens": 64, "lr": 1e-3, "tensorboard": False, **trainer}
+    return RunConfig.model_validate({
+        "model": {"path": str(model_path)},
+        "run_dir": str(run_dir) if run_dir else "runs/test",
+        "trainer": trainer,
+    })
+
+
+def make_group(tokenizer, task: str, prompt: str, responses: list[str], rewards: list[float],
+               version: int = 0, logprob: float = -3.0) -> list[Experience]:
+    """One group: responses to `prompt`, with constant behaviour logprobs."""
+    p = tokenizer(prompt)["input_ids"]
+    out = []
+    for i, (text, reward) in enumerate(zip(responses, rewards)):
+        r = tokenizer(text)["input_ids"]
+        out.append(Experience(
+            id=experience_id(task, i, version, "test"), task_id=task,
+            group_id=group_id(task, version), tokens=np.array(p + r, dtype=np.int32),
+            prompt_len=len(p), action_mask=np.ones(len(r), dtype=np.uint8),
+            logprobs=np.full(len(r), logprob, dtype=np.float32), reward=reward,
+            policy_version=version))
+    return out
+
+
+@pytest.fixture
+def fixed_batch(tokenizer) -> list[Experience]:
+    """Two groups of four with mixed rewards: a GRPO step has signal in both."""
+    return (make_group(tokenizer, "t1", "1+1=", ["2", "3", "22", "11"], [1.0, 0.0, 0.0, 1.0])
+            + make_group(tokenizer, "t2", "2*3=", ["6", "5", "66", "six"], [1.0, 0.0, 1.0, 0.0]))
