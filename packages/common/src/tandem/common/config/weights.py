@@ -1,8 +1,13 @@
-"""The `weights` section: how published weights are written, kept and broadcast."""
+"""The `weights` section: how published weights are written, kept and broadcast.
+
+The wait limit of every weight transfer is `sync.timeout` (DESIGN §4), not a key of this section.
+"""
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Literal
+
+from pydantic import Field, field_validator
 
 from .base import Section
 
@@ -10,7 +15,34 @@ from .base import Section
 class WeightsConfig(Section):
     """Weight publishing (checkpoint files) and broadcast (process group) settings."""
 
-    keep_versions: int = Field(default=3, ge=1, description="weights/v{N} folders kept on disk")
-    bucket_bytes: int = Field(default=512 * 2**20, ge=1, description="broadcast bucket size")
-    shard_bytes: int = Field(default=2 * 2**30, ge=1, description="largest safetensors shard")
-    rendezvous_host: str = Field(default="127.0.0.1", description="TCPStore host of the group")
+    keep_versions: int = Field(
+        default=3, ge=1,
+        description="newest weights/v{N} folders kept on disk; older ones are deleted once no "
+                    "explorer is using them")
+    shard_bytes: int = Field(
+        default=2 * 2**30, ge=2**20, description="largest safetensors shard of a checkpoint version")
+    verify_checksums: bool = Field(
+        default=True,
+        description="check every shard's xxh3 checksum before loading a version (one pass over "
+                    "the bytes, which also warms the page cache for the load)")
+    bucket_bytes: int = Field(
+        default=512 * 2**20, ge=2**16,
+        description="broadcast bucket size: tensors of one dtype are flattened into buckets of "
+                    "at most this many bytes, one collective per bucket (a larger tensor goes alone)")
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        default="auto",
+        description="auto: nccl when the trainer and every member are on CUDA, gloo otherwise")
+    rendezvous_host: str = Field(
+        default="127.0.0.1",
+        description="address explorers reach the trainer's TCPStore at (the group's rendezvous)")
+    rendezvous_port: int = Field(
+        default=0, ge=0, le=65535, description="TCPStore port on the trainer; 0 picks a free one")
+
+    @field_validator("rendezvous_host")
+    @classmethod
+    def _reachable(cls, host: str) -> str:
+        if host in ("", "0.0.0.0", "::"):
+            raise ValueError(
+                f"{host!r} is a listen-on-all address, not one an explorer can connect to; "
+                "give the trainer host's name or IP (127.0.0.1 on one machine)")
+        return host

@@ -1,0 +1,84 @@
+"""Weight-sync protocol: how a broadcast group is joined and what precedes its tensors.
+
+These travel over the group's own TCPStore (the control channel of the broadcast), not over a
+ZeroMQ socket; the master only relays `GroupRendezvous` inside `WeightsPublished.rendezvous`.
+They are encoded with msgpack like every other message, so any msgpack reader can inspect them.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .base import Message, wire
+
+
+class TensorSpec(BaseModel):
+    """One named tensor: its dtype (torch name without `torch.`) and shape."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    dtype: str
+    shape: list[int]
+
+
+class BucketSpec(BaseModel):
+    """One collective: tensors `first .. first+count-1` (in `BroadcastMeta.tensors` order),
+    flattened into one 1-d tensor of `dtype` with `numel` elements."""
+
+    model_config = ConfigDict(extra="forbid")
+    dtype: str
+    numel: int = Field(ge=0)
+    first: int = Field(ge=0)
+    count: int = Field(ge=1)
+
+
+@wire("weights.group")
+class GroupRendezvous(Message):
+    """Trainer to master (relayed to explorers in `WeightsPublished.rendezvous`): the group to join.
+
+    Rank 0 is the trainer; `members[i]` joins as rank i+1. A new `epoch` replaces every earlier
+    group at the same store, so a worker that restarts or arrives late joins the newest one.
+    """
+
+    host: str
+    port: int = Field(ge=1, le=65535)
+    epoch: int = Field(ge=1)
+    members: list[str] = Field(min_length=1)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members) + 1
+
+
+@wire("weights.group.member")
+class GroupMember(Message):
+    """Explorer worker to trainer, through the store key `<epoch>/join/<rank>`: I am here."""
+
+    name: str
+    rank: int = Field(ge=1)
+    device: Literal["cpu", "cuda"]
+    host: str
+    pid: int
+
+
+@wire("weights.group.backend")
+class GroupBackend(Message):
+    """Trainer to every member, through the store key `<epoch>/backend`: all joined; build this."""
+
+    backend: Literal["gloo", "nccl"]
+
+
+@wire("weights.broadcast.meta")
+class BroadcastMeta(Message):
+    """Trainer to every member, through the store key `<epoch>/meta/<seq>`: the next transfer.
+
+    Sent before any tensor: version, every tensor's name/dtype/shape, and the bucket layout,
+    so a receiver allocates each bucket once and hands out views of it without a copy.
+    """
+
+    version: int = Field(ge=0)
+    seq: int = Field(ge=0, description="transfer number within this epoch, from 0")
+    tensors: list[TensorSpec]
+    buckets: list[BucketSpec]

@@ -1,0 +1,31 @@
+"""Weight sync between the trainer and explorer engines (DESIGN §5).
+
+Two methods, one ending: both produce an iterator of (name, tensor) for the engine's
+`load_weights` (or `load_into(module, ...)` for a plain PyTorch module).
+
+- checkpoint: `WeightPublisher(run_dir).publish(version, named_tensors)` writes
+  `weights/v{N}/` atomically; `WeightSubscriber(run_dir).load(version)` checks and memory-maps it.
+- broadcast: `WeightBroadcaster.open_group(members)` gives a `GroupRendezvous` to announce;
+  `WeightReceiver(rendezvous, member).join()` then `.receive()` on each engine worker, while the
+  trainer calls `.broadcast(version, named_tensors)`. gloo on CPU, nccl when all ends are CUDA.
+- `tandem.common.weights.vllm.TandemWeightExtension`: the same receiver inside vLLM workers.
+"""
+
+from .broadcast import BroadcastStats, WeightBroadcaster, WeightReceiver
+from .checkpoint import (
+    Manifest,
+    PublishedVersion,
+    WeightPublisher,
+    WeightSubscriber,
+    list_versions,
+    version_dir,
+)
+from .group import GroupAbandoned, engine_member, engine_members
+from .tensors import WeightsError, load_into, plan_buckets
+
+__all__ = [
+    "BroadcastStats", "GroupAbandoned", "Manifest", "PublishedVersion", "WeightBroadcaster",
+    "WeightPublisher", "WeightReceiver", "WeightSubscriber", "WeightsError", "engine_member",
+    "engine_members",
+    "list_versions", "load_into", "plan_buckets", "version_dir",
+]

@@ -1,0 +1,399 @@
+"""Broadcast method: the trainer's rank 0 sends a version to every engine worker in buckets.
+
+One transfer, as both sides see it (keys under the epoch's prefix, see `group`):
+
+1. sender: `open_group(members)` -> a `GroupRendezvous` for the master to announce.
+2. each member: `WeightReceiver(rendezvous, name).join()` writes `join/<rank>` and waits.
+3. sender, first `broadcast()` of the epoch: waits for every `join/<rank>` (a missing one is
+   `PeerDead` naming it), chooses the backend (nccl only if everyone is on CUDA), writes
+   `backend`, and everyone builds the group.
+4. sender: writes `meta/<seq>` (`BroadcastMeta`: names, dtypes, shapes, bucket layout), then
+   one broadcast per bucket; each member counts `progress/<seq>/<rank>` and, at the end,
+   writes `done/<seq>/<rank>`, which the sender waits for.
+
+Any failure abandons the epoch (`abandoned` key, backend torn down); the trainer opens a new
+one at the next sync point and members that were in the old one join the new one.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+import torch
+import torch.distributed as dist
+
+from ..errors import PeerDead
+from ..messages.weights import (
+    BroadcastMeta,
+    GroupBackend,
+    GroupMember,
+    GroupRendezvous,
+    TensorSpec,
+)
+from .group import (
+    EPOCH_KEY,
+    GroupAbandoned,
+    build_backend,
+    broadcast,
+    connect_store,
+    decode,
+    encode,
+    epoch_prefix,
+    local_address_towards,
+    run_guarded,
+    shutdown_backend,
+    wait_keys,
+)
+from .tensors import WeightsError, dtype_name, plan_buckets, torch_dtype
+
+log = structlog.get_logger(__name__)
+
+TIMEOUT_KEY = "sync.timeout"
+
+
+@dataclass(frozen=True)
+class BroadcastStats:
+    """What one `WeightBroadcaster.broadcast` moved."""
+
+    version: int
+    epoch: int
+    backend: str
+    bytes: int
+    buckets: int
+    seconds: float
+
+
+def _bucket_views(flat: torch.Tensor, specs: list[TensorSpec]) -> Iterator[tuple[str, torch.Tensor]]:
+    offset = 0
+    for spec in specs:
+        numel = 1
+        for d in spec.shape:
+            numel *= d
+        yield spec.name, flat[offset:offset + numel].view(spec.shape)
+        offset += numel
+
+
+class _Epoch:
+    """One group epoch as the sender holds it."""
+
+    def __init__(self, rendezvous: GroupRendezvous, store: dist.Store):
+        self.rendezvous = rendezvous
+        self.store = dist.PrefixStore(epoch_prefix(rendezvous.epoch), store)
+        self.pg: Any = None
+        self.backend: str | None = None
+        self.seq = 0
+
+
+class WeightBroadcaster:
+    """Trainer rank 0's end of the broadcast: hosts the rendezvous store, sends versions.
+
+    Blocking calls; from asyncio, run `broadcast` in a thread. `timeout` bounds each step
+    (members joining, each bucket, the final acknowledgements) and is `sync.timeout` in a run.
+    """
+
+    def __init__(self, *, host: str = "127.0.0.1", port: int = 0, device: str | torch.device = "cpu",
+                 backend: str = "auto", bucket_bytes: int = 512 * 2**20, timeout: float = 600.0):
+        if backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"weights.backend must be auto, gloo or nccl, got {backend!r}")
+        self.host = host
+        self.device = torch.device(device)
+        self.backend = backend
+        self.bucket_bytes = bucket_bytes
+        self.timeout = timeout
+        self.store = connect_store(host, port, timeout, serve=True)
+        self.port = self.store.port
+        self.epoch = 0
+        self._current: _Epoch | None = None
+
+    @classmethod
+    def from_config(cls, config, *, device: str | torch.device = "cpu") -> "WeightBroadcaster":
+        """Build from a `RunConfig` (its `weights` section and `sync.timeout`)."""
+        w = config.weights
+        return cls(host=w.rendezvous_host, port=w.rendezvous_port, device=device,
+                   backend=w.backend, bucket_bytes=w.bucket_bytes, timeout=config.sync.timeout)
+
+    @property
+    def rendezvous(self) -> GroupRendezvous | None:
+        """The current group, or None when there is none or it was abandoned."""
+        return self._current.rendezvous if self._current is not None else None
+
+    def open_group(self, members: list[str]) -> GroupRendezvous:
+        """Start a new epoch for `members` (abandoning the current one); announce the result."""
+        if not members or len(set(members)) != len(members):
+            raise ValueError(f"group members must be unique and non-empty, got {members}")
+        self._abandon("replaced by a new epoch")
+        self.epoch += 1
+        rendezvous = GroupRendezvous(host=self.host, port=self.port, epoch=self.epoch,
+                                     members=list(members))
+        self._current = _Epoch(rendezvous, self.store)
+        self.store.set(EPOCH_KEY, str(self.epoch))
+        log.info("weights.group.opened", epoch=self.epoch, members=members,
+                 store=f"{self.host}:{self.port}")
+        return rendezvous
+
+    def broadcast(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]
+                  ) -> BroadcastStats:
+        """Send `version` to every member of the current group, or raise and abandon it."""
+        group = self._current
+        if group is None:
+            raise WeightsError("no broadcast group: call open_group(members) and announce it "
+                               "before broadcast()")
+        start = time.perf_counter()
+        try:
+            if group.pg is None:
+                self._build(group, version)
+            stats = self._send(group, version, [(n, t.detach()) for n, t in named_tensors])
+        except BaseException as exc:
+            self._abandon(f"version {version} failed: {exc}")
+            raise
+        stats = BroadcastStats(version=version, epoch=group.rendezvous.epoch,
+                               backend=group.backend or "", bytes=stats[0], buckets=stats[1],
+                               seconds=time.perf_counter() - start)
+        log.info("weights.broadcast", version=version, epoch=stats.epoch, backend=stats.backend,
+                 bytes=stats.bytes, buckets=stats.buckets, seconds=round(stats.seconds, 3))
+        return stats
+
+    def _where(self, group: _Epoch) -> str:
+        return f"group epoch {group.rendezvous.epoch} at {self.host}:{self.port}"
+
+    def _build(self, group: _Epoch, version: int) -> None:
+        members = group.rendezvous.members
+        keys = [f"join/{rank}" for rank in range(1, len(members) + 1)]
+        missing = wait_keys(group.store, keys, self.timeout)
+        if missing:
+            names = [members[int(k.split("/")[1]) - 1] for k in missing]
+            raise PeerDead(names[0], (
+                f"weights broadcast of version {version}: member(s) {names} did not join "
+                f"{self._where(group)} within {self.timeout:.1f} s; raise {TIMEOUT_KEY} if "
+                "they are slow to start, or check that they received the rendezvous"))
+        joined = [decode(group.store.get(k), GroupMember, f"store key {k}") for k in keys]
+        backend = self.backend
+        if backend == "auto":
+            on_cuda = self.device.type == "cuda" and all(m.device == "cuda" for m in joined)
+            backend = "nccl" if on_cuda else "gloo"
+        group.store.set("backend", encode(GroupBackend(backend=backend)))
+        store = dist.PrefixStore("pg/", group.store)
+        group.pg = run_guarded(
+            lambda: build_backend(backend, store, 0, group.rendezvous.world_size,
+                                  device=self.device, bind_host=self.host, timeout=self.timeout),
+            self.timeout, lambda: None)
+        group.backend = backend
+        log.info("weights.group.ready", epoch=group.rendezvous.epoch, backend=backend,
+                 members=[f"{m.name}@{m.host}:{m.pid}" for m in joined])
+
+    def _send(self, group: _Epoch, version: int, tensors: list[tuple[str, torch.Tensor]]
+              ) -> tuple[int, int]:
+        comm = self.device if group.backend == "nccl" else torch.device("cpu")
+        specs = [TensorSpec(name=n, dtype=dtype_name(t.dtype), shape=list(t.shape))
+                 for n, t in tensors]
+        order, buckets = plan_buckets(specs, self.bucket_bytes)
+        seq = group.seq
+        meta = BroadcastMeta(version=version, seq=seq, tensors=[specs[i] for i in order],
+                             buckets=buckets)
+        group.store.set(f"meta/{seq}", encode(meta))
+        ranks = range(1, group.rendezvous.world_size)
+        total = 0
+        for b, bucket in enumerate(buckets):
+            members = [tensors[order[i]][1] for i in range(bucket.first, bucket.first + bucket.count)]
+            flat = self._pack(members, bucket.numel, torch_dtype(bucket.dtype), comm)
+            try:
+                broadcast(group.pg, flat, self.timeout)
+            except Exception as exc:
+                lagging = [group.rendezvous.members[r - 1] for r in ranks
+                           if group.store.add(f"progress/{seq}/{r}", 0) <= b]
+                peer = lagging[0] if lagging else group.rendezvous.members[0]
+                raise PeerDead(peer, (
+                    f"weights broadcast of version {version}: bucket {b + 1}/{len(buckets)} "
+                    f"did not reach {lagging or group.rendezvous.members} in {self._where(group)} "
+                    f"within {self.timeout:.1f} s ({exc}); raise {TIMEOUT_KEY} if they are "
+                    "only slow")) from None
+            total += flat.numel() * flat.element_size()
+        done = [f"done/{seq}/{r}" for r in ranks]
+        missing = wait_keys(group.store, done, self.timeout)
+        if missing:
+            names = [group.rendezvous.members[int(k.rsplit("/", 1)[1]) - 1] for k in missing]
+            raise PeerDead(names[0], (
+                f"weights broadcast of version {version}: {names} did not confirm it in "
+                f"{self._where(group)} within {self.timeout:.1f} s; raise {TIMEOUT_KEY} if "
+                "loading is only slow"))
+        group.seq += 1
+        return total, len(buckets)
+
+    @staticmethod
+    def _pack(members: list[torch.Tensor], numel: int, dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor:
+        if len(members) == 1 and members[0].device == device and members[0].is_contiguous():
+            return members[0].reshape(-1)  # a bucket of one tensor goes without a copy
+        flat = torch.empty(numel, dtype=dtype, device=device)
+        offset = 0
+        for t in members:
+            n = t.numel()
+            flat[offset:offset + n].copy_(t.reshape(-1))
+            offset += n
+        return flat
+
+    def _abandon(self, reason: str) -> None:
+        group, self._current = self._current, None
+        if group is None:
+            return
+        try:
+            group.store.set("abandoned", reason.encode())
+        except Exception as exc:  # noqa: BLE001 - the store is ours; log and go on
+            log.warning("weights.group.mark_failed", epoch=group.rendezvous.epoch, error=str(exc))
+        if group.pg is not None:
+            shutdown_backend(group.pg)
+        log.warning("weights.group.abandoned", epoch=group.rendezvous.epoch, reason=reason)
+
+    def close(self) -> None:
+        """Abandon the current group and stop serving the store."""
+        self._abandon("sender closed")
+        self.store = None  # type: ignore[assignment]
+
+
+class WeightReceiver:
+    """An engine worker's end of the broadcast: joins one epoch, yields each version's tensors.
+
+    `join()` once per epoch, then `receive()` per transfer; its iterator goes straight into the
+    engine's `load_weights`. Consume it to the end: the group moves in lockstep, and an iterator
+    left half-way abandons this member's place in it.
+    """
+
+    def __init__(self, rendezvous: GroupRendezvous | dict, member: str, *,
+                 device: str | torch.device = "cpu", timeout: float = 600.0):
+        self.rendezvous = (rendezvous if isinstance(rendezvous, GroupRendezvous)
+                           else GroupRendezvous.model_validate(rendezvous))
+        if member not in self.rendezvous.members:
+            raise WeightsError(f"{member!r} is not a member of weight group epoch "
+                               f"{self.rendezvous.epoch} (members: {self.rendezvous.members})")
+        self.member = member
+        self.rank = self.rendezvous.members.index(member) + 1
+        self.device = torch.device(device)
+        self.timeout = timeout
+        self.backend: str | None = None
+        self._store: dist.Store | None = None
+        self._pg: Any = None
+        self._seq = 0
+        self._broken: str | None = None
+
+    @property
+    def epoch(self) -> int:
+        return self.rendezvous.epoch
+
+    @property
+    def healthy(self) -> bool:
+        return self._pg is not None and self._broken is None
+
+    def _trainer(self) -> str:
+        r = self.rendezvous
+        return f"trainer (rank 0, store {r.host}:{r.port}, group epoch {r.epoch})"
+
+    def _abandoned(self) -> str | None:
+        store = self._store
+        if store is not None and store.check(["abandoned"]):
+            return store.get("abandoned").decode(errors="replace")
+        return None
+
+    def join(self) -> None:
+        """Sign in, wait for the trainer's backend choice, and build the group."""
+        r = self.rendezvous
+        try:
+            root = connect_store(r.host, r.port, self.timeout)
+        except dist.DistNetworkError:
+            raise PeerDead("trainer", f"weight group: cannot reach the {self._trainer()} within "
+                                      f"{self.timeout:.1f} s ({TIMEOUT_KEY})") from None
+        current = int(root.get(EPOCH_KEY))
+        if current != r.epoch:
+            raise GroupAbandoned(f"weight group epoch {r.epoch} was replaced by epoch {current}; "
+                                 "join the rendezvous the master announced last")
+        self._store = dist.PrefixStore(epoch_prefix(r.epoch), root)
+        reason = self._abandoned()
+        if reason is not None:
+            raise GroupAbandoned(f"weight group epoch {r.epoch} was abandoned: {reason}")
+        me = GroupMember(name=self.member, rank=self.rank,
+                         device="cuda" if self.device.type == "cuda" else "cpu",
+                         host=socket.gethostname(), pid=os.getpid())
+        self._store.set(f"join/{self.rank}", encode(me))
+        if wait_keys(self._store, ["backend"], self.timeout, self._abandoned):
+            raise PeerDead("trainer", f"weight group: the {self._trainer()} did not start the "
+                                      f"group within {self.timeout:.1f} s ({TIMEOUT_KEY})")
+        self.backend = decode(self._store.get("backend"), GroupBackend, "store key backend").backend
+        bind = local_address_towards(r.host, r.port)
+        store = dist.PrefixStore("pg/", self._store)
+        try:
+            self._pg = run_guarded(
+                lambda: build_backend(self.backend, store, self.rank, r.world_size,
+                                      device=self.device, bind_host=bind, timeout=self.timeout),
+                self.timeout, lambda: None)
+        except Exception as exc:
+            raise PeerDead("trainer", f"weight group: building the {self.backend} group with the "
+                                      f"{self._trainer()} failed: {exc}") from None
+        log.info("weights.group.joined", epoch=r.epoch, member=self.member, rank=self.rank,
+                 backend=self.backend)
+
+    def receive(self, version: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Wait for the next transfer's metadata, then yield its tensors bucket by bucket.
+
+        `version`, when given, must be what the trainer sends (a mismatch means this member and
+        the trainer disagree about the sync plan: a WeightsError, and the member leaves).
+        """
+        if self._broken is not None:
+            raise GroupAbandoned(f"weight group epoch {self.epoch} is unusable: {self._broken}")
+        if self._pg is None:
+            raise WeightsError("receive() before join(): join the group first")
+        store = self._store
+        key = f"meta/{self._seq}"
+        try:
+            if wait_keys(store, [key], self.timeout, self._abandoned):
+                raise PeerDead("trainer", f"weight group: no weights from the {self._trainer()} "
+                                          f"within {self.timeout:.1f} s ({TIMEOUT_KEY})")
+        except GroupAbandoned as exc:
+            self._fail(str(exc))
+            raise
+        meta = decode(store.get(key), BroadcastMeta, f"store key {key}")
+        if version is not None and meta.version != version:
+            self._fail(f"expected version {version}, the trainer sends {meta.version}")
+            raise WeightsError(f"weight group epoch {self.epoch}: this member expects version "
+                               f"{version}, the trainer broadcasts {meta.version}")
+        return self._buckets(meta)
+
+    def _buckets(self, meta: BroadcastMeta) -> Iterator[tuple[str, torch.Tensor]]:
+        comm = self.device if self.backend == "nccl" else torch.device("cpu")
+        start = time.perf_counter()
+        finished = False
+        try:
+            for b, bucket in enumerate(meta.buckets):
+                flat = torch.empty(bucket.numel, dtype=torch_dtype(bucket.dtype), device=comm)
+                try:
+                    broadcast(self._pg, flat, self.timeout)
+                except Exception as exc:
+                    raise PeerDead("trainer", (
+                        f"weight group: bucket {b + 1}/{len(meta.buckets)} of version "
+                        f"{meta.version} did not arrive from the {self._trainer()} within "
+                        f"{self.timeout:.1f} s ({TIMEOUT_KEY}): {exc}")) from None
+                self._store.add(f"progress/{meta.seq}/{self.rank}", 1)
+                yield from _bucket_views(flat, meta.tensors[bucket.first:bucket.first + bucket.count])
+            self._store.set(f"done/{meta.seq}/{self.rank}", b"1")
+            finished = True
+        finally:
+            if not finished:
+                self._fail(f"transfer of version {meta.version} stopped half-way")
+        self._seq += 1
+        log.info("weights.loaded", version=meta.version, method="broadcast", epoch=self.epoch,
+                 buckets=len(meta.buckets), seconds=round(time.perf_counter() - start, 3))
+
+    def _fail(self, reason: str) -> None:
+        self._broken = reason
+        if self._pg is not None:
+            shutdown_backend(self._pg)
+            self._pg = None
+
+    def close(self) -> None:
+        """Leave the group (the trainer notices at its next transfer and opens a new epoch)."""
+        self._fail("member closed")
+        self._store = None

@@ -1,0 +1,40 @@
+"""Helpers of the weight-sync tests: a real training step, bit-exact comparison, peer processes."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+PEER = Path(__file__).with_name("peer.py")
+
+
+def train_step(model, seed: int) -> None:
+    """One real optimiser step on a language-modelling loss, so every weight moves."""
+    import torch
+
+    torch.manual_seed(seed)
+    ids = torch.randint(4, model.config.vocab_size, (2, 16))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    torch.optim.Adam(model.parameters(), lr=1e-2).step()
+    model.zero_grad(set_to_none=True)
+
+
+def assert_bit_identical(model, received: Path) -> None:
+    """Every parameter of `model` equals, bit for bit, the one the receiver dumped."""
+    import torch
+    from safetensors.torch import load_file
+
+    got = load_file(str(received))
+    want = {n: p.detach() for n, p in model.named_parameters()}
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype, name
+        assert torch.equal(got[name].view(torch.uint8), tensor.contiguous().view(torch.uint8)), name
+
+
+def finish(proc: subprocess.Popen, timeout: float = 60.0) -> str:
+    """Wait for a peer; return its stderr, failing the test with it if the peer failed."""
+    _, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, f"peer exited {proc.returncode}:\n{err[-3000:]}"
+    return err
