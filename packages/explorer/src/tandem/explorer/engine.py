@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Literal, Sequence
+import asyncio
+from typing import Any, Callable, Iterable, Literal, Sequence
 
 import numpy as np
 
@@ -62,6 +63,15 @@ class Engine(ABC):
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, Any]], version: int) -> int:
         """Copy (name, tensor) pairs into the model and set `version`; returns tensors loaded."""
+
+    async def update_weights(self, source: Callable[[], Iterable[tuple[str, Any]]],
+                             version: int) -> int:
+        """`load_weights(source(), version)` off the event loop, never during a generation.
+
+        `source` is called where the tensors are consumed, so a blocking producer (a broadcast
+        receiver waiting for its next bucket) runs off the loop too.
+        """
+        return await asyncio.to_thread(lambda: self.load_weights(source(), version))
 
     def close(self) -> None:
         """Release the model and any worker thread."""

@@ -14,7 +14,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import structlog
@@ -187,10 +187,12 @@ class TransformersEngine(Engine):
         log.info("weights.loaded", version=version, tensors=loaded)
         return loaded
 
-    async def update_weights(self, weights: Iterable[tuple[str, Any]], version: int) -> int:
-        """`load_weights` on the engine thread, so it never overlaps a running batch."""
+    async def update_weights(self, source: Callable[[], Iterable[tuple[str, Any]]],
+                             version: int) -> int:
+        # On the engine thread: weights never change under a running batch.
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self.load_weights, weights, version)
+        return await loop.run_in_executor(
+            self._executor, lambda: self.load_weights(source(), version))
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,107 @@
+"""Bringing new weights into an engine, by checkpoint files or by joining the trainer's broadcast.
+
+Both end in `engine.update_weights`, which runs on the engine's thread: a broadcast bucket is
+received and copied into the model without a detour, and never while a batch is generating.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from tandem.common.weights import (
+    GroupAbandoned,
+    WeightReceiver,
+    WeightSubscriber,
+    WeightsError,
+    engine_member,
+)
+
+from .engine import Engine
+
+log = structlog.get_logger(__name__)
+
+
+class WeightLoader:
+    """One explorer's way to new weights: `await load(version, method, rendezvous)`."""
+
+    def __init__(self, engine: Engine, *, run_dir: str | Path, explorer: str, timeout: float,
+                 device: str = "cpu"):
+        self.engine = engine
+        self.subscriber = WeightSubscriber(run_dir)
+        self.explorer = explorer
+        self.member = engine_member(explorer)
+        self.timeout = timeout
+        self.device = device
+        self.receiver: WeightReceiver | None = None
+        self._joining: asyncio.Task | None = None
+
+    async def load_checkpoint(self, version: int) -> int:
+        """Load `weights/v{version}` (checked against its manifest first)."""
+        return await self.engine.update_weights(lambda: self.subscriber.load(version), version)
+
+    def offer_group(self, rendezvous: dict[str, Any] | None) -> None:
+        """A rendezvous was announced: join it in the background if it names this engine.
+
+        The trainer's first broadcast of an epoch waits for every member, so joining as soon as
+        the group is announced (not at the sync point) keeps that wait short.
+        """
+        if not rendezvous or self.member not in rendezvous.get("members", []):
+            return
+        if self.receiver is not None and self.receiver.epoch == rendezvous.get("epoch"):
+            return
+        if self._joining is not None and not self._joining.done():
+            self._joining.cancel()
+        self._close_receiver()
+        receiver = WeightReceiver(rendezvous, self.member, device=self.device, timeout=self.timeout)
+        self.receiver = receiver
+        self._joining = asyncio.create_task(asyncio.to_thread(receiver.join),
+                                            name=f"weights-join-{receiver.epoch}")
+
+    async def load_broadcast(self, version: int, rendezvous: dict[str, Any] | None) -> int:
+        """Receive `version` from the trainer's broadcast, joining its group first if needed."""
+        self.offer_group(rendezvous)
+        if self.receiver is None:
+            raise WeightsError(f"{self.explorer}: asked to load version {version} by broadcast "
+                               "but no weight group naming it was announced (sync.method: nccl "
+                               "needs the trainer's rendezvous on the master's `weights` topic)")
+        if self._joining is not None:
+            joining, self._joining = self._joining, None
+            await joining
+        receiver = self.receiver
+        try:
+            return await self.engine.update_weights(lambda: receiver.receive(version), version)
+        except GroupAbandoned:
+            self._close_receiver()
+            raise
+
+    async def load(self, version: int, method: str, rendezvous: dict[str, Any] | None = None
+                   ) -> dict[str, float]:
+        """Load `version` by `method`; returns what the sync span records."""
+        start = time.perf_counter()
+        if method == "checkpoint":
+            tensors = await self.load_checkpoint(version)
+        elif method == "nccl":
+            tensors = await self.load_broadcast(version, rendezvous)
+        else:
+            raise ValueError(f"sync.method {method!r}: expected checkpoint or nccl")
+        seconds = time.perf_counter() - start
+        log.info("explorer.weights_loaded", explorer=self.explorer, version=version,
+                 method=method, tensors=tensors, seconds=round(seconds, 3))
+        return {"tensors": float(tensors), "seconds": seconds}
+
+    def _close_receiver(self) -> None:
+        if self.receiver is not None:
+            self.receiver.close()
+            self.receiver = None
+
+    async def close(self) -> None:
+        if self._joining is not None:
+            self._joining.cancel()
+            await asyncio.gather(self._joining, return_exceptions=True)
+            self._joining = None
+        self._close_receiver()

@@ -1,0 +1,107 @@
+"""New weights reach the engine by checkpoint and by broadcast, and its outputs become the
+trainer's: the trainer side here is the real WeightPublisher / WeightBroadcaster."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from tandem.common.weights import WeightBroadcaster, WeightPublisher, WeightsError, engine_member
+from tandem.explorer.sampling import SamplingParams
+from tandem.explorer.transformers_engine import TransformersEngine
+from tandem.explorer.weights import WeightLoader
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
+PROMPTS = ["1+2=", "hello"]
+
+
+@pytest.fixture
+def trained(tiny_model_path):
+    """The trainer's model after an update: the base weights, perturbed."""
+    eng = TransformersEngine.from_pretrained(tiny_model_path)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for p in eng.model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    yield eng
+    eng.close()
+
+
+def outputs(engine):
+    return [list(c.token_ids) for g in engine.generate_sync(PROMPTS, 1, GREEDY) for c in g]
+
+
+def test_checkpoint_load_makes_outputs_the_trainers(engine, trained, tmp_path):
+    before = outputs(engine)
+    WeightPublisher(tmp_path).publish(1, trained.model.named_parameters())
+    loader = WeightLoader(engine, run_dir=tmp_path, explorer="explorer-0", timeout=10)
+    stats = asyncio.run(loader.load(1, "checkpoint"))
+    assert engine.version == 1 and stats["tensors"] == len(list(trained.model.parameters()))
+    assert outputs(engine) == outputs(trained) != before
+    for (name, p), q in zip(engine.model.named_parameters(), trained.model.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_checkpoint_of_a_missing_version_is_a_clear_error(engine, tmp_path):
+    loader = WeightLoader(engine, run_dir=tmp_path, explorer="explorer-0", timeout=10)
+    with pytest.raises(WeightsError, match="version 4 not found"):
+        asyncio.run(loader.load(4, "checkpoint"))
+    assert engine.version == 0
+
+
+def test_broadcast_load_makes_outputs_the_trainers(engine, trained):
+    before = outputs(engine)
+    sender = WeightBroadcaster(timeout=20)
+    rendezvous = sender.open_group([engine_member("explorer-0")])
+    errors = []
+
+    def trainer():
+        try:
+            for version in (1, 2):
+                sender.broadcast(version, trained.model.named_parameters())
+                with torch.no_grad():  # the next version differs again
+                    for p in trained.model.parameters():
+                        p.mul_(0.5)
+        except BaseException as exc:  # reported by the assertion below
+            errors.append(exc)
+
+    async def explorer():
+        loader = WeightLoader(engine, run_dir="unused", explorer="explorer-0", timeout=20)
+        loader.offer_group(rendezvous.model_dump())  # announced before the sync point
+        got = []
+        for version in (1, 2):
+            await loader.load(version, "nccl", rendezvous.model_dump())
+            got.append(outputs(engine))
+        await loader.close()
+        return got
+
+    thread = threading.Thread(target=trainer)
+    expected = []
+    try:
+        # the trainer's model changes after each send; record what each version generates
+        with torch.no_grad():
+            snapshot = [p.clone() for p in trained.model.parameters()]
+        expected.append(outputs(trained))
+        with torch.no_grad():
+            for p in trained.model.parameters():
+                p.mul_(0.5)
+        expected.append(outputs(trained))
+        with torch.no_grad():
+            for p, s in zip(trained.model.parameters(), snapshot):
+                p.copy_(s)
+        thread.start()
+        got = asyncio.run(asyncio.wait_for(explorer(), 60))
+    finally:
+        thread.join(60)
+        sender.close()
+    assert not errors, errors
+    assert engine.version == 2 and got == expected and got[0] != before
+
+
+def test_broadcast_without_a_group_names_the_missing_rendezvous(engine):
+    loader = WeightLoader(engine, run_dir="unused", explorer="explorer-0", timeout=5)
+    with pytest.raises(WeightsError, match="no weight group"):
+        asyncio.run(loader.load(1, "nccl", None))
