@@ -1,4 +1,22 @@
-"""Master protocol: registry, task leases, step reports, and the barrier events it publishes."""
+"""Master protocol: registry, task leases, step reports, and the barrier events it publishes.
+
+Requests go to the master's RPC (ROUTER) socket, `master.address`. Decisions go out on its PUB
+socket (`Registered.publish_address`), each topic numbered, the newest event per topic served as
+a snapshot (`SnapshotRequest` on the RPC socket) to anyone who joins late or reconnects:
+
+| topic | message | for |
+|---|---|---|
+| `barrier.<explorer>` | `Barrier` | that explorer: the step it may start and with which weights |
+| `trainer` | `TrainerGo` | the trainer: the step it may train, the version to publish after it |
+| `weights` | `WeightsPublished` | everyone: a version is ready (checkpoint path or nccl rendezvous) |
+| `stop` | `Stop` | everyone: the run is over |
+
+An explorer's loop: `Register` -> wait for `Barrier` -> load `version` if `wait` -> `LeaseTasks`
+-> roll out -> `CompleteTasks` -> `ExplorerStepDone` (echoing step, batch, version) -> next
+`Barrier`. The trainer's: `Register` -> wait for `TrainerGo` -> train -> `TrainerStepDone` ->
+(when `publish` is set) write or broadcast the weights and send `WeightsPublished`. Counting of
+steps, batches and versions: `tandem.common.sync`.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +37,7 @@ class Registered(Message):
     run_id: str
     sync: dict[str, Any] = Field(description="the resolved `sync` config section")
     liveness: float = Field(description="seconds of silence after which the master marks it dead")
+    publish_address: str = Field(default="", description="the master's PUB socket, as bound")
 
 
 @wire("master.register", reply=Registered)
@@ -66,6 +85,7 @@ class ExplorerStepDone(Request):
     explorer: str
     step: int = Field(ge=0)
     version: int = Field(ge=0)
+    batch: int | None = Field(default=None, ge=0, description="echo of `Barrier.batch`")
     experiences: int = 0
     metrics: dict[str, float] = Field(default_factory=dict)
 
@@ -94,9 +114,11 @@ class Barrier(Message):
     """Master to explorers (topic `barrier.<explorer>`): step `step` may start with `version`."""
 
     explorer: str
-    step: int
-    version: int
+    step: int = Field(description="the sync-plan step this batch counts as")
+    version: int = Field(description="the weights to roll out with")
     wait: bool = Field(description="True at a sync point: load `version` before rolling out")
+    batch: int = Field(default=0, description="the run-wide batch number (echo it when done)")
+    method: Literal["checkpoint", "nccl"] = "checkpoint"
 
 
 @wire("master.trainer.go")
@@ -105,6 +127,9 @@ class TrainerGo(Message):
 
     step: int
     publish: int | None = Field(default=None, description="the version to publish after it")
+    batches: int = Field(default=0, description="explorer batches complete for this step")
+    explorers: list[str] = Field(
+        default_factory=list, description="explorers alive now (the nccl group for `publish`)")
 
 
 @wire("master.stop")
@@ -123,6 +148,8 @@ class Status(Message):
     components: list[dict[str, Any]]
     counters: dict[str, Any]
     leases: list[dict[str, Any]]
+    explorers: list[dict[str, Any]] = Field(
+        default_factory=list, description="per explorer: step, held version, staleness")
 
 
 @wire("master.status", reply=Status)

@@ -1,0 +1,239 @@
+"""The run's clock: `SyncPlan` applied to live counters, with no sockets.
+
+Inputs are the five things that happen in a run: an explorer joins, an explorer leaves (or is
+declared dead), an explorer finishes a step, the trainer finishes a step, a version is published.
+Each input returns the decisions it unlocks, as (topic, message) pairs for the master's PUB
+socket. The clock is deterministic, so the master journals inputs only and a restarted master
+replays them to the same state, decisions and sequence numbers included.
+
+Several explorers (see `tandem.common.sync`): in synchronous plans an explorer is a member of
+every step from the one it joined at, trainer step `t` may start once every member alive (and
+every member that left after finishing `t`) has its batch `t` in the buffer. In asynchronous
+plans batches are numbered as they are granted and trainer step `t` may start once
+`(t + 1) * batches_per_step` batches are complete.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.common.messages.master import Barrier, Stop, TrainerGo
+from tandem.common.sync import SyncPlan
+
+Decision = tuple[str, Any]  # (topic, message)
+
+
+class StepMismatch(ValueError):
+    """An explorer reported a step the master did not grant it."""
+
+
+@dataclass
+class ExplorerSlot:
+    name: str
+    join_step: int
+    alive: bool = True
+    next_step: int | None = None  # synchronous: the step it waits to start
+    redo: tuple[int, int] | None = None  # (step, batch) granted before it restarted
+    running: tuple[int, int, int] | None = None  # (step, batch, version) granted, not done
+    last_done: tuple[int, int] | None = None
+    held: int | None = None
+    since_load: int = 0
+    steps_done: int = 0
+    barrier: Barrier | None = None
+
+    def describe(self, newest: int, trained: int) -> dict[str, Any]:
+        return dict(name=self.name, alive=self.alive, join_step=self.join_step,
+                    running=None if self.running is None else dict(
+                        step=self.running[0], batch=self.running[1], version=self.running[2]),
+                    steps_done=self.steps_done, held_version=self.held,
+                    staleness=None if self.held is None else trained - self.held,
+                    behind_newest=None if self.held is None else newest - self.held)
+
+
+@dataclass
+class RunClock:
+    plan: SyncPlan
+    total_steps: int
+    explorers: dict[str, ExplorerSlot] = field(default_factory=dict)
+    done: dict[int, set[str]] = field(default_factory=dict)  # synchronous: step -> explorers
+    batches_granted: int = 0
+    batches_lost: int = 0
+    batches_done: int = 0
+    trainer_done: int = 0  # trainer steps finished = version trained
+    trainer_go: int = 0  # trainer steps released
+    newest: int = 0  # newest published version
+    stopped: bool = False
+    last_go: TrainerGo | None = None
+    stop: Stop | None = None
+    published_count: Counter = field(default_factory=Counter)  # decisions per topic
+
+    # -- inputs --------------------------------------------------------------------------------
+
+    def join(self, name: str) -> list[Decision]:
+        """An explorer registers: first time, after it was declared dead, or after a restart."""
+        slot = self.explorers.get(name)
+        if slot is not None and slot.alive:
+            # it restarted faster than its liveness ran out: it redoes what it was granted
+            if slot.running is not None:
+                slot.redo = slot.running[:2]
+                slot.running = None
+            slot.held, slot.since_load, slot.barrier = None, 0, None
+            return self._release()
+        start = self._join_step()
+        self.explorers[name] = ExplorerSlot(name, join_step=start, next_step=start)
+        return self._release()
+
+    def leave(self, name: str) -> list[Decision]:
+        """An explorer is gone (declared dead, or deregistered); its unfinished batch is lost."""
+        slot = self.explorers.get(name)
+        if slot is None or not slot.alive:
+            return []
+        slot.alive = False
+        if slot.running is not None or slot.redo is not None:
+            self.batches_lost += 1
+        slot.running = slot.redo = None
+        return self._release()
+
+    def explorer_done(self, name: str, step: int, batch: int | None,
+                      version: int) -> list[Decision]:
+        slot = self.explorers.get(name)
+        if slot is None:
+            raise StepMismatch(f"{name} is not registered with the master; register first")
+        if slot.last_done is not None and slot.last_done[0] == step and (
+                batch is None or slot.last_done[1] == batch):
+            return []  # a repeat of a report already counted
+        if slot.running is None or slot.running[0] != step or (
+                batch is not None and slot.running[1] != batch):
+            granted = "nothing" if slot.running is None else (
+                f"step {slot.running[0]} batch {slot.running[1]}")
+            raise StepMismatch(f"{name} reported step {step} batch {batch} but was granted "
+                               f"{granted}")
+        step, batch, _ = slot.running
+        slot.running, slot.last_done = None, (step, batch)
+        slot.held, slot.steps_done = version, slot.steps_done + 1
+        slot.since_load += 1
+        self.batches_done += 1
+        if not self.plan.asynchronous:
+            self.done.setdefault(step, set()).add(name)
+            slot.next_step = step + 1
+        return self._release()
+
+    def trainer_step_done(self, step: int) -> list[Decision]:
+        self.trainer_done = max(self.trainer_done, step + 1)
+        return self._release()
+
+    def published(self, version: int) -> list[Decision]:
+        self.newest = max(self.newest, version)
+        return self._release()
+
+    # -- state ---------------------------------------------------------------------------------
+
+    @property
+    def alive(self) -> list[ExplorerSlot]:
+        return [s for s in self.explorers.values() if s.alive]
+
+    @property
+    def frontier(self) -> int:
+        """The highest step any explorer was granted (-1 before any)."""
+        steps = [s.last_done[0] for s in self.explorers.values() if s.last_done] + [
+            s.running[0] for s in self.explorers.values() if s.running]
+        return max(steps, default=-1)
+
+    def _join_step(self) -> int:
+        """A joiner is a member from the oldest step the trainer has not been released on, so
+        explorers registering together all take part in step 0. With nccl it must also wait
+        for a broadcast it can still take part in (DESIGN §5: a fresh group at the next sync
+        point)."""
+        plan = self.plan
+        if plan.asynchronous:
+            return plan.step_of_batch(self.batches_granted - self.batches_lost)
+        step = self.trainer_go
+        if not self.alive:
+            # nobody is left to finish the open steps: take over the first one without batches
+            # (with nccl its version was broadcast already, so the trainer must send it again)
+            while self.done.get(step):
+                step += 1
+            return step
+        if plan.method != "nccl":
+            return step
+        while True:
+            step = plan.join_step(step)
+            version = plan.version_for_step(step)
+            if version == 0 or version > self.newest:
+                return step
+            step += 1
+
+    def _expected(self, step: int) -> set[str]:
+        members = {s.name for s in self.alive if s.join_step <= step}
+        return members | self.done.get(step, set())
+
+    def _trainer_ready(self, step: int) -> bool:
+        if self.plan.asynchronous:
+            return self.batches_done >= (step + 1) * self.plan.batches_per_step
+        expected = self._expected(step)
+        return bool(expected) and expected <= self.done.get(step, set())
+
+    def counters(self) -> dict[str, Any]:
+        return dict(total_steps=self.total_steps, trainer_steps_done=self.trainer_done,
+                    trainer_steps_released=self.trainer_go, newest_version=self.newest,
+                    batches_granted=self.batches_granted, batches_done=self.batches_done,
+                    batches_lost=self.batches_lost, explorers_alive=len(self.alive),
+                    stopped=self.stopped)
+
+    # -- decisions -----------------------------------------------------------------------------
+
+    def _release(self) -> list[Decision]:
+        out: list[Decision] = []
+        if self.stopped:
+            return out
+        for slot in self.alive:
+            if slot.running is None:
+                barrier = self._grant(slot)
+                if barrier is not None:
+                    out.append((f"barrier.{slot.name}", barrier))
+        while (self.trainer_go < self.total_steps and self.trainer_go == self.trainer_done
+               and self._trainer_ready(self.trainer_go)):
+            t = self.trainer_go
+            batches = (self.batches_done if self.plan.asynchronous
+                       else len(self.done.get(t, ())))
+            self.last_go = TrainerGo(
+                step=t, publish=self.plan.publish_after(t, self.total_steps), batches=batches,
+                explorers=sorted(s.name for s in self.alive))
+            out.append(("trainer", self.last_go))
+            self.trainer_go += 1
+        if self.trainer_done >= self.total_steps:
+            self.stopped = True
+            self.stop = Stop(reason=f"done: {self.total_steps} trainer steps")
+            out.append(("stop", self.stop))
+        self.published_count.update(topic for topic, _ in out)
+        return out
+
+    def _grant(self, slot: ExplorerSlot) -> Barrier | None:
+        plan = self.plan
+        if slot.redo is not None:
+            step, batch = slot.redo
+        elif plan.asynchronous:
+            live = self.batches_granted - self.batches_lost
+            if live >= self.total_steps * plan.batches_per_step:
+                return None
+            step, batch = plan.step_of_batch(live), self.batches_granted
+        else:
+            step = slot.next_step
+            if step is None or step >= self.total_steps:
+                return None
+            batch = self.batches_granted
+        go = plan.decide(step, newest=self.newest, held=slot.held, since_load=slot.since_load)
+        if go is None:
+            return None
+        if slot.redo is None:
+            self.batches_granted += 1
+        slot.redo = None
+        slot.running = (step, batch, go.version)
+        slot.held = go.version
+        if go.load:
+            slot.since_load = 0
+        slot.barrier = Barrier(explorer=slot.name, step=step, version=go.version, wait=go.load,
+                               batch=batch, method=plan.method)
+        return slot.barrier

@@ -1,0 +1,208 @@
+"""The taskset and its leases: tasks go out in batches, come back done, or expire and go again.
+
+`load_rows` reads JSONL or Parquet files (a file or a folder of them) or a `datasets` dataset
+saved with `save_to_disk`. `TaskDispatcher` walks the rows epoch by epoch in a seeded order and
+hands them out as leases; a lease not completed before its deadline (the explorer died) puts its
+tasks at the front of the queue, so the next explorer to ask gets them. Its state changes only
+through `lease`, `complete` and `expire`, which the master journals, so replaying the journal
+rebuilds the cursor after a restart.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tandem.common.config import TasksetConfig
+from tandem.common.errors import ConfigError
+from tandem.common.messages import Task
+
+
+def load_rows(cfg: TasksetConfig) -> list[dict[str, Any]]:
+    """Every row of the taskset, in file order; ConfigError naming the path on any problem."""
+    path = Path(cfg.path)
+    if not cfg.path or not path.exists():
+        raise ConfigError([f"master.taskset.path: {cfg.path!r} does not exist"])
+    if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "state.json").exists()
+                          or (path / "dataset_dict.json").exists()):
+        return _load_saved_dataset(path, cfg.split)
+    files = [path] if path.is_file() else sorted(
+        p for p in path.iterdir() if p.suffix in (".jsonl", ".parquet"))
+    if not files:
+        raise ConfigError([f"master.taskset.path: no .jsonl or .parquet files in {path}"])
+    rows: list[dict[str, Any]] = []
+    for file in files:
+        if file.suffix == ".jsonl":
+            rows.extend(_read_jsonl(file))
+        elif file.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            rows.extend(pq.read_table(file).to_pylist())
+        else:
+            raise ConfigError([f"master.taskset.path: {file} is neither .jsonl nor .parquet"])
+    if not rows:
+        raise ConfigError([f"master.taskset.path: {path} holds no tasks"])
+    return rows
+
+
+def _read_jsonl(file: Path) -> list[dict[str, Any]]:
+    rows = []
+    with open(file, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ConfigError([f"master.taskset.path: {file}:{lineno}: {exc.msg}"]) from None
+            if not isinstance(row, dict):
+                raise ConfigError([f"master.taskset.path: {file}:{lineno}: a task must be a "
+                                   f"JSON object, got {type(row).__name__}"])
+            rows.append(row)
+    return rows
+
+
+def _load_saved_dataset(path: Path, split: str | None) -> list[dict[str, Any]]:
+    import datasets
+
+    data = datasets.load_from_disk(str(path))
+    if isinstance(data, datasets.DatasetDict):
+        if split is None:
+            if len(data) != 1:
+                raise ConfigError([f"master.taskset.split: {path} has splits {sorted(data)}; "
+                                   "name one"])
+            split = next(iter(data))
+        if split not in data:
+            raise ConfigError([f"master.taskset.split: {split!r} not in {sorted(data)}"])
+        data = data[split]
+    return [dict(row) for row in data]
+
+
+@dataclass
+class Lease:
+    """Tasks out with one explorer until `deadline` (unix seconds)."""
+
+    lease_id: str
+    explorer: str
+    step: int
+    refs: list[tuple[int, int]]  # (epoch, row index)
+    deadline: float
+    granted_at: float
+
+    def describe(self) -> dict[str, Any]:
+        return dict(lease_id=self.lease_id, explorer=self.explorer, step=self.step,
+                    tasks=len(self.refs), deadline=self.deadline, granted_at=self.granted_at)
+
+
+@dataclass
+class TaskDispatcher:
+    """Seeded epoch order, a cursor, a queue of returned tasks, and the open leases."""
+
+    rows: list[dict[str, Any]]
+    cfg: TasksetConfig
+    cursor: int = 0  # tasks handed out fresh so far, over all epochs
+    returned: deque[tuple[int, int]] = field(default_factory=deque)
+    leases: dict[str, Lease] = field(default_factory=dict)
+    completed: int = 0
+    expired: int = 0
+    late: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # expired, by lease id
+    _orders: dict[int, list[int]] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return len(self.rows) * self.cfg.epochs
+
+    @property
+    def exhausted(self) -> bool:
+        return self.cursor >= self.total and not self.returned
+
+    def order(self, epoch: int) -> list[int]:
+        if epoch not in self._orders:
+            order = list(range(len(self.rows)))
+            if self.cfg.shuffle:
+                random.Random(self.cfg.seed + epoch).shuffle(order)
+            self._orders = {epoch: order}  # one epoch at a time is enough
+        return self._orders[epoch]
+
+    def task(self, ref: tuple[int, int]) -> Task:
+        epoch, index = ref
+        row = self.rows[index]
+        tid = str(row[self.cfg.id_field]) if self.cfg.id_field else str(index)
+        return Task(id=tid, payload=row, epoch=epoch)
+
+    def plan_lease(self, count: int) -> list[tuple[int, int]]:
+        """The tasks the next lease of `count` would hold (no state change)."""
+        refs = list(self.returned)[:count]
+        cursor = self.cursor
+        while len(refs) < count and cursor < self.total:
+            epoch, pos = divmod(cursor, len(self.rows))
+            refs.append((epoch, self.order(epoch)[pos]))
+            cursor += 1
+        return refs
+
+    def open_lease(self, explorer: str, step: int) -> Lease | None:
+        for lease in self.leases.values():
+            if lease.explorer == explorer and lease.step == step:
+                return lease
+        return None
+
+    def apply_lease(self, lease_id: str, explorer: str, step: int, refs: list[tuple[int, int]],
+                    deadline: float, granted_at: float) -> Lease:
+        """Record a lease (also on journal replay): returned tasks first, then the cursor."""
+        refs = [tuple(r) for r in refs]
+        for ref in refs:
+            if self.returned and self.returned[0] == ref:
+                self.returned.popleft()
+            elif ref in self.returned:
+                self.returned.remove(ref)
+            else:
+                self.cursor += 1
+        lease = Lease(lease_id, explorer, step, refs, deadline, granted_at)
+        self.leases[lease_id] = lease
+        return lease
+
+    def new_lease_id(self) -> str:
+        return uuid.uuid4().hex[:16]
+
+    def apply_complete(self, lease_id: str) -> bool:
+        """Done. An expired lease completed late takes back its tasks not yet handed out again."""
+        lease = self.leases.pop(lease_id, None)
+        if lease is not None:
+            self.completed += len(lease.refs)
+            return True
+        refs = self.late.pop(lease_id, None)
+        if refs is None:
+            return False
+        for ref in refs:
+            if ref in self.returned:
+                self.returned.remove(ref)
+                self.completed += 1
+        return True
+
+    def apply_expire(self, lease_id: str) -> Lease | None:
+        """The lease's tasks go to the front of the queue for the next explorer."""
+        lease = self.leases.pop(lease_id, None)
+        if lease is not None:
+            self.returned.extendleft(reversed(lease.refs))
+            self.expired += 1
+            self.late[lease_id] = lease.refs
+            while len(self.late) > 1024:
+                self.late.pop(next(iter(self.late)))
+        return lease
+
+    def due(self, now: float) -> list[Lease]:
+        return [lease for lease in self.leases.values() if lease.deadline <= now]
+
+    def held_by(self, explorer: str) -> list[Lease]:
+        return [lease for lease in self.leases.values() if lease.explorer == explorer]
+
+    def counters(self) -> dict[str, Any]:
+        return dict(tasks_total=self.total, tasks_dispatched=self.cursor,
+                    tasks_completed=self.completed, tasks_returned=len(self.returned),
+                    leases_open=len(self.leases), leases_expired=self.expired,
+                    epoch=min(self.cursor // max(1, len(self.rows)), self.cfg.epochs - 1))

@@ -1,0 +1,176 @@
+"""RunClock: SyncPlan applied to live counters, several explorers, joins, deaths, restarts."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.common.sync import SyncPlan
+from tandem.master.clock import RunClock, StepMismatch
+
+
+def barriers(decisions):
+    return [(m.explorer, m.step, m.version, m.wait) for t, m in decisions
+            if t.startswith("barrier.")]
+
+
+def gos(decisions):
+    return [(m.step, m.publish) for t, m in decisions if t == "trainer"]
+
+
+def test_one_step_off_policy_sequence():
+    clock = RunClock(SyncPlan.preset("one_step_off_policy"), total_steps=4)
+    assert barriers(clock.join("a")) == [("a", 0, 0, False)]
+    d = clock.explorer_done("a", 0, 0, 0)
+    assert barriers(d) == [("a", 1, 0, False)] and gos(d) == [(0, 1)]
+    d = clock.explorer_done("a", 1, 1, 0)
+    assert barriers(d) == [] and gos(d) == []  # step 2 needs version 1; trainer is on step 0
+    assert gos(clock.trainer_step_done(0)) == [(1, 2)]
+    assert barriers(clock.published(1)) == [("a", 2, 1, True)]
+    clock.explorer_done("a", 2, 2, 1)
+    clock.trainer_step_done(1)
+    assert barriers(clock.published(2)) == [("a", 3, 2, True)]
+    clock.explorer_done("a", 3, 3, 2)
+    clock.trainer_step_done(2)
+    clock.published(3)  # nobody needs version 3 (the run has 4 steps), harmless
+    d = clock.trainer_step_done(3)
+    assert [t for t, _ in d] == ["stop"] and clock.stopped
+
+
+def test_interval_4_trainer_publishes_only_sync_versions():
+    clock = RunClock(SyncPlan(method="checkpoint", interval=4, offset=0), total_steps=8)
+    clock.join("a")
+    published = []
+    for e in range(4):
+        d = clock.explorer_done("a", e, e, 0)
+        published += [m.publish for t, m in d if t == "trainer"]
+        if e < 3:
+            assert barriers(d) == [("a", e + 1, 0, False)]
+    for t in range(3):
+        published += [m.publish for _, m in clock.trainer_step_done(t) if _ == "trainer"]
+    assert published == [None, None, None, 4]
+    clock.trainer_step_done(3)
+    assert barriers(clock.published(4)) == [("a", 4, 4, True)]
+
+
+def test_two_explorers_synchronous_trainer_waits_for_both():
+    clock = RunClock(SyncPlan.preset("synchronous", batches_per_step=2), total_steps=3)
+    clock.join("a")
+    clock.join("b")
+    assert gos(clock.explorer_done("a", 0, 0, 0)) == []
+    d = clock.explorer_done("b", 0, 1, 0)
+    assert gos(d) == [(0, 1)]
+    assert d[-1][1].batches == 2 and d[-1][1].explorers == ["a", "b"]
+    clock.trainer_step_done(0)
+    assert sorted(barriers(clock.published(1))) == [("a", 1, 1, True), ("b", 1, 1, True)]
+
+
+def test_dead_explorer_no_longer_holds_the_trainer_back():
+    clock = RunClock(SyncPlan.preset("synchronous", batches_per_step=2), total_steps=3)
+    clock.join("a")
+    clock.join("b")
+    clock.explorer_done("a", 0, 0, 0)
+    d = clock.leave("b")  # b died while rolling out step 0
+    assert gos(d) == [(0, 1)] and d[-1][1].batches == 1
+    assert clock.batches_lost == 1
+
+
+def test_late_joiner_is_a_member_from_the_oldest_unreleased_step():
+    clock = RunClock(SyncPlan(method="checkpoint", interval=2, offset=0, batches_per_step=2),
+                     total_steps=6)
+    clock.join("a")
+    clock.explorer_done("a", 0, 0, 0)  # a now runs step 1; the trainer was released on step 0
+    d = clock.join("b")
+    assert barriers(d) == [("b", 1, 0, False)]
+    assert clock.explorers["b"].join_step == 1
+    clock.explorer_done("a", 1, 1, 0)
+    clock.trainer_step_done(0)
+    assert clock.trainer_go == 1  # step 1 waits for b's batch too
+    assert gos(clock.trainer_step_done(0)) == []  # a repeated report changes nothing
+    assert gos(clock.explorer_done("b", 1, 2, 0)) == [(1, 2)]
+    assert gos(clock.explorer_done("b", 1, 2, 0)) == []  # duplicate report
+    clock.trainer_step_done(1)
+    assert sorted(barriers(clock.published(2))) == [("a", 2, 2, True), ("b", 2, 2, True)]
+
+
+def test_late_joiner_with_nccl_waits_for_the_next_broadcast():
+    clock = RunClock(SyncPlan(method="nccl", interval=4, offset=0, batches_per_step=2),
+                     total_steps=12)
+    clock.join("a")
+    for e in range(4):
+        clock.explorer_done("a", e, e, 0)
+        clock.trainer_step_done(e)
+    clock.published(4)  # a is in the broadcast of version 4 and runs step 4
+    assert barriers(clock.join("b")) == []
+    assert clock.explorers["b"].join_step == 8
+    # before anything was broadcast a joiner starts at once
+    fresh = RunClock(SyncPlan(method="nccl", interval=4, offset=0, batches_per_step=2),
+                     total_steps=12)
+    fresh.join("a")
+    fresh.explorer_done("a", 0, 0, 0)
+    assert barriers(fresh.join("b")) == [("b", 1, 0, False)]
+
+
+def test_restarted_explorer_redoes_its_granted_step_and_loads_weights():
+    clock = RunClock(SyncPlan.preset("one_step_off_policy"), total_steps=6)
+    clock.join("a")
+    clock.explorer_done("a", 0, 0, 0)
+    clock.explorer_done("a", 1, 1, 0)
+    clock.trainer_step_done(0)
+    clock.published(1)  # a runs step 2 with version 1
+    d = clock.join("a")  # it crashed and came back before the master noticed
+    b = d[0][1]
+    assert (b.step, b.batch, b.version, b.wait) == (2, 2, 1, True)
+    assert clock.batches_granted == 3
+
+
+def test_explorer_rejoining_after_death_takes_over_open_steps():
+    clock = RunClock(SyncPlan.preset("synchronous"), total_steps=5)
+    clock.join("a")
+    clock.explorer_done("a", 0, 0, 0)
+    clock.trainer_step_done(0)
+    clock.published(1)  # a runs step 1
+    clock.leave("a")
+    d = clock.join("a")
+    assert barriers(d) == [("a", 1, 1, True)]
+
+
+def test_explorer_reports_are_checked():
+    clock = RunClock(SyncPlan.preset("synchronous"), total_steps=5)
+    with pytest.raises(StepMismatch, match="not registered"):
+        clock.explorer_done("ghost", 0, 0, 0)
+    clock.join("a")
+    with pytest.raises(StepMismatch, match="granted step 0 batch 0"):
+        clock.explorer_done("a", 3, 3, 0)
+
+
+def test_async_batches_staleness_and_trainer_cadence():
+    plan = SyncPlan(method="checkpoint", interval=1, offset=None, max_staleness=1,
+                    batches_per_step=2)
+    clock = RunClock(plan, total_steps=3)
+    assert barriers(clock.join("a")) == [("a", 0, 0, False)]
+    assert barriers(clock.join("b")) == [("b", 0, 0, False)]
+    d = clock.explorer_done("a", 0, 0, 0)
+    assert barriers(d) == [("a", 1, 0, False)] and gos(d) == []
+    d = clock.explorer_done("b", 0, 1, 0)
+    assert gos(d) == [(0, 1)]
+    assert barriers(d) == [("b", 1, 0, False)]  # batch 3 is step 1: still within staleness 1
+    clock.explorer_done("b", 1, 3, 0)  # batch 4 would be step 2: needs version 1
+    assert clock.explorers["b"].running is None
+    clock.trainer_step_done(0)
+    d = clock.published(1)
+    assert barriers(d) == [("b", 2, 1, True)]
+    # the run has 3 steps x 2 batches: once 6 are granted nobody gets more
+    clock.explorer_done("a", 1, 2, 0)
+    assert clock.batches_granted == 6
+    assert clock.explorers["a"].running is not None
+
+
+def test_async_lost_batch_is_granted_again():
+    plan = SyncPlan.preset("fully_async", batches_per_step=1)
+    clock = RunClock(plan, total_steps=2)
+    clock.join("a")
+    clock.join("b")  # batches 0 and 1 out: the whole run
+    assert clock.batches_granted == 2
+    clock.leave("b")
+    clock.explorer_done("a", 0, 0, 0)
+    assert clock.explorers["a"].running[:2] == (1, 2)  # b's step, new batch number

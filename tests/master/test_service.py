@@ -1,0 +1,330 @@
+"""The master on real loopback sockets: the protocol, leases, liveness, journal and restart."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from tandem.common.config import load_config
+from tandem.common.errors import RequestFailed, WaitTimeout
+from tandem.common.messages.base import Heartbeat
+from tandem.common.messages.master import (
+    CompleteTasks,
+    ExplorerStepDone,
+    GetStatus,
+    LeaseTasks,
+    Register,
+    TrainerStepDone,
+    WeightsPublished,
+)
+from tandem.common.pubsub import Subscriber
+from tandem.common.rpc import RpcClient
+from tandem.master.cli import tandem
+from tandem.master.service import Master
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write_tasks(path: Path, n: int) -> Path:
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"id": f"t{i}", "prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n")
+    return path
+
+
+def make_config(tmp_path: Path, *overrides: str, tasks: int = 40):
+    taskset = write_tasks(tmp_path / "tasks.jsonl", tasks)
+    return load_config(None, [
+        f"run_dir={tmp_path / 'run'}", "master.address=tcp://127.0.0.1:0",
+        "master.publish_address=tcp://127.0.0.1:0", f"master.taskset.path={taskset}",
+        "master.taskset.id_field=id", "master.stop_grace=0.2", "transport.liveness=1.0",
+        "transport.heartbeat_interval=0.1", "explorers.0.batch_size=4", *overrides])
+
+
+class Peer:
+    """A component speaking the master protocol over real sockets (as an explorer would)."""
+
+    def __init__(self, master: Master, name: str, role: str, topics: list[str]):
+        self.name, self.role = name, role
+        self.rpc = RpcClient(master.address, peer="master", name=name)
+        self.sub = Subscriber(master.publish_address, topics=topics,
+                              snapshot=RpcClient(master.address, peer="master", name=name + "-s"),
+                              resync_interval=0.2)
+
+    async def start(self):
+        await self.sub.start()
+        return await self.rpc.call(Register(name=self.name, role=self.role, pid=os.getpid()),
+                                   timeout=2)
+
+    async def next(self, kind: str, timeout: float = 3.0):
+        while True:
+            ev = await self.sub.recv(timeout, what=kind)
+            if ev.topic.startswith(kind) or ev.topic == "stop":
+                return ev.body
+
+    async def close(self):
+        await self.sub.close()
+        await self.sub.snapshot_client.close()
+        await self.rpc.close()
+
+
+async def explorer_loop(master: Master, name: str, steps_seen: list, batch_size: int = 4):
+    peer = Peer(master, name, "explorer", [f"barrier.{name}", "stop"])
+    await peer.start()
+    try:
+        last = -1
+        while True:
+            msg = await peer.next("barrier")
+            if msg.TYPE == "master.stop":
+                return
+            if msg.batch <= last:
+                continue  # a repeat
+            last = msg.batch
+            lease = await peer.rpc.call(LeaseTasks(explorer=name, count=batch_size,
+                                                   step=msg.step), timeout=2)
+            await asyncio.sleep(0.01)  # "roll out"
+            await peer.rpc.call(CompleteTasks(lease_id=lease.lease_id), timeout=2)
+            steps_seen.append((name, msg.step, msg.version, msg.wait,
+                               [t.id for t in lease.tasks]))
+            await peer.rpc.call(ExplorerStepDone(explorer=name, step=msg.step, batch=msg.batch,
+                                                 version=msg.version), timeout=2)
+    finally:
+        await peer.close()
+
+
+async def trainer_loop(master: Master, trained: list, method: str = "checkpoint"):
+    peer = Peer(master, "trainer", "trainer", ["trainer", "stop"])
+    await peer.start()
+    try:
+        while True:
+            msg = await peer.next("trainer")
+            if msg.TYPE == "master.stop":
+                return
+            await asyncio.sleep(0.01)  # "train"
+            trained.append((msg.step, msg.publish, msg.batches))
+            await peer.rpc.call(TrainerStepDone(step=msg.step, version=msg.step + 1), timeout=2)
+            if msg.publish is not None:
+                await peer.rpc.call(WeightsPublished(version=msg.publish, method=method,
+                                                     path=f"weights/v{msg.publish}"), timeout=2)
+    finally:
+        await peer.close()
+
+
+async def test_one_step_off_policy_run_end_to_end(tmp_path, zmq_sockets_closed):
+    config = make_config(tmp_path, "sync.preset=one_step_off_policy", "master.total_steps=5")
+    master = Master(config)
+    serving = asyncio.create_task(master.serve())
+    await master.start()
+    seen, trained = [], []
+    await asyncio.wait_for(asyncio.gather(explorer_loop(master, "explorer-0", seen),
+                                          trainer_loop(master, trained, "nccl")), 20)
+    await asyncio.wait_for(serving, 5)
+    assert [(s, v, w) for _, s, v, w, _ in seen] == [
+        (0, 0, False), (1, 0, False), (2, 1, True), (3, 2, True), (4, 3, True)]
+    # version 4 would first be used by step 5, past the run: not published
+    assert [(t, p) for t, p, _ in trained] == [(0, 1), (1, 2), (2, 3), (3, None), (4, None)]
+    # 5 steps x 4 tasks, all distinct, in the seeded shuffle order
+    ids = [i for *_, batch in seen for i in batch]
+    assert len(ids) == 20 and len(set(ids)) == 20
+    journal = (tmp_path / "run" / "master" / "journal.jsonl").read_text().splitlines()
+    kinds = [json.loads(line)["k"] for line in journal]
+    assert kinds[0] == "start" and kinds.count("explorer_done") == 5
+    assert kinds.count("trainer_done") == 5
+
+
+async def test_two_explorers_async_and_status(tmp_path, zmq_sockets_closed):
+    config = make_config(tmp_path, "sync.preset=multi_explorer_async", "master.total_steps=4",
+                         "explorers.1.name=explorer-1", "explorers.1.batch_size=4")
+    master = Master(config)
+    await master.start()
+    seen, trained = [], []
+    try:
+        await asyncio.wait_for(asyncio.gather(
+            explorer_loop(master, "explorer-0", seen), explorer_loop(master, "explorer-1", seen),
+            trainer_loop(master, trained)), 20)
+        status = master.status()
+    finally:
+        await master.close()
+    assert len(seen) == 8 and {n for n, *_ in seen} == {"explorer-0", "explorer-1"}
+    assert all(v >= s - 4 for _, s, v, _, _ in seen)
+    assert [t for t, _, _ in trained] == [0, 1, 2, 3]
+    assert status.counters["stopped"] and status.counters["batches_done"] == 8
+    assert {c["name"] for c in status.components} == {"explorer-0", "explorer-1", "trainer"}
+
+
+async def test_lease_expires_and_goes_to_another_explorer(tmp_path, zmq_sockets_closed):
+    config = make_config(tmp_path, "master.total_steps=2", "master.task_lease_seconds=0.3")
+    master = Master(config)
+    await master.start()
+    client = RpcClient(master.address, peer="master", name="x")
+    try:
+        first = await client.call(LeaseTasks(explorer="a", count=3, step=0), timeout=2)
+        again = await client.call(LeaseTasks(explorer="a", count=3, step=0), timeout=2)
+        assert again.lease_id == first.lease_id  # asking twice for one step is one lease
+        await asyncio.sleep(0.6)
+        second = await client.call(LeaseTasks(explorer="b", count=4, step=0), timeout=2)
+        got = [t.id for t in second.tasks]
+        assert got[:3] == [t.id for t in first.tasks] and len(got) == 4
+        # the late completion of the expired lease is accepted; an unknown lease is refused
+        await client.call(CompleteTasks(lease_id=first.lease_id), timeout=2)
+        with pytest.raises(RequestFailed, match="unknown_lease"):
+            await client.call(CompleteTasks(lease_id="nope"), timeout=2)
+        assert master.dispatcher.expired == 1
+    finally:
+        await client.close()
+        await master.close()
+
+
+async def test_silent_explorer_is_declared_dead_and_its_lease_returns(tmp_path,
+                                                                      zmq_sockets_closed):
+    config = make_config(tmp_path, "master.total_steps=3", "transport.liveness=0.4")
+    master = Master(config)
+    await master.start()
+    a = RpcClient(master.address, peer="master", name="a")
+    b = RpcClient(master.address, peer="master", name="b")
+    try:
+        await a.call(Register(name="explorer-0", role="explorer"), timeout=2)
+        lease = await a.call(LeaseTasks(explorer="explorer-0", count=4, step=0), timeout=2)
+        await b.call(Register(name="explorer-1", role="explorer"), timeout=2)
+        for _ in range(10):  # explorer-1 keeps heartbeating, explorer-0 is silent
+            await b.call(Heartbeat(name="explorer-1", role="explorer"), timeout=2)
+            await asyncio.sleep(0.1)
+        status = await b.call(GetStatus(), timeout=2)
+        alive = {c["name"]: c["alive"] for c in status.components}
+        assert alive == {"explorer-0": False, "explorer-1": True}
+        assert status.counters["batches_lost"] == 1 and status.leases == []
+        taken = await b.call(LeaseTasks(explorer="explorer-1", count=4, step=0), timeout=2)
+        assert [t.id for t in taken.tasks] == [t.id for t in lease.tasks]
+    finally:
+        await a.close()
+        await b.close()
+        await master.close()
+
+
+async def test_restarted_master_resumes_cursor_clock_and_sequence(tmp_path, zmq_sockets_closed):
+    config = make_config(tmp_path, "sync.preset=synchronous", "master.total_steps=6")
+    master = Master(config)
+    await master.start()
+    peer = Peer(master, "explorer-0", "explorer", ["barrier.explorer-0", "stop"])
+    await peer.start()
+    b0 = await peer.next("barrier")
+    lease0 = await peer.rpc.call(LeaseTasks(explorer="explorer-0", count=4, step=0), timeout=2)
+    await peer.rpc.call(CompleteTasks(lease_id=lease0.lease_id), timeout=2)
+    await peer.rpc.call(ExplorerStepDone(explorer="explorer-0", step=0, batch=0, version=0),
+                        timeout=2)
+    trainer = RpcClient(master.address, peer="master", name="trainer")
+    await trainer.call(TrainerStepDone(step=0, version=1), timeout=2)
+    await trainer.call(WeightsPublished(version=1, method="nccl"), timeout=2)
+    b1 = await peer.next("barrier")
+    assert (b1.step, b1.version, b1.wait) == (1, 1, True)
+    run_id = master.run_id
+    await master.close()
+    await peer.close()
+    await trainer.close()
+
+    config2 = config.model_copy(deep=True)
+    master2 = Master(config2)
+    await master2.start()
+    try:
+        assert master2.resumed and master2.run_id == run_id
+        assert master2.clock.trainer_done == 1 and master2.clock.newest == 1
+        # a late joiner's snapshot has the barrier it was given, numbered after the old ones
+        sub = Subscriber(master2.publish_address, topics=["barrier.explorer-0"],
+                         snapshot=RpcClient(master2.address, peer="master", name="s"))
+        await sub.start()
+        ev = await sub.recv(2)
+        assert (ev.body.step, ev.body.batch) == (1, 1) and ev.seq > 2
+        await sub.close()
+        await sub.snapshot_client.close()
+        # the cursor survived: the next lease holds tasks nobody got before
+        client = RpcClient(master2.address, peer="master", name="c")
+        lease1 = await client.call(LeaseTasks(explorer="explorer-0", count=4, step=1), timeout=2)
+        assert not {t.id for t in lease1.tasks} & {t.id for t in lease0.tasks}
+        await client.close()
+    finally:
+        await master2.close()
+
+
+async def test_reports_out_of_turn_are_refused(tmp_path, zmq_sockets_closed):
+    config = make_config(tmp_path, "master.total_steps=3")
+    master = Master(config)
+    await master.start()
+    client = RpcClient(master.address, peer="master", name="x")
+    try:
+        with pytest.raises(RequestFailed, match="unexpected_step.*not registered"):
+            await client.call(ExplorerStepDone(explorer="ghost", step=0, version=0), timeout=2)
+        await client.call(Register(name="explorer-0", role="explorer"), timeout=2)
+        with pytest.raises(RequestFailed, match="granted step 0"):
+            await client.call(ExplorerStepDone(explorer="explorer-0", step=2, version=0),
+                              timeout=2)
+    finally:
+        await client.close()
+        await master.close()
+
+
+async def test_tandem_status_cli(tmp_path, zmq_sockets_closed):
+    config = make_config(tmp_path, "master.total_steps=3")
+    master = Master(config)
+    await master.start()
+    client = RpcClient(master.address, peer="master", name="x")
+    try:
+        await client.call(Register(name="explorer-0", role="explorer"), timeout=2)
+        runner = CliRunner()
+        result = await asyncio.to_thread(runner.invoke, tandem, ["status", "--master",
+                                                                 master.address])
+        assert result.exit_code == 0, result.output
+        for text in ("explorer-0", "trainer step 0/3", "tasks 0/40"):
+            assert text in result.output
+        result = await asyncio.to_thread(runner.invoke, tandem, [
+            "status", "--master", master.address, "--json"])
+        assert json.loads(result.output)["counters"]["total_steps"] == 3
+    finally:
+        await client.close()
+        await master.close()
+
+
+def test_tandem_status_without_a_master_is_a_one_line_error():
+    result = CliRunner().invoke(tandem, ["status", "--master", "tcp://127.0.0.1:1",
+                                         "--timeout", "0.2"])
+    assert result.exit_code == 1
+    assert "did not answer" in result.output and "Traceback" not in result.output
+
+
+def test_tandem_master_process_exits_cleanly_on_sigterm(tmp_path):
+    tasks = write_tasks(tmp_path / "tasks.jsonl", 8)
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"run_dir: {tmp_path / 'run'}\nmaster:\n  address: tcp://127.0.0.1:0\n"
+                   f"  publish_address: tcp://127.0.0.1:0\n  taskset:\n    path: {tasks}\n")
+    exe = Path(sys.executable).with_name("tandem-master")
+    proc = subprocess.Popen([str(exe), "--config", str(cfg), "--set", "logging.json_console=true"],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 20
+        journal = tmp_path / "run" / "master" / "journal.jsonl"
+        while not journal.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert journal.exists(), proc.stderr.read() if proc.poll() is not None else "no journal"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+        assert "master.closed" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_tandem_master_bad_config_is_a_one_line_error(tmp_path):
+    exe = Path(sys.executable).with_name("tandem-master")
+    result = subprocess.run([str(exe), "--set", "master.task_lease_seconds=-1"],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 1
+    assert "master.task_lease_seconds" in result.stderr and "Traceback" not in result.stderr
