@@ -1,0 +1,297 @@
+"""The explorer service: barriers in, experiences out.
+
+One step, as the master protocol has it (`tandem.common.messages.master`):
+
+    wait for Barrier(step, version) -> load `version` if told -> LeaseTasks -> roll out
+    -> PutExperiences (acked once durable) -> CompleteTasks -> ExplorerStepDone -> next Barrier
+
+The master alone decides when a step may start and with which weights (`SyncPlan`); the
+explorer waits only for its barrier, up to `sync.timeout`. Generation runs on the engine's
+thread, so heartbeats and the subscription keep going while a batch is being sampled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+from typing import Any
+
+import structlog
+
+from tandem.common.config import RunConfig
+from tandem.common.errors import RequestFailed, WaitTimeout
+from tandem.common.heartbeat import Heartbeater
+from tandem.common.messages.buffer import PutExperiences
+from tandem.common.messages.experience import Experience
+from tandem.common.messages.master import (
+    Barrier,
+    CompleteTasks,
+    ExplorerStepDone,
+    LeaseTasks,
+    Register,
+    Stop,
+    WeightsPublished,
+)
+from tandem.common.pubsub import Subscriber
+from tandem.common.rpc import RpcClient
+from tandem.common.trace import Tracer
+
+from .engine import Engine, create_engine
+from .rewards import RewardScorer, create_scorer
+from .sampling import SamplingParams
+from .weights import WeightLoader
+from .workflows import RolloutContext, SingleTurn, Workflow, create_workflow
+
+log = structlog.get_logger(__name__)
+
+
+class Explorer:
+    """One explorer as a component: `await Explorer(config, name).serve()`.
+
+    `engine` and `scorer` may be handed in (an embedding program that already holds a model);
+    otherwise they are built from the config when the explorer starts.
+    """
+
+    def __init__(self, config: RunConfig, name: str, *, engine: Engine | None = None,
+                 scorer: RewardScorer | None = None):
+        self.config = config
+        self.cfg = config.explorer(name)
+        self.name = name
+        self.engine = engine
+        self.scorer = scorer
+        self.sampling = SamplingParams.from_config(self.cfg.sampling)
+        self.workflow: Workflow | None = None
+        self.loader: WeightLoader | None = None
+        self.tracer = Tracer(config.run_dir if config.logging.trace else None, name)
+        self.master = RpcClient(config.master.address, peer="master",
+                                transport=config.transport, name=name)
+        self.buffer = RpcClient(config.buffer.address, peer="buffer",
+                                transport=config.transport, name=name)
+        self.subscriber: Subscriber | None = None
+        self.heartbeater: Heartbeater | None = None
+        self.run_id = ""
+        self.steps_done = 0
+        self.stop_reason: str | None = None
+        self._stopping = False
+        self._done_batches: set[int] = set()
+        self._latest_weights: WeightsPublished | None = None
+        self._step_task: asyncio.Task | None = None
+        self._wait_task: asyncio.Task | None = None
+        self._owns_engine = engine is None
+        self._owns_scorer = scorer is None
+        self._closed = False
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load the engine, register with the master, subscribe to its decisions."""
+        if self.engine is None:
+            self.engine = await asyncio.to_thread(create_engine, self.cfg.engine, self.config.model)
+        self.workflow = create_workflow(self.cfg.workflow, self.engine.tokenizer,
+                                        self.cfg.workflow_args)
+        if self.scorer is None and isinstance(self.workflow, SingleTurn):
+            self.scorer = create_scorer(self.config.reward, self.config.transport, name=self.name)
+        self.loader = WeightLoader(self.engine, run_dir=self.config.run_dir, explorer=self.name,
+                                   timeout=self.config.sync.timeout,
+                                   device=self.cfg.engine.device)
+        reply = await self.master.call(
+            Register(name=self.name, role="explorer", pid=os.getpid(), host=socket.gethostname(),
+                     meta={"batch_size": self.cfg.batch_size, "repeat_times": self.cfg.repeat_times,
+                           "workflow": self.cfg.workflow, "engine": self.cfg.engine.kind,
+                           "device": self.cfg.engine.device, "version": self.engine.version}),
+            timeout_key="transport.rpc_timeout")
+        self.run_id = reply.run_id
+        publish = reply.publish_address or self.config.master.publish_address
+        self.subscriber = Subscriber(publish, topics=[f"barrier.{self.name}", "weights", "stop"],
+                                     transport=self.config.transport, snapshot=self.master)
+        await self.subscriber.start()
+        t = self.config.transport
+        self.heartbeater = Heartbeater(self.master, name=self.name, role="explorer",
+                                       interval=t.heartbeat_interval, liveness=t.liveness)
+        self.heartbeater.start()
+        log.info("explorer.started", explorer=self.name, run_id=self.run_id,
+                 workflow=self.cfg.workflow, batch_size=self.cfg.batch_size,
+                 repeat_times=self.cfg.repeat_times, version=self.engine.version)
+
+    async def serve(self) -> None:
+        """Roll out steps until the master says stop, the tasks run out, or `request_stop()`."""
+        try:
+            await self.start()
+            while not self._stopping:
+                self._wait_task = asyncio.create_task(self._next_barrier())
+                try:
+                    barrier = await self._wait_task
+                except asyncio.CancelledError:
+                    if self._stopping:
+                        break
+                    raise
+                if barrier is None:
+                    break
+                self._step_task = asyncio.create_task(self._run_step(barrier))
+                try:
+                    more = await self._step_task
+                except asyncio.CancelledError:
+                    if self._stopping:
+                        log.warning("explorer.step_abandoned", explorer=self.name,
+                                    step=barrier.step, why="drain_seconds passed after SIGTERM; "
+                                    "the master re-leases its tasks")
+                        break
+                    raise
+                if not more:
+                    break
+        finally:
+            await self.close()
+
+    def request_stop(self) -> None:
+        """Stop after the running step (at most `drain_seconds` more); from a signal handler."""
+        if self._stopping:
+            return
+        self._stopping = True
+        log.info("explorer.stopping", explorer=self.name, drain_seconds=self.cfg.drain_seconds)
+        if self._wait_task is not None and not self._wait_task.done():
+            self._wait_task.cancel()
+        if self._step_task is not None and not self._step_task.done():
+            asyncio.get_running_loop().call_later(self.cfg.drain_seconds, self._step_task.cancel)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.heartbeater is not None:
+            await self.heartbeater.close()
+        if self.subscriber is not None:
+            await self.subscriber.close()
+        if self.loader is not None:
+            await self.loader.close()
+        if self.scorer is not None and self._owns_scorer:
+            await self.scorer.close()
+        await self.master.close()
+        await self.buffer.close()
+        if self.engine is not None and self._owns_engine:
+            self.engine.close()
+        self.tracer.close()
+        log.info("explorer.closed", explorer=self.name, steps=self.steps_done,
+                 reason=self.stop_reason or ("signal" if self._stopping else "done"))
+
+    # -- one step ------------------------------------------------------------------------------
+
+    async def _next_barrier(self) -> Barrier | None:
+        """The barrier of this explorer's next step, or None when the run stops."""
+        timeout = self.config.sync.timeout
+        deadline = time.monotonic() + timeout
+        start = time.time()
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                event = await self.subscriber.recv(
+                    max(remaining, 0.0), what=f"barrier for {self.name} (master)",
+                    timeout_key="sync.timeout")
+            except WaitTimeout:
+                raise WaitTimeout(
+                    f"{self.name}: no barrier from the master at {self.subscriber.address} "
+                    f"within {timeout:g}s after step {self.steps_done}; is the master (or the "
+                    "trainer it waits for) running? raise sync.timeout if it is only slow"
+                ) from None
+            msg = event.body
+            if isinstance(msg, Stop):
+                self.stop_reason = msg.reason
+                log.info("explorer.stop_received", explorer=self.name, reason=msg.reason, ok=msg.ok)
+                return None
+            if isinstance(msg, WeightsPublished):
+                self._latest_weights = msg
+                if msg.method == "nccl":
+                    self.loader.offer_group(msg.rendezvous)
+                continue
+            if isinstance(msg, Barrier) and msg.explorer == self.name:
+                if msg.batch in self._done_batches:
+                    continue  # a repeat (snapshot after a gap) of a step already done
+                self.tracer.record("wait", start, time.time(), step=msg.step, version=msg.version,
+                                   reason="barrier")
+                return msg
+
+    async def _run_step(self, barrier: Barrier) -> bool:
+        """Roll out the barrier's step; False when there is nothing left to roll out."""
+        engine = self.engine
+        if barrier.wait or barrier.version != engine.version:
+            rendezvous = self._latest_weights.rendezvous if self._latest_weights else None
+            with self.tracer.span("sync", step=barrier.step, version=barrier.version,
+                                  method=barrier.method) as attrs:
+                stats = await self.loader.load(barrier.version, barrier.method, rendezvous)
+                attrs.update(stats)
+        lease = await self.master.call(
+            LeaseTasks(explorer=self.name, count=self.cfg.batch_size, step=barrier.step),
+            timeout_key="transport.rpc_timeout")
+        if not lease.tasks:
+            log.info("explorer.tasks_exhausted", explorer=self.name, step=barrier.step)
+            return False
+        ctx = RolloutContext(engine=engine, sampling=self.sampling,
+                             repeat_times=self.cfg.repeat_times, explorer=self.name,
+                             run=f"{self.run_id}/{self.name}", step=barrier.step,
+                             scorer=self.scorer, version=barrier.version)
+        t0 = time.time()
+        with self.tracer.span("rollout", step=barrier.step, version=barrier.version,
+                              tasks=len(lease.tasks)) as attrs:
+            experiences = await self.workflow.run(lease.tasks, ctx)
+            attrs["experiences"] = len(experiences)
+        rollout_s = time.time() - t0
+        await self._put(experiences, barrier)
+        try:
+            await self.master.call(CompleteTasks(lease_id=lease.lease_id),
+                                   timeout_key="transport.rpc_timeout")
+        except RequestFailed as exc:
+            # The lease ran out during a slow rollout: the experiences are stored (ids are
+            # deterministic, so a re-roll of the same tasks is stored once) and the step counts.
+            log.warning("explorer.lease_lost", explorer=self.name, lease=lease.lease_id,
+                        error=str(exc), hint="raise master.task_lease_seconds")
+        metrics = step_metrics(experiences, rollout_s)
+        await self.master.call(
+            ExplorerStepDone(explorer=self.name, step=barrier.step, version=barrier.version,
+                             batch=barrier.batch, experiences=len(experiences), metrics=metrics),
+            timeout_key="transport.rpc_timeout")
+        self._done_batches.add(barrier.batch)
+        self.steps_done += 1
+        log.info("explorer.step", explorer=self.name, step=barrier.step, batch=barrier.batch,
+                 version=barrier.version, experiences=len(experiences),
+                 seconds=round(rollout_s, 3), reward=round(metrics["reward_mean"], 4))
+        return True
+
+    async def _put(self, experiences: list[Experience], barrier: Barrier) -> None:
+        """Put to the buffer and wait for its ack; a `full` buffer is retried until put_timeout."""
+        deadline = time.monotonic() + self.cfg.put_timeout
+        msg = PutExperiences(experiences=experiences)
+        while True:
+            try:
+                await self.buffer.call(msg, timeout_key="transport.rpc_timeout")
+                return
+            except RequestFailed as exc:
+                if exc.code != "full":
+                    raise
+                wait = exc.retry_after or 0.1
+                if time.monotonic() + wait > deadline:
+                    raise WaitTimeout(
+                        f"{self.name}: the buffer at {self.buffer.address} stayed full for "
+                        f"{self.cfg.put_timeout:g}s (explorers[].put_timeout); is the trainer "
+                        "consuming? raise buffer.capacity or put_timeout") from None
+                start = time.time()
+                await asyncio.sleep(wait)
+                self.tracer.record("wait", start, time.time(), step=barrier.step,
+                                   version=barrier.version, reason="buffer_full")
+
+
+def step_metrics(experiences: list[Experience], rollout_s: float) -> dict[str, float]:
+    """What an explorer reports with its step: rewards, lengths, throughput."""
+    n = max(1, len(experiences))
+    generated = sum(int(e.action_mask.sum()) for e in experiences)
+    out: dict[str, Any] = {
+        "reward_mean": sum(e.reward for e in experiences) / n,
+        "response_len_mean": sum(e.response_len for e in experiences) / n,
+        "generated_tokens": float(generated),
+        "rollout_s": rollout_s,
+        "tokens_per_s": generated / rollout_s if rollout_s > 0 else 0.0,
+    }
+    names = sorted({k for e in experiences for k in e.rewards})
+    for k in names:
+        out[f"reward/{k}"] = sum(e.rewards.get(k, 0.0) for e in experiences) / n
+    return out

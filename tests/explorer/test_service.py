@@ -1,0 +1,139 @@
+"""The explorer service against a real master on loopback: barriers, leases, puts, sync points.
+
+The trainer's side is played by the test over the same protocol a trainer speaks (TrainerGo in,
+TrainerStepDone and WeightsPublished out, weights written by the real WeightPublisher).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tandem.common.config import load_config
+from tandem.common.messages.buffer import PutExperiences, PutResult
+from tandem.common.messages.master import TrainerGo, TrainerStepDone, WeightsPublished
+from tandem.common.pubsub import Subscriber
+from tandem.common.rpc import RpcClient, RpcServer
+from tandem.common.trace import read_trace
+from tandem.common.weights import WeightPublisher
+from tandem.explorer.sampling import SamplingParams
+from tandem.explorer.service import Explorer
+from tandem.explorer.transformers_engine import TransformersEngine
+from tandem.master.service import Master
+
+
+def write_tasks(path: Path, n: int) -> Path:
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"id": f"g{i}", "secret": i % 10 + 1, "low": 1, "high": 10}) + "\n")
+    return path
+
+
+def make_config(tmp_path: Path, model_path: Path, *overrides: str):
+    taskset = write_tasks(tmp_path / "tasks.jsonl", 8)
+    return load_config(None, [
+        f"run_dir={tmp_path / 'run'}", f"model.path={model_path}",
+        "master.address=tcp://127.0.0.1:0", "master.publish_address=tcp://127.0.0.1:0",
+        "buffer.address=tcp://127.0.0.1:0",
+        f"master.taskset.path={taskset}", "master.taskset.id_field=id", "master.stop_grace=0.2",
+        "master.total_steps=2", "transport.heartbeat_interval=0.2", "transport.liveness=5",
+        "sync.method=checkpoint", "sync.interval=1", "sync.offset=0", "sync.timeout=30",
+        "explorers.0.batch_size=2", "explorers.0.repeat_times=2",
+        "explorers.0.workflow=multi_turn", "explorers.0.workflow_args.env=guess_number",
+        "explorers.0.workflow_args.max_turns=2", "explorers.0.sampling.max_tokens=6",
+        *overrides])
+
+
+class StandInBuffer:
+    """Stands in for tandem-buffer until its service lands: stores puts, acks them."""
+
+    def __init__(self, address: str):
+        self.server = RpcServer(address, name="buffer")
+        self.stored: list = []
+        self.server.register(PutExperiences, self.on_put)
+
+    async def on_put(self, msg, ctx):
+        self.stored += msg.experiences
+        return PutResult(stored=len(msg.experiences), duplicates=0)
+
+
+async def play_trainer(config, master_address, publish_address, trained: TransformersEngine,
+                       log: list):
+    """Train (nothing) on each TrainerGo, publish the trained weights when told to."""
+    rpc = RpcClient(master_address, peer="master", name="trainer")
+    snap = RpcClient(master_address, peer="master", name="trainer-s")
+    sub = Subscriber(publish_address, topics=["trainer", "stop"], snapshot=snap, resync_interval=0.2)
+    publisher = WeightPublisher(config.run_dir)
+    try:
+        while True:
+            ev = (await sub.recv(30, what="trainer go")).body
+            if not isinstance(ev, TrainerGo):
+                return
+            log.append(("go", ev.step))
+            await asyncio.sleep(0.5)  # the explorer is now waiting at its sync point
+            await rpc.call(TrainerStepDone(step=ev.step, version=ev.step + 1), timeout=5)
+            if ev.publish is not None:
+                published = await asyncio.to_thread(
+                    publisher.publish, ev.publish, trained.model.named_parameters())
+                log.append(("published", ev.publish))
+                await rpc.call(WeightsPublished(version=ev.publish, method="checkpoint",
+                                                path=str(published.path)), timeout=5)
+    finally:
+        await sub.close()
+        await snap.close()
+        await rpc.close()
+
+
+async def test_two_steps_with_a_sync_point_waiting_for_weights(tmp_path, tiny_model_path):
+    config = make_config(tmp_path, tiny_model_path)
+    master = Master(config)
+    await master.start()
+    buffer = StandInBuffer("tcp://127.0.0.1:0")
+    config.buffer.address = await buffer.server.start()
+    config.master.address = master.address
+    trained = TransformersEngine.from_pretrained(tiny_model_path)
+    torch.manual_seed(9)
+    with torch.no_grad():
+        for p in trained.model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    engine = TransformersEngine.from_pretrained(tiny_model_path, max_batch=8)
+    explorer = Explorer(config, "explorer-0", engine=engine)
+    log: list = []
+    trainer = asyncio.create_task(play_trainer(config, master.address, master.publish_address,
+                                               trained, log))
+    try:
+        await asyncio.wait_for(explorer.serve(), 60)
+        await asyncio.wait_for(trainer, 10)
+    finally:
+        trainer.cancel()
+        await buffer.server.close()
+        await master.close()
+
+    assert explorer.stop_reason and explorer.stop_reason.startswith("done")
+    assert explorer.steps_done == 2 and engine.version == 1
+    exps = buffer.stored
+    assert len(exps) == 2 * 2 * 2
+    assert [e.policy_version for e in exps] == [0] * 4 + [1] * 4
+    assert [e.info["step"] for e in exps] == [0] * 4 + [1] * 4
+    assert len({e.group_id for e in exps}) == 4 and all(e.info["group_size"] == 2 for e in exps)
+    assert all(e.action_mask.sum() > 0 and np.all(e.logprobs[e.action_mask == 0] == 0)
+               for e in exps)
+    # the loaded weights are the trainer's: same greedy outputs
+    greedy = SamplingParams(temperature=0.0, max_tokens=10)
+    assert ([list(c.token_ids) for [c] in engine.generate_sync(["3+4="], 1, greedy)]
+            == [list(c.token_ids) for [c] in trained.generate_sync(["3+4="], 1, greedy)])
+    spans = read_trace(config.run_dir)
+    mine = [s for s in spans if s["component"] == "explorer-0"]
+    kinds = [(s["kind"], s["step"]) for s in mine]
+    assert ("rollout", 0) in kinds and ("rollout", 1) in kinds and ("sync", 1) in kinds
+    [sync] = [s for s in mine if s["kind"] == "sync"]
+    assert sync["version"] == 1 and sync["attrs"]["method"] == "checkpoint"
+    # the explorer waited at the sync point of step 1 until version 1 was published
+    waits = [s for s in mine if s["kind"] == "wait" and s["step"] == 1]
+    assert waits and waits[0]["end"] - waits[0]["start"] >= 0.4
+    engine.close()
+    trained.close()
