@@ -60,11 +60,17 @@ class Journal:
         self._dirty = True
 
     def maybe_sync(self) -> None:
-        if self._file is not None and self._dirty and (
+        """fsync if something was appended since the last one, at most every `sync_interval`
+        seconds; safe to call from a worker thread while the loop keeps appending."""
+        file = self._file
+        if file is not None and self._dirty and (
                 time.monotonic() - self._last_sync >= self.sync_interval):
-            os.fsync(self._file.fileno())
             self._dirty = False
             self._last_sync = time.monotonic()
+            try:
+                os.fsync(file.fileno())
+            except (OSError, ValueError):  # closed meanwhile: close() synced it
+                pass
 
     def close(self) -> None:
         if self._file is not None:

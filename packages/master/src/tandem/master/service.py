@@ -10,6 +10,7 @@ components that kept running simply reconnect.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import time
@@ -210,11 +211,16 @@ class Master:
             self._schedule_done()
 
     async def _emit(self, decisions: list[Decision]) -> None:
+        # structlog renders an event before the level filter sees it: skip debug events unless
+        # they will be shown, they sit on the barrier's hot path
+        debug = logging.getLogger(__name__).isEnabledFor(logging.DEBUG)
         for topic, msg in decisions:
             await self.publisher.publish(topic, msg)
             if topic == "stop":
                 log.info("master.stop", reason=msg.reason)
                 self._schedule_done()
+            elif not debug:
+                continue
             elif topic == "trainer":
                 log.debug("master.trainer_go", step=msg.step, publish=msg.publish)
             else:
@@ -373,7 +379,8 @@ class Master:
             if self.dispatcher is not None:
                 for lease in self.dispatcher.due(time.time()):
                     self._expire(lease.lease_id, why="deadline")
-            self.journal.maybe_sync()
+        # fsync off the event loop: it can take milliseconds, and barriers must not wait for it
+        await asyncio.to_thread(self.journal.maybe_sync)
 
     def _expire(self, lease_id: str, why: str) -> None:
         lease = self.dispatcher.leases[lease_id]

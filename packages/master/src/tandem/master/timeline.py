@@ -1,0 +1,263 @@
+"""`tandem timeline RUN_DIR`: draw a run's trace in the sync-pattern figure's visual language.
+
+One lane per explorer, the buffer (its fill level over time) and the trainer; Rollout yellow,
+Train green, Sync by NCCL purple, Sync by checkpoint red, waits hatched grey, on the real time
+axis, with each lane's utilisation (busy time / wall-clock) in the legend. `--html` writes a
+self-contained zoomable page (inline SVG, a few lines of script, no network).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+
+from tandem.common.trace import read_trace
+
+from .render import COLOURS
+
+BUSY = ("rollout", "train", "sync")
+WAIT_COLOUR = "#d0d0d0"
+
+
+@dataclass
+class Span:
+    lane: str
+    kind: str
+    start: float
+    end: float
+    step: int | None = None
+    version: int | None = None
+    attrs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def colour(self) -> str:
+        if self.kind == "sync":
+            return COLOURS["nccl" if self.attrs.get("method") == "nccl" else "checkpoint"]
+        return COLOURS.get(self.kind, WAIT_COLOUR)
+
+
+@dataclass
+class RunTimeline:
+    """A run's trace as lanes on a time axis starting at 0."""
+
+    explorers: list[str]
+    spans: list[Span]
+    buffer: list[tuple[float, int]]
+    makespan: float
+
+    def lane(self, name: str) -> list[Span]:
+        return [s for s in self.spans if s.lane == name]
+
+    def utilization(self) -> dict[str, float]:
+        """Busy fraction of the wall-clock per lane (rollout/train/sync count as busy)."""
+        out = {}
+        for name in self.explorers + ["trainer"]:
+            busy = _union([(s.start, s.end) for s in self.lane(name) if s.kind in BUSY])
+            out[name] = busy / self.makespan if self.makespan > 0 else 0.0
+        return out
+
+    def staleness(self) -> dict[int, int]:
+        """How many explorer steps ran with weights k versions old (step - version)."""
+        counts: dict[int, int] = {}
+        for s in self.spans:
+            if s.kind == "rollout" and s.step is not None and s.version is not None:
+                counts[s.step - s.version] = counts.get(s.step - s.version, 0) + 1
+        return dict(sorted(counts.items()))
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    total, cur_start, cur_end = 0.0, None, None
+    for start, end in sorted(intervals):
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        total += cur_end - cur_start
+    return total
+
+
+def load_timeline(run_dir: str | Path) -> RunTimeline:
+    """Read `run_dir/trace/*.jsonl` into lanes: explorers, the buffer level, the trainer."""
+    raw = read_trace(run_dir)
+    lanes_of_interest = [s for s in raw if s["kind"] in BUSY + ("wait",)]
+    if not lanes_of_interest:
+        raise click.ClickException(f"{run_dir}: the trace has no rollout, train or sync spans")
+    t0 = min(s["start"] for s in lanes_of_interest)
+    spans: list[Span] = []
+    explorers: list[str] = []
+    for s in lanes_of_interest:
+        component = s["component"]
+        lane = "trainer" if component.startswith("trainer") else component
+        if lane != "trainer" and lane not in explorers:
+            explorers.append(lane)
+        spans.append(Span(lane, s["kind"], s["start"] - t0, s["end"] - t0, s.get("step"),
+                          s.get("version"), s.get("attrs") or {}))
+    explorers.sort()
+    makespan = max(s.end for s in spans)
+    return RunTimeline(explorers, spans, _buffer_levels(raw, spans, t0), makespan)
+
+
+def _buffer_levels(raw: list[dict], spans: list[Span], t0: float) -> list[tuple[float, int]]:
+    """Groups waiting in the buffer: from the buffer's own fill events when it wrote them,
+    otherwise derived (+groups when a rollout ends, -groups when a train step starts)."""
+    fills = [(s["start"] - t0, int((s.get("attrs") or {}).get("ready", 0)))
+             for s in raw if s["kind"] == "buffer_fill"]
+    if fills:
+        return sorted(fills)
+    deltas = []
+    for s in spans:
+        groups = int(s.attrs.get("groups", 1))
+        if s.kind == "rollout":
+            deltas.append((s.end, groups))
+        elif s.kind == "train":
+            deltas.append((s.start, -groups))
+    level, out = 0, []
+    for t, d in sorted(deltas):
+        level = max(0, level + d)
+        out.append((t, level))
+    return out
+
+
+def render_png(tl: RunTimeline, path: str | Path, title: str = "") -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    lanes = tl.explorers + ["buffer", "trainer"]
+    fig, ax = plt.subplots(figsize=(13, 1.2 + 0.6 * len(lanes)))
+    y_of = {name: len(lanes) - 1 - i for i, name in enumerate(lanes)}
+    for s in tl.spans:
+        y = y_of[s.lane]
+        height = 0.9 if s.kind == "sync" else (0.35 if s.kind == "wait" else 0.7)
+        ax.broken_barh([(s.start, max(s.end - s.start, tl.makespan / 2000))],
+                       (y - height / 2, height), facecolors=s.colour,
+                       edgecolors="black" if s.kind != "wait" else "none", linewidth=0.3,
+                       hatch="//" if s.kind == "wait" else None)
+        if s.kind in ("rollout", "train") and s.step is not None and \
+                (s.end - s.start) > tl.makespan / 60:
+            ax.text((s.start + s.end) / 2, y, str(s.step), ha="center", va="center", fontsize=7)
+    if tl.buffer:
+        y = y_of["buffer"]
+        times = [0.0] + [t for t, _ in tl.buffer] + [tl.makespan]
+        values = [0] + [n for _, n in tl.buffer] + [tl.buffer[-1][1]]
+        top = max(1, max(values))
+        ax.fill_between(times, y - 0.35, [y - 0.35 + 0.7 * v / top for v in values],
+                        step="post", color=COLOURS["buffer"])
+        ax.text(tl.makespan * 1.005, y, f"max {top}", fontsize=7, va="center")
+    util = tl.utilization()
+    ax.set_yticks([y_of[n] for n in lanes],
+                  labels=[f"{n} ({util[n]:.0%})" if n in util else n for n in lanes])
+    ax.set_xlim(0, tl.makespan * 1.06)
+    ax.set_ylim(-0.7, len(lanes) - 0.3)
+    ax.set_xlabel("seconds since the first span")
+    ax.set_title(title or f"run timeline - {tl.makespan:.1f} s wall-clock; "
+                 "lane labels give each lane's busy share", fontsize=9)
+    ax.legend(handles=[Patch(color=COLOURS["rollout"], label="Rollout"),
+                       Patch(color=COLOURS["train"], label="Train"),
+                       Patch(color=COLOURS["nccl"], label="Sync. weight (NCCL)"),
+                       Patch(color=COLOURS["checkpoint"], label="Sync. weight (Checkpoint)"),
+                       Patch(color=WAIT_COLOUR, label="Wait"),
+                       Patch(color=COLOURS["buffer"], label="Buffer (groups ready)")],
+              loc="upper center", bbox_to_anchor=(0.5, -0.25 if len(lanes) < 5 else -0.15),
+              ncol=6, fontsize=8, frameon=False)
+    ax.grid(axis="x", linewidth=0.3, alpha=0.5)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def render_html(tl: RunTimeline, path: str | Path) -> Path:
+    """A self-contained page: the same lanes as SVG; wheel zooms the time axis, drag pans."""
+    lanes = tl.explorers + ["buffer", "trainer"]
+    util = tl.utilization()
+    lane_h, left, width = 36, 170, 1200
+    scale = width / tl.makespan if tl.makespan > 0 else 1.0
+    rects = []
+    for s in tl.spans:
+        y = lanes.index(s.lane) * lane_h + (4 if s.kind == "sync" else 8)
+        h = lane_h - (8 if s.kind == "sync" else 16)
+        tip = html.escape(f"{s.lane} {s.kind} step={s.step} version={s.version} "
+                          f"{s.start:.3f}-{s.end:.3f}s ({s.end - s.start:.3f}s) "
+                          f"{json.dumps(s.attrs, default=str)}")
+        rects.append(f'<rect class="s" data-x="{s.start * scale:.2f}" '
+                     f'data-w="{max((s.end - s.start) * scale, 0.5):.2f}" y="{y}" height="{h}" '
+                     f'fill="{s.colour}" stroke="#333" stroke-width="0.3"><title>{tip}</title></rect>')
+    if tl.buffer:
+        top = max(1, max(n for _, n in tl.buffer))
+        base = lanes.index("buffer") * lane_h + lane_h - 6
+        prev_t, prev_n = 0.0, 0
+        for t, n in tl.buffer + [(tl.makespan, tl.buffer[-1][1])]:
+            h = (lane_h - 12) * prev_n / top
+            rects.append(f'<rect class="s" data-x="{prev_t * scale:.2f}" '
+                         f'data-w="{max((t - prev_t) * scale, 0):.2f}" y="{base - h:.1f}" '
+                         f'height="{h:.1f}" fill="{COLOURS["buffer"]}"><title>{prev_n} groups '
+                         f'ready</title></rect>')
+            prev_t, prev_n = t, n
+    labels = "".join(
+        f'<text x="4" y="{i * lane_h + lane_h / 2 + 4}" font-size="12">{html.escape(n)}'
+        f'{f" ({util[n]:.0%})" if n in util else ""}</text>' for i, n in enumerate(lanes))
+    height = len(lanes) * lane_h + 30
+    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>tandem timeline</title>
+<style>body{{font-family:sans-serif;margin:12px}} svg{{border:1px solid #ccc;cursor:grab}}</style>
+</head><body><h3>tandem timeline: {tl.makespan:.1f} s wall-clock</h3>
+<p>Wheel: zoom the time axis. Drag: pan. Hover a block for its step, version and timing.</p>
+<svg id="tl" width="{left + width + 20}" height="{height}">{labels}
+<g id="lanes" transform="translate({left},0)">{''.join(rects)}</g>
+<text id="axis" x="{left}" y="{height - 8}" font-size="11"></text></svg>
+<script>
+const W={width}, M={tl.makespan:.6f}; let k=1, off=0, drag=null;
+const rs=[...document.querySelectorAll('rect.s')];
+function draw(){{for(const r of rs){{r.setAttribute('x',(+r.dataset.x-off)*k);
+r.setAttribute('width',+r.dataset.w*k);}}
+document.getElementById('axis').textContent=`${{(off/W*M).toFixed(2)}} s ... ${{((off+W/k)/W*M).toFixed(2)}} s`;}}
+const svg=document.getElementById('tl');
+svg.addEventListener('wheel',e=>{{e.preventDefault();const x=e.offsetX-{left};const t=off+x/k;
+k=Math.max(1,k*(e.deltaY<0?1.25:0.8));off=Math.max(0,t-x/k);draw();}});
+svg.addEventListener('mousedown',e=>drag=[e.clientX,off]);
+window.addEventListener('mouseup',()=>drag=null);
+window.addEventListener('mousemove',e=>{{if(drag){{off=Math.max(0,drag[1]-(e.clientX-drag[0])/k);draw();}}}});
+draw();
+</script></body></html>"""
+    path = Path(path)
+    path.write_text(page, encoding="utf-8")
+    return path
+
+
+def summary_rows(tl: RunTimeline) -> list[tuple[str, str]]:
+    util = tl.utilization()
+    rows = [("wall-clock", f"{tl.makespan:.1f} s")]
+    rows += [(f"{name} busy", f"{u:.0%}") for name, u in util.items()]
+    stale = tl.staleness()
+    if stale:
+        rows.append(("staleness (steps: count)", ", ".join(f"{k}: {v}" for k, v in stale.items())))
+    return rows
+
+
+@click.command("timeline")
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
+              help="PNG to write (default RUN_DIR/timeline.png)")
+@click.option("--html", "html_out", type=click.Path(dir_okay=False), default=None,
+              help="also write a zoomable self-contained HTML page here")
+def timeline(run_dir: str, output: str | None, html_out: str | None) -> None:
+    """Draw RUN_DIR's trace: lanes per explorer, the buffer and the trainer."""
+    tl = load_timeline(run_dir)
+    png = render_png(tl, output or Path(run_dir) / "timeline.png")
+    for name, value in summary_rows(tl):
+        click.echo(f"{name:>26}: {value}")
+    click.echo(f"{'timeline':>26}: {png}")
+    if html_out:
+        click.echo(f"{'html':>26}: {render_html(tl, html_out)}")
