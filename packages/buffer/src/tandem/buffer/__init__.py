@@ -6,12 +6,13 @@
 """
 
 from .policy import group_priority
+from .service import Buffer
 from .sqlite import SqliteStore, StoreClosed
 from .store import (
     BadPut, BufferFull, ExperienceStore, Lease, NotEnoughExperiences, PutOutcome, UnknownLease,
 )
 
 __all__ = [
-    "BadPut", "BufferFull", "ExperienceStore", "Lease", "NotEnoughExperiences", "PutOutcome",
+    "BadPut", "Buffer", "BufferFull", "ExperienceStore", "Lease", "NotEnoughExperiences", "PutOutcome",
     "SqliteStore", "StoreClosed", "UnknownLease", "group_priority",
 ]

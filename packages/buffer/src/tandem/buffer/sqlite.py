@@ -422,9 +422,8 @@ class SqliteStore(ExperienceStore):
             self._prune()
         have = self._count_ready(min_version, max_version)
         if have < num_groups:
-            detail = f", dropped {dropped} stale experiences" if dropped else ""
             # returned, not raised: the stale drop above must commit
-            return NotEnoughExperiences(have, num_groups, detail)
+            return NotEnoughExperiences(have, num_groups, dropped)
         clause, params = self._version_filter(min_version, max_version)
         chosen: list[str] = []
         levels = [r[0] for r in conn.execute(

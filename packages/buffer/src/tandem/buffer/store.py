@@ -43,9 +43,11 @@ class BufferFull(RequestFailed):
 class NotEnoughExperiences(RequestFailed):
     """Fewer ready groups than asked for (after the staleness filter)."""
 
-    def __init__(self, have: int, need: int, detail: str = ""):
+    def __init__(self, have: int, need: int, dropped: int = 0):
         self.have = have
         self.need = need
+        self.dropped = dropped  # experiences this attempt dropped as stale
+        detail = f", dropped {dropped} stale experiences" if dropped else ""
         super().__init__(
             "not_enough", f"not enough experiences (have {have} ready groups, need {need}){detail}")
 
