@@ -120,7 +120,7 @@ def _buffer_levels(raw: list[dict], spans: list[Span], t0: float) -> list[tuple[
         elif s.kind == "train":
             deltas.append((s.start, -groups))
     level, out = 0, []
-    for t, d in sorted(deltas):
+    for t, d in sorted(deltas, key=lambda x: (x[0], -x[1])):  # arrivals before departures
         level = max(0, level + d)
         out.append((t, level))
     return out

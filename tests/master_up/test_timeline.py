@@ -1,0 +1,57 @@
+"""`tandem timeline` from a hand-written trace: lanes, utilisation, staleness, PNG and HTML."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from tandem.common.trace import Tracer
+from tandem.master.cli import tandem
+from tandem.master.timeline import load_timeline
+
+
+def write_trace(run_dir):
+    e0, e1, tr = (Tracer(run_dir, n) for n in ("explorer-0", "explorer-1", "trainer"))
+    t = 1000.0
+    e0.record("rollout", t + 0, t + 2, step=0, version=0, groups=2)
+    e0.record("sync", t + 4, t + 4.5, step=1, version=1, method="checkpoint")
+    e0.record("rollout", t + 4.5, t + 6.5, step=1, version=1, groups=2)
+    e1.record("rollout", t + 0, t + 3, step=0, version=0, groups=2)
+    e1.record("wait", t + 3, t + 5, step=1)
+    e1.record("rollout", t + 5, t + 8, step=2, version=0, groups=2)
+    tr.record("train", t + 2, t + 4, step=0, version=1, groups=2)
+    tr.record("sync", t + 4, t + 4.2, version=1, method="checkpoint")
+    tr.record("train", t + 6.5, t + 8, step=1, version=2, groups=2)
+    for tracer in (e0, e1, tr):
+        tracer.close()
+
+
+def test_lanes_utilisation_and_staleness(tmp_path):
+    write_trace(tmp_path)
+    tl = load_timeline(tmp_path)
+    assert tl.explorers == ["explorer-0", "explorer-1"] and tl.makespan == 8.0
+    util = tl.utilization()
+    assert util["explorer-0"] == pytest.approx((2 + 0.5 + 2) / 8)
+    assert util["explorer-1"] == pytest.approx(6 / 8)  # the wait does not count as busy
+    assert util["trainer"] == pytest.approx((2 + 0.2 + 1.5) / 8)
+    assert tl.staleness() == {0: 3, 2: 1}
+    # +2 groups when a rollout ends, -2 when a train step starts
+    assert tl.buffer == [(2.0, 2), (2.0, 0), (3.0, 2), (6.5, 4), (6.5, 2), (8.0, 4)]
+
+
+def test_cli_writes_png_and_html(tmp_path):
+    write_trace(tmp_path)
+    out = tmp_path / "tl.png"
+    result = CliRunner().invoke(tandem, ["timeline", str(tmp_path), "-o", str(out), "--html",
+                                         str(tmp_path / "tl.html")])
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    page = (tmp_path / "tl.html").read_text()
+    assert page.count('class="s"') >= 9 and "explorer-1 (75%)" in page
+    assert "trainer busy" in result.output
+
+
+def test_empty_trace_is_a_clear_error(tmp_path):
+    (tmp_path / "trace").mkdir()
+    result = CliRunner().invoke(tandem, ["timeline", str(tmp_path)])
+    assert result.exit_code != 0 and "no rollout, train or sync spans" in result.output
