@@ -31,6 +31,7 @@ class SamplingParams:
     max_tokens: int = 64
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    ignore_eos: bool = False  # generate max_tokens whatever comes (benchmarks)
 
     def __post_init__(self) -> None:
         if self.temperature < 0:

@@ -143,6 +143,7 @@ class TransformersEngine(Engine):
         logps: list[list[float]] = [[] for _ in prompts]
         finish: list[tuple[str, str | None]] = [("length", None)] * len(prompts)
         active = list(range(len(prompts)))
+        eos_ids = set() if sampling.ignore_eos else self.eos_ids
         for step in range(sampling.max_tokens):
             tok, lp = sample_tokens(logits, sampling, generator)
             tok_list, lp_list = tok.tolist(), lp.tolist()
@@ -150,7 +151,7 @@ class TransformersEngine(Engine):
             for j, row in enumerate(active):
                 tokens[row].append(tok_list[j])
                 logps[row].append(lp_list[j])
-                if tok_list[j] in self.eos_ids:
+                if tok_list[j] in eos_ids:
                     finish[row] = ("eos", None)
                 elif (hit := stops.match(tokens[row])) is not None:
                     finish[row] = ("stop", hit)
