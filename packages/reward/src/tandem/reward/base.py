@@ -59,6 +59,7 @@ class PureReward(RewardFunction):
     """A function of the item alone; `isolated` ones run in killable worker processes."""
 
     isolated: ClassVar[bool] = False
+    in_worker: bool = False  # set by the worker process, whose parent enforces the time limit
 
     def score(self, item: ScoreItem) -> Score:
         raise NotImplementedError

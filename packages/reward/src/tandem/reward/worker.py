@@ -60,6 +60,7 @@ def main() -> None:
             name = request["fn"]
             if name not in instances:
                 instances[name] = lookup(name)(config)
+                instances[name].in_worker = True
             score = instances[name].score(ScoreItem.model_validate(request["item"]))
             write_frame(stdout, score.model_dump())
         except Exception as exc:

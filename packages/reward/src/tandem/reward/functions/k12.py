@@ -25,6 +25,9 @@ _NUMBER = re.compile(
     r"\s*(%|[^\d\s].*?)?\s*$")
 _FRACTION = re.compile(r"^\s*([-+−]?\d+)\s*/\s*(\d+)\s*(.*?)\s*$")
 _CHOICE = re.compile(r"^\(?([A-Ja-j])\)?(?:[.):]|\s|$)")
+_NUMBER_IN_TEXT = re.compile(
+    r"([-+−]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d+)?(?:\s*/\s*\d+)?)"
+    r"(?:\s*(%|[A-Za-zµ°]+\b))?")
 _PUNCT = str.maketrans("", "", string.punctuation + "。，、；：？！「」『』（）【】")
 
 
@@ -61,8 +64,8 @@ def parse_number(text: str) -> tuple[float, str] | None:
 
 def _choice(text: str) -> str | None:
     text = fold_width(text).strip()
-    text = re.sub(r"^(?:the\s+)?(?:answer|option|choice)\s*(?:is)?\s*[:：]?\s*", "", text,
-                  flags=re.I)
+    text = re.sub(r"^(?:(?:the\s+)?(?:correct\s+)?(?:answer|option|choice)\s*(?:is)?|答案(?:是|为)?|选)"
+                  r"\s*[:：]?\s*", "", text, flags=re.I)
     match = _CHOICE.match(text)
     return match.group(1).upper() if match else None
 
@@ -102,11 +105,21 @@ class K12Reward(PureReward):
             return result(ok, "correct" if ok else f"wrong: got {got[:60]!r}", correct=ok)
         raise ValueError(f"k12 truth type {kind!r} is not one of choice, number, short")
 
+    @staticmethod
+    def _last_number(text: str) -> tuple[float, str] | None:
+        """The last number in a sentence ('so the total is 1,200.'), with the word after it."""
+        matches = list(_NUMBER_IN_TEXT.finditer(fold_width(text).replace("−", "-")))
+        for match in reversed(matches):
+            parsed = parse_number(f"{match.group(1)} {match.group(2) or ''}")
+            if parsed is not None:
+                return parsed
+        return None
+
     def _number(self, said: str, spec: dict) -> Score:
         want = parse_number(str(spec["answer"]))
         if want is None:
             raise ValueError(f"k12 gold answer {spec['answer']!r} is not a number")
-        got = parse_number(said)
+        got = parse_number(said) or self._last_number(said)
         if got is None:
             return result(0.0, f"not a number: {said[:60]!r}", correct=0.0)
         (gv, gu), (wv, wu) = got, want

@@ -15,7 +15,7 @@ from typing import Any
 from tandem.common.messages.reward import Score, ScoreItem
 
 from ..base import PureReward, register, result
-from ..text import MAX_RESPONSE_CHARS, fold_width
+from ..text import MAX_RESPONSE_CHARS, fold_width, last_boxed
 
 
 def _gold_text(truth: Any) -> str:
@@ -38,15 +38,18 @@ class MathReward(PureReward):
     def score(self, item: ScoreItem) -> Score:
         from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
-        # math-verify's SIGALRM limit works on the main thread only; elsewhere (a thread of an
-        # embedding program) the caller's process-level kill is the limit.
-        limit = max(1, int(self.config.timeout)) if (
+        # In a worker the parent's kill is the limit (and says `timeout`). Called directly,
+        # math-verify's own SIGALRM limit is a safety net, on the main thread only.
+        limit = max(1, int(self.config.timeout)) if not self.in_worker and (
             threading.current_thread() is threading.main_thread()) else None
         gold = parse(_gold_text(item.truth), parsing_timeout=limit)
         if not gold:
             return result(0.0, f"gold answer {item.truth!r} could not be parsed",
                           correct=0.0, parsed=0.0)
         response = fold_width(item.response[-MAX_RESPONSE_CHARS:])
+        boxed = last_boxed(response)
+        if boxed is not None:  # the last box is the final answer; math-verify would join all
+            response = f"\\boxed{{{boxed}}}"
         answer = parse(response, extraction_config=[
             LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()],
             parsing_timeout=limit)

@@ -1,0 +1,189 @@
+"""code: real programs graded by tests, and adversarial ones that must end with score 0, a
+reason, within their limits, and nothing left running."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import time
+
+import pytest
+
+from tandem.common.messages.reward import ScoreItem
+from tandem.reward.functions.code_tests import CodeReward, extract_program, parse_tests, same_output
+
+ADD_ONE = {"tests": [{"input": "1\n", "output": "2\n"}, {"input": "41", "output": "42"},
+                     {"input": "-5", "output": "-4"}]}
+
+
+@contextlib.asynccontextmanager
+async def running(reward_config, processes_mentioning):
+    reward = CodeReward(reward_config)
+    await reward.start()
+    base = str(reward.sandbox._base)
+    try:
+        yield reward
+    finally:
+        await reward.close()
+    assert processes_mentioning(base) == [], "a sandboxed process outlived its run"
+
+
+@pytest.fixture
+def score_code(reward_config, processes_mentioning):
+    """`await score_code(response, truth, **args)` -> (Score, seconds), checking for leftovers."""
+
+    async def run(response, truth, **args):
+        async with running(reward_config, processes_mentioning) as reward:
+            start = time.monotonic()
+            item = ScoreItem(fn="code", response=response, truth=truth, args=args)
+            score = await reward.score(item)
+            return score, time.monotonic() - start
+
+    return run
+
+
+PASSING = [
+    ("```python\nprint(int(input()) + 1)\n```", ADD_ONE, 1.0, "3/3 tests passed"),
+    ("Here you go:\n```py\nimport sys\nfor line in sys.stdin:\n    print(int(line) + 1)\n```",
+     ADD_ONE, 1.0, "3/3"),
+    ("print(int(input()) + 1)", [{"input": "1", "output": "2"}], 1.0, "1/1"),
+    ("```python\nn = int(input())\nprint(n + 1 if n > 0 else n)\n```", ADD_ONE, 2 / 3,
+     "2/3 tests passed; test 3: wrong_answer"),
+    ("```python\ndef add(a, b):\n    return a + b\n```",
+     {"asserts": ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 5"]},
+     2 / 3, "test 3: runtime_error (AssertionError)"),
+    ("```python\ndef area(r):\n    return math.pi * r * r\n```",
+     {"test_list": ["assert abs(area(1) - 3.14159) < 1e-4"], "setup": "import math"}, 1.0, "1/1"),
+    ("```python\nprint(input()[::-1])\n```",
+     {"inputs": ["héllo wörld", "日本語"], "outputs": ["dlröw olléh", "語本日"]}, 1.0, "2/2"),
+    ("```python\nprint('1  2\\n3')\n```", {"tests": [{"input": "", "output": "1 2 3"}]}, 0.0,
+     "wrong_answer"),
+    ("```python\ndef f(:\n```", ADD_ONE, 0.0, "syntax_error"),
+]
+
+
+@pytest.mark.parametrize("response,truth,score,reason", PASSING)
+async def test_code_table(score_code, response, truth, score, reason):
+    got, _ = await score_code(response, truth)
+    assert got.score == pytest.approx(score), got.reason
+    assert reason in got.reason
+    assert got.components["total"] == len(parse_tests(truth)[1])
+
+
+async def test_token_comparison_is_an_option(score_code):
+    got, _ = await score_code("print('1  2\\n3')",
+                          {"tests": [{"input": "", "output": "1 2 3"}]}, compare="tokens")
+    assert got.score == 1.0
+
+
+ADVERSARIAL = [
+    # (name, program, reason fragment that must appear)
+    ("infinite loop", "while True:\n    pass", ("cpu", "timeout")),
+    ("sleeps forever", "import time\ntime.sleep(3600)", ("timeout",)),
+    ("fork bomb", "import os\nwhile True:\n    os.fork()", ("runtime_error",)),
+    ("allocates 10 GB", "x = bytearray(10 * 2**30)\nprint(len(x))", ("memory",)),
+    ("writes a huge file",
+     "with open('big', 'wb') as f:\n    while True:\n        f.write(b'0' * 2**20)", ("file_size",)),
+    ("floods stdout", "while True:\n    print('x' * 4096)", ("output_limit",)),
+    ("exits before the asserts", "import sys\nsys.exit(0)", ("not_reached",)),
+    ("os._exit before the asserts", "import os\nos._exit(0)", ("not_reached",)),
+    ("escapes its process group",
+     "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(3600)\n"
+     "def solve(x):\n    return x", ("AssertionError",)),
+]
+
+
+@pytest.mark.parametrize("name,program,reasons", ADVERSARIAL, ids=[a[0] for a in ADVERSARIAL])
+async def test_adversarial_programs_score_zero_within_limits(reward_config, score_code, name,
+                                                             program, reasons):
+    limits = reward_config.code
+    truth = {"asserts": ["assert solve(1) == 2"]} if "assert" in name or "escapes" in name \
+        else {"tests": [{"input": "1", "output": "2"}]}
+    got, seconds = await score_code(program, truth)
+    assert got.score == 0.0
+    assert any(r in got.reason for r in reasons), got.reason
+    assert seconds < limits.wall_seconds + 2.0, f"{name} took {seconds:.1f}s"
+
+
+async def test_environment_is_scrubbed(score_code, monkeypatch):
+    monkeypatch.setenv("TANDEM_SECRET_TOKEN", "hunter2")
+    program = "import os\nprint(os.environ.get('TANDEM_SECRET_TOKEN', 'missing'))"
+    got, _ = await score_code(program, {"tests": [{"input": "", "output": "hunter2"}]})
+    assert got.score == 0.0 and "wrong_answer" in got.reason
+
+
+async def test_cannot_reach_a_port_on_loopback(reward_config, processes_mentioning):
+    async with running(reward_config, processes_mentioning) as code:
+        if not code.sandbox.namespaces:
+            pytest.skip("this OS does not allow network namespaces; the sandbox says so at start")
+        with socket.socket() as listener:
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(1)
+            port = listener.getsockname()[1]
+            program = (f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+                       "print('connected')")
+            got = await code.score(ScoreItem(response=program,
+                                             truth={"tests": [{"input": "", "output": "connected"}]}))
+        assert got.score == 0.0
+        assert "runtime_error" in got.reason and "unreachable" in got.reason.lower(), got.reason
+
+
+async def test_working_directory_is_empty_and_private(reward_config, processes_mentioning):
+    async with running(reward_config, processes_mentioning) as code:
+        program = "import os\nprint(sorted(os.listdir('.')), os.getcwd() != '/')"
+        got = await code.score(ScoreItem(response=program,
+                                         truth={"tests": [{"input": "", "output": "[] True"}]}))
+        assert got.score == 1.0, got.reason
+
+
+async def test_runs_after_a_timeout_are_skipped(reward_config, processes_mentioning):
+    async with running(reward_config, processes_mentioning) as code:
+        tests = {"tests": [{"input": "", "output": "x"}] * 4}
+        got = await code.score(ScoreItem(response="while True: pass", truth=tests))
+        assert got.score == 0.0 and got.components["total"] == 4
+        assert got.reason.startswith("0/4 tests passed; test 1:")
+
+
+async def test_cancelling_an_evaluation_kills_the_run(reward_config, processes_mentioning):
+    async with running(reward_config, processes_mentioning) as code:
+        base = str(code.sandbox._base)
+        task = asyncio.create_task(code.score(ScoreItem(
+            response="import time\ntime.sleep(3600)", truth={"tests": [{"input": "", "output": ""}]})))
+        while not processes_mentioning(base):
+            await asyncio.sleep(0.02)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert processes_mentioning(base) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="per-slot uids are used when running as root")
+async def test_runs_under_the_slot_uid(reward_config, processes_mentioning):
+    async with running(reward_config, processes_mentioning) as code:
+        program = "import os\nprint(os.getuid())"
+        want = str(reward_config.code.uid_base)  # slot 0 is handed out first
+        truth = {"tests": [{"input": "", "output": want}]}
+        got = await code.score(ScoreItem(response=program, truth=truth))
+        assert got.score == 1.0, got.reason
+
+
+def test_extract_program_prefers_the_last_python_block():
+    text = "```text\nnot code\n```\n```python\nprint(1)\n```\n```python\nprint(2)\n```"
+    assert extract_program(text) == "print(2)\n"
+    assert extract_program("print(3)") == "print(3)"
+
+
+def test_bad_truth_is_a_clear_error():
+    with pytest.raises(ValueError, match="2 inputs but 1 outputs"):
+        parse_tests({"inputs": ["1", "2"], "outputs": ["1"]})
+    with pytest.raises(ValueError, match="needs tests"):
+        parse_tests({"cases": []})
+
+
+def test_output_comparison():
+    assert same_output("1 \n2\n\n", "1\n2")
+    assert same_output("a\r\nb", "a\nb")
+    assert not same_output("1\n 2", "1\n2")
+    assert same_output("1\n 2", "1 2", "tokens")

@@ -1,0 +1,84 @@
+"""math: real answers, answers that look equal but are not, malformed boxes, unicode, and a
+pathological expression that must be killed by the worker pool's time limit."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tandem.common.config.reward import RewardConfig
+from tandem.common.messages.reward import ScoreItem
+from tandem.reward import LocalScorer
+from tandem.reward.functions.math_answer import MathReward
+
+CASES = [
+    # (response, gold, correct)
+    ("The answer is \\boxed{0.5}", "\\frac{1}{2}", True),
+    ("so we get $\\frac{2}{4}$", "\\frac{1}{2}", True),
+    ("\\boxed{3.0}", "3", True),
+    ("\\boxed{\\{2,1\\}}", "\\{1,2\\}", True),
+    ("\\boxed{(0,1]}", "(0,1]", True),
+    ("\\boxed{10\\text{ cm}}", "10", True),
+    ("\\boxed{x\\cdot x}", "x^2", True),
+    ("\\boxed{\\pi}", "\\pi", True),
+    ("\\boxed{1000}", "1,000", True),
+    ("first \\boxed{7}, finally \\boxed{8}", "8", True),
+    ("\\boxed{\\boxed{6}}", "6", True),
+    ("\\boxed{\\dfrac{3}{4}}", {"answer": "0.75"}, True),
+    ("answer: 12", 12, True),
+    # look equal but are not
+    ("\\boxed{[0,1]}", "(0,1]", False),
+    ("\\boxed{1/3}", "0.333", False),
+    ("\\boxed{0.333}", "1/3", False),
+    ("\\boxed{1.414}", "\\sqrt{2}", False),
+    ("\\boxed{3}", "-3", False),
+    ("\\boxed{e^{2}}", "2e", False),
+    ("\\boxed{\\frac{\\sqrt{3}}{2}}", "\\sqrt{\\frac{3}{2}}", False),
+    ("\\boxed{x^2+1}", "(x+1)^2", False),
+    ("\\boxed{2\\pi}", "\\pi", False),
+    # malformed boxes
+    ("\\boxed{2", "2", False),
+    ("\\boxed{}", "2", False),
+    ("no answer here", "2", False),
+    ("", "2", False),
+    # unicode: full-width and Arabic-Indic digits are digits
+    ("答案是 \\boxed{１２}", "12", True),
+    ("\\boxed{١٢}", "12", True),
+    ("\\boxed{１３}", "12", False),
+]
+
+
+@pytest.mark.parametrize("response,gold,correct", CASES)
+def test_math_table(response, gold, correct):
+    score = MathReward(RewardConfig()).score(ScoreItem(fn="math", response=response, truth=gold))
+    assert score.score == float(correct), score.reason
+    assert score.components["correct"] == float(correct)
+    assert score.reason == "correct" if correct else score.reason != "correct"
+
+
+def test_math_reason_says_what_was_wrong():
+    score = MathReward(RewardConfig()).score(ScoreItem(response="\\boxed{3}", truth="-3"))
+    assert score.reason.startswith("wrong: got 3")
+    missing = MathReward(RewardConfig()).score(ScoreItem(response="nothing", truth="1"))
+    assert missing.reason == "no answer found" and missing.components["parsed"] == 0.0
+
+
+def test_math_rejects_truth_it_cannot_use():
+    with pytest.raises(ValueError, match="answer string or number"):
+        MathReward(RewardConfig()).score(ScoreItem(response="\\boxed{1}", truth=[1, 2]))
+
+
+async def test_pathological_parse_is_killed_and_the_pool_recovers():
+    config = RewardConfig(functions={"math": 1.0}, workers=1, timeout=1.5)
+    async with LocalScorer(config=config) as scorer:
+        await scorer.start()
+        evil = "\\boxed{" + "(" * 3000 + "}"
+        start = time.monotonic()
+        [slow] = await scorer.score([ScoreItem(response=evil, truth="1")])
+        assert slow.score == 0.0 and slow.reason == "timeout"
+        assert time.monotonic() - start < 5.0
+        assert scorer.stats["math"]["timeouts"] == 1
+        # the killed worker is replaced: the next item is scored normally
+        [good] = await scorer.score([ScoreItem(response="\\boxed{1}", truth="1")])
+        assert good.score == 1.0 and good.reason == "correct"

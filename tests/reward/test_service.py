@@ -1,0 +1,148 @@
+"""The reward service over real loopback sockets: same scores as in-process, deadlines,
+per-evaluation timeouts counted in metrics, errors, and the CLI as a real process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from tandem.common.config import RunConfig
+from tandem.common.config.reward import CodeSandboxConfig, RewardConfig
+from tandem.common.errors import RequestFailed
+from tandem.common.messages.reward import GetRewardStats, ScoreBatch, ScoreItem
+from tandem.common.rpc import RpcClient
+from tandem.reward import LocalScorer, RemoteScorer, RewardService, build_scorer
+
+ITEMS = [
+    ScoreItem(response="<think>x</think><answer>B</answer>", truth="B",
+              functions={"k12": 1.0, "format": 0.5}),
+    ScoreItem(fn="code", response="```python\nprint(int(input()) * 2)\n```",
+              truth={"tests": [{"input": "2", "output": "4"}, {"input": "3", "output": "7"}]}),
+    ScoreItem(fn="vision", response="[0, 0, 10, 10]", truth={"box": [0, 0, 10, 20]}),
+    ScoreItem(fn="no_such_function", response="x"),
+]
+SLEEPER = ScoreItem(fn="code", response="import time\ntime.sleep(60)",
+                    truth={"tests": [{"input": "", "output": ""}]})
+
+
+def _config(**reward) -> RunConfig:
+    base = dict(functions={"format": 1.0}, workers=2, timeout=5.0,
+                code=CodeSandboxConfig(cpu_seconds=1, wall_seconds=4, memory_mb=256))
+    return RunConfig(reward=RewardConfig(**{**base, **reward}))
+
+
+async def test_service_scores_like_the_in_process_scorer(zmq_sockets_closed):
+    config = _config()
+    service = RewardService(config, address="tcp://127.0.0.1:0")
+    address = await service.start()
+    try:
+        async with RemoteScorer(address, timeout=30) as remote, \
+                LocalScorer(config=config.reward) as local:
+            assert isinstance(build_scorer(config.reward), LocalScorer)
+            got = await remote.score(ITEMS)
+            want = await local.score(ITEMS)
+        assert [g.model_dump() for g in got] == [w.model_dump() for w in want]
+        assert got[0].score == 1.5 and got[1].score == 0.5 and got[2].score == pytest.approx(0.5)
+        assert got[3].reason.startswith("error: unknown reward function 'no_such_function'")
+    finally:
+        await service.close()
+
+
+async def test_evaluation_timeout_scores_zero_and_is_counted(zmq_sockets_closed):
+    service = RewardService(_config(timeout=0.5), address="tcp://127.0.0.1:0")
+    address = await service.start()
+    try:
+        async with RemoteScorer(address, timeout=10) as remote:
+            start = time.monotonic()
+            [slow, fast] = await remote.score([SLEEPER, ITEMS[2]])
+            assert time.monotonic() - start < 3.0
+        assert slow.score == 0.0 and slow.reason == "timeout"
+        assert fast.score == pytest.approx(0.5)
+        client = RpcClient(address, peer="reward")
+        try:
+            stats = await client.call(GetRewardStats(), timeout=5)
+        finally:
+            await client.close()
+        assert stats.by_function["code"]["timeouts"] == 1
+        assert stats.by_function["vision"]["timeouts"] == 0
+        assert stats.requests == 1 and stats.items == 2 and stats.workers == 2
+    finally:
+        await service.close()
+
+
+async def test_request_deadline_beats_the_evaluation_timeout(zmq_sockets_closed):
+    service = RewardService(_config(timeout=30.0, request_timeout=60.0),
+                            address="tcp://127.0.0.1:0")
+    address = await service.start()
+    try:
+        async with RemoteScorer(address, timeout=1.0) as remote:
+            start = time.monotonic()
+            [score] = await remote.score([SLEEPER])
+            elapsed = time.monotonic() - start
+        assert score.reason == "timeout" and elapsed < 1.0
+    finally:
+        await service.close()
+
+
+async def test_oversized_request_is_refused_with_a_code(zmq_sockets_closed):
+    service = RewardService(_config(max_batch=2), address="tcp://127.0.0.1:0")
+    address = await service.start()
+    client = RpcClient(address, peer="reward")
+    try:
+        with pytest.raises(RequestFailed) as info:
+            await client.call(ScoreBatch(items=ITEMS[:3]), timeout=5)
+        assert info.value.code == "too_large" and "reward.max_batch=2" in info.value.message
+        async with RemoteScorer(address, timeout=10, max_batch=2) as remote:
+            assert len(await remote.score(ITEMS[:3])) == 3  # the client splits batches
+    finally:
+        await client.close()
+        await service.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def test_cli_serves_and_stops_on_sigterm(tmp_path, zmq_sockets_closed):
+    port = _free_port()
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump({"run_dir": str(tmp_path / "run"),
+                                   "reward": {"functions": {"format": 1.0}, "workers": 1}}))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tandem.reward.cli", "--config", str(cfg),
+         "--set", f"reward.address=tcp://127.0.0.1:{port}"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        async with RemoteScorer(f"tcp://127.0.0.1:{port}", timeout=30) as remote:
+            [score] = await remote.score([ScoreItem(response="\\boxed{1}",
+                                                    args={"pattern": "boxed"})])
+        assert score.score == 1.0
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=15)
+        assert proc.returncode == 0, out.decode()
+        assert b"reward.stopped" in out
+        assert (tmp_path / "run" / "logs" / "reward.jsonl").exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_cli_reports_a_bad_config_in_one_message(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump({"reward": {"workers": 0, "functions": {}}}))
+    done = subprocess.run([sys.executable, "-m", "tandem.reward.cli", "--config", str(cfg)],
+                          capture_output=True, timeout=60)
+    assert done.returncode == 2
+    err = done.stderr.decode()
+    assert "Traceback" not in err and "reward.workers" in err
