@@ -26,7 +26,7 @@ from pathlib import Path
 
 from tandem.common.errors import PeerDead
 from tandem.common.messages.base import Heartbeat
-from tandem.common.messages.master import ExplorerStepDone, GetStatus, Register
+from tandem.common.messages.master import ExplorerStepDone, GetStatus, Register, barrier_topic
 from tandem.common.pubsub import Subscriber
 from tandem.common.rpc import RpcClient
 
@@ -58,7 +58,7 @@ async def explorer(name: str, rpc: str, pub: str, rounds: int, warmup: int,
                    ready: asyncio.Barrier) -> list[float]:
     client = RpcClient(rpc, peer="master", name=name)
     snap = RpcClient(rpc, peer="master", name=name + "-snapshot")
-    sub = Subscriber(pub, topics=[f"barrier.{name}"], snapshot=snap)
+    sub = Subscriber(pub, topics=[barrier_topic(name)], snapshot=snap)
     await sub.start()
     for _ in range(100):  # the master process may still be starting
         try:
@@ -80,8 +80,7 @@ async def explorer(name: str, rpc: str, pub: str, rounds: int, warmup: int,
         await client.call(ExplorerStepDone(explorer=name, step=barrier.step, batch=barrier.batch,
                                            version=barrier.version), timeout=10)
         last = barrier.batch
-        # topics are prefixes: "barrier.explorer-1" also hears explorer-10..15; and a repeated
-        # decision (snapshot) is not the next one
+        # a repeated decision (a snapshot after a gap) is not the next one
         while barrier.explorer != name or barrier.batch <= last:
             barrier = (await sub.recv(10, what="barrier")).body
         if i >= warmup:

@@ -59,7 +59,8 @@ def test_two_explorers_synchronous_trainer_waits_for_both():
     assert gos(clock.explorer_done("a", 0, 0, 0)) == []
     d = clock.explorer_done("b", 0, 1, 0)
     assert gos(d) == [(0, 1)]
-    assert d[-1][1].batches == 2 and d[-1][1].explorers == ["a", "b"]
+    go = d[-1][1]
+    assert go.batches == 2 and go.explorers == ["a", "b"] and go.in_use == [0]
     clock.trainer_step_done(0)
     assert sorted(barriers(clock.published(1))) == [("a", 1, 1, True), ("b", 1, 1, True)]
 

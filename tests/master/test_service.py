@@ -25,6 +25,7 @@ from tandem.common.messages.master import (
     Register,
     TrainerStepDone,
     WeightsPublished,
+    barrier_topic,
 )
 from tandem.common.pubsub import Subscriber
 from tandem.common.rpc import RpcClient
@@ -78,7 +79,7 @@ class Peer:
 
 
 async def explorer_loop(master: Master, name: str, steps_seen: list, batch_size: int = 4):
-    peer = Peer(master, name, "explorer", [f"barrier.{name}", "stop"])
+    peer = Peer(master, name, "explorer", [barrier_topic(name), "stop"])
     await peer.start()
     try:
         last = -1
@@ -214,7 +215,7 @@ async def test_restarted_master_resumes_cursor_clock_and_sequence(tmp_path, zmq_
     config = make_config(tmp_path, "sync.preset=synchronous", "master.total_steps=6")
     master = Master(config)
     await master.start()
-    peer = Peer(master, "explorer-0", "explorer", ["barrier.explorer-0", "stop"])
+    peer = Peer(master, "explorer-0", "explorer", [barrier_topic("explorer-0"), "stop"])
     await peer.start()
     b0 = await peer.next("barrier")
     lease0 = await peer.rpc.call(LeaseTasks(explorer="explorer-0", count=4, step=0), timeout=2)
@@ -238,7 +239,7 @@ async def test_restarted_master_resumes_cursor_clock_and_sequence(tmp_path, zmq_
         assert master2.resumed and master2.run_id == run_id
         assert master2.clock.trainer_done == 1 and master2.clock.newest == 1
         # a late joiner's snapshot has the barrier it was given, numbered after the old ones
-        sub = Subscriber(master2.publish_address, topics=["barrier.explorer-0"],
+        sub = Subscriber(master2.publish_address, topics=[barrier_topic("explorer-0")],
                          snapshot=RpcClient(master2.address, peer="master", name="s"))
         await sub.start()
         ev = await sub.recv(2)
@@ -328,3 +329,25 @@ def test_tandem_master_bad_config_is_a_one_line_error(tmp_path):
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 1
     assert "master.task_lease_seconds" in result.stderr and "Traceback" not in result.stderr
+
+
+async def test_barrier_topics_do_not_leak_between_explorers(tmp_path, zmq_sockets_closed):
+    names = [f"explorer-{i}" for i in (1, 10, 11)]
+    config = make_config(tmp_path, "sync.preset=fully_async", "master.total_steps=3",
+                         *[f"explorers.{i}.name={n}" for i, n in enumerate(names)])
+    master = Master(config)
+    await master.start()
+    peer = Peer(master, "explorer-1", "explorer", [barrier_topic("explorer-1")])
+    others = RpcClient(master.address, peer="master", name="others")
+    try:
+        await others.call(Register(name="explorer-10", role="explorer"), timeout=2)
+        await others.call(Register(name="explorer-11", role="explorer"), timeout=2)
+        await peer.start()
+        got = [await peer.sub.recv(2)]
+        with pytest.raises(WaitTimeout):
+            got.append(await peer.sub.recv(0.5))
+        assert [e.body.explorer for e in got] == ["explorer-1"]
+    finally:
+        await others.close()
+        await peer.close()
+        await master.close()

@@ -19,7 +19,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.common.messages.master import Barrier, Stop, TrainerGo
+from tandem.common.messages.master import Barrier, Stop, TrainerGo, barrier_topic
 from tandem.common.sync import SyncPlan
 
 Decision = tuple[str, Any]  # (topic, message)
@@ -192,7 +192,7 @@ class RunClock:
             if slot.running is None:
                 barrier = self._grant(slot)
                 if barrier is not None:
-                    out.append((f"barrier.{slot.name}", barrier))
+                    out.append((barrier_topic(slot.name), barrier))
         while (self.trainer_go < self.total_steps and self.trainer_go == self.trainer_done
                and self._trainer_ready(self.trainer_go)):
             t = self.trainer_go
@@ -200,7 +200,8 @@ class RunClock:
                        else len(self.done.get(t, ())))
             self.last_go = TrainerGo(
                 step=t, publish=self.plan.publish_after(t, self.total_steps), batches=batches,
-                explorers=sorted(s.name for s in self.alive))
+                explorers=sorted(s.name for s in self.alive),
+                in_use=sorted({s.held for s in self.alive if s.held is not None}))
             out.append(("trainer", self.last_go))
             self.trainer_go += 1
         if self.trainer_done >= self.total_steps:

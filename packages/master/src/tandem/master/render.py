@@ -24,16 +24,26 @@ def _style_key(block: Block) -> str:
 
 def _lane_text(blocks: list[Block], width: int, scale: float) -> Text:
     cells: list[tuple[str, str]] = [(" ", "")] * width
-    # rollouts and trains first, syncs drawn over them so a short sync stays visible
-    for block in sorted(blocks, key=lambda b: b.kind == "sync"):
+    owner: list[int] = [-1] * width
+    # rollouts and trains first, syncs over them so a short sync stays visible
+    ordered = sorted(blocks, key=lambda b: b.kind == "sync")
+    spans = []
+    for i, block in enumerate(ordered):
         char, style = _TERM[_style_key(block)]
         lo = min(width - 1, round(block.start / scale))
         hi = max(lo + 1, min(width, round(block.end / scale)))
-        label = "" if block.kind == "sync" or block.step is None else str(block.step)
+        spans.append((lo, hi))
         for col in range(lo, hi):
-            k = col - lo
-            text = label[k] if k < len(label) and hi - lo > len(label) else char
-            cells[col] = (text, style)
+            cells[col], owner[col] = (char, style), i
+    # the step number goes where the block is still visible, if it fits
+    for i, block in enumerate(ordered):
+        if block.kind == "sync" or block.step is None:
+            continue
+        label = str(block.step)
+        visible = [c for c in range(*spans[i]) if owner[c] == i]
+        if len(visible) > len(label):
+            for k, ch in enumerate(label):
+                cells[visible[k]] = (ch, cells[visible[k]][1])
     out = Text()
     for text, style in cells:
         out.append(text, style=style)

@@ -34,6 +34,7 @@ from tandem.common.messages.master import (
     TaskLease,
     TrainerStepDone,
     WeightsPublished,
+    barrier_topic,
 )
 from tandem.common.pubsub import Publisher
 from tandem.common.rpc import CallContext, RpcServer
@@ -203,7 +204,7 @@ class Master:
             await self.publisher.publish("weights", self._last_weights)
         for slot in self.clock.alive:
             if slot.running is not None and slot.barrier is not None:
-                await self.publisher.publish(f"barrier.{slot.name}", slot.barrier)
+                await self.publisher.publish(barrier_topic(slot.name), slot.barrier)
         if self.clock.last_go is not None and self.clock.trainer_go > self.clock.trainer_done:
             await self.publisher.publish("trainer", self.clock.last_go)
         if self.clock.stop is not None:

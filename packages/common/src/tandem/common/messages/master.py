@@ -6,7 +6,7 @@ a snapshot (`SnapshotRequest` on the RPC socket) to anyone who joins late or rec
 
 | topic | message | for |
 |---|---|---|
-| `barrier.<explorer>` | `Barrier` | that explorer: the step it may start and with which weights |
+| `barrier.<explorer>.` | `Barrier` | that explorer: the step it may start and with which weights |
 | `trainer` | `TrainerGo` | the trainer: the step it may train, the version to publish after it |
 | `weights` | `WeightsPublished` | everyone: a version is ready (checkpoint path or nccl rendezvous) |
 | `stop` | `Stop` | everyone: the run is over |
@@ -28,6 +28,12 @@ from .base import Message, Ok, Request, wire
 from .experience import Task
 
 Role = Literal["explorer", "trainer", "buffer", "reward", "tool"]
+
+
+def barrier_topic(explorer: str) -> str:
+    """The PUB topic of one explorer's barriers. ZeroMQ subscriptions are prefixes, so the topic
+    ends in a dot: `barrier.explorer-1.` does not also match `barrier.explorer-10.`."""
+    return f"barrier.{explorer}."
 
 
 @wire("master.register.reply")
@@ -111,7 +117,7 @@ class WeightsPublished(Request):
 
 @wire("master.barrier")
 class Barrier(Message):
-    """Master to explorers (topic `barrier.<explorer>`): step `step` may start with `version`."""
+    """Master to one explorer (topic `barrier_topic(explorer)`): `step` may start with `version`."""
 
     explorer: str
     step: int = Field(description="the sync-plan step this batch counts as")
@@ -130,6 +136,8 @@ class TrainerGo(Message):
     batches: int = Field(default=0, description="explorer batches complete for this step")
     explorers: list[str] = Field(
         default_factory=list, description="explorers alive now (the nccl group for `publish`)")
+    in_use: list[int] = Field(
+        default_factory=list, description="versions explorers hold now; keep them on disk")
 
 
 @wire("master.stop")

@@ -1,0 +1,389 @@
+"""`tandem up CONFIG`: a whole run on this machine, one process per component.
+
+The supervisor picks free loopback ports, writes the resolved config into the run dir, starts
+master, buffer, reward service (when configured), trainer and explorers through their own CLIs
+(never by importing them), shows live progress, and stops everything on Ctrl-C, SIGTERM, a
+component's death (unless `up.restart: on-failure`) or the end of the run. Each child runs in
+its own session so stopping it also stops whatever it started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+import structlog
+import yaml
+
+from tandem.common.config import RunConfig, load_config
+from tandem.common.errors import ConfigError, PeerDead, RequestFailed
+
+log = structlog.get_logger(__name__)
+
+LOOPBACK = ("tcp://127.0.0.1:", "tcp://localhost:")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def resolve_addresses(config: RunConfig) -> RunConfig:
+    """Give every loopback address a free port, so runs never collide."""
+    data = config.model_dump(mode="json")
+    for section, key in (("master", "address"), ("master", "publish_address"),
+                         ("buffer", "address"), ("reward", "address")):
+        if data[section][key].startswith(LOOPBACK):
+            data[section][key] = f"tcp://127.0.0.1:{free_port()}"
+    return RunConfig.model_validate(data)
+
+
+def script(name: str) -> str:
+    """The console script installed next to this interpreter (the same venv)."""
+    local = Path(sys.executable).parent / name
+    if local.exists():
+        return str(local)
+    raise click.ClickException(f"{name} is not installed next to {sys.executable}; "
+                               "install the tandem packages into this environment")
+
+
+@dataclass
+class Child:
+    """One component process under supervision."""
+
+    name: str
+    role: str
+    argv: list[str]
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    finished: bool = False
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        out = open(self.log_path, "ab")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+        out.close()
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def tail(self, lines: int = 25) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(text[-lines:])
+
+
+@dataclass
+class Progress:
+    """What the live display and the final summary show."""
+
+    started: float = field(default_factory=time.monotonic)
+    status: dict[str, Any] = field(default_factory=dict)
+    rewards: list[tuple[int, float]] = field(default_factory=list)  # (explorer step, mean)
+    tokens: int = 0
+
+    def update_from_trace(self, run_dir: Path) -> None:
+        from tandem.common.trace import read_trace
+
+        rewards, tokens = [], 0
+        for span in read_trace(run_dir):
+            attrs = span.get("attrs") or {}
+            if span["kind"] == "rollout":
+                if "reward_mean" in attrs:
+                    rewards.append((span.get("step") or 0, float(attrs["reward_mean"])))
+                tokens += int(attrs.get("tokens", 0))
+        self.rewards, self.tokens = rewards, tokens
+
+
+class Supervisor:
+    """Starts, watches and stops a run's processes."""
+
+    def __init__(self, config: RunConfig, *, resume: bool = False, live: bool | None = None):
+        self.config = resolve_addresses(config)
+        self.run_dir = Path(self.config.run_dir)
+        self.resume = resume
+        self.live = sys.stdout.isatty() if live is None else live
+        self.children: list[Child] = []
+        self.progress = Progress()
+        self._stop_reason: str | None = None
+
+    # -- set-up ------------------------------------------------------------------------------
+
+    def prepare(self) -> Path:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        path = self.run_dir / "config.yaml"
+        path.write_text(yaml.safe_dump(self.config.model_dump(mode="json"), sort_keys=False))
+        cfg = ["--config", str(path)]
+        logs = self.run_dir / "logs"
+
+        def child(name: str, role: str, argv: list[str]) -> Child:
+            return Child(name, role, argv, logs / f"{name}.out")
+
+        self.children = [child("master", "master", [script("tandem-master"), *cfg]),
+                         child("buffer", "buffer", [script("tandem-buffer"), *cfg])]
+        reward_service = self.config.up.reward_service
+        if reward_service if reward_service is not None else self.config.reward.service:
+            self.children.append(child("reward", "reward", [script("tandem-reward"), *cfg]))
+        self.children.append(child("trainer", "trainer", [
+            script("tandem-trainer"), *cfg, *(["--resume"] if self.resume else [])]))
+        for explorer in self.config.explorers:
+            self.children.append(child(explorer.name, "explorer", [
+                script("tandem-explorer"), *cfg, "--name", explorer.name]))
+        return path
+
+    # -- the run -----------------------------------------------------------------------------
+
+    def request_stop(self, reason: str) -> None:
+        if self._stop_reason is None:
+            self._stop_reason = reason
+
+    async def run(self) -> int:
+        from tandem.common.messages.master import GetStatus
+        from tandem.common.rpc import RpcClient
+
+        self.prepare()
+        master = self.children[0]
+        master.start()
+        client = RpcClient(self.config.master.address, peer="master",
+                           transport=self.config.transport, name="up")
+        try:
+            await self._wait_for_master(client, master)
+            for child in self.children[1:]:
+                child.start()
+            log.info("up.started", run_dir=str(self.run_dir),
+                     components=[c.name for c in self.children])
+            return await self._watch(client, GetStatus)
+        finally:
+            await client.close()
+            self._stop_all()
+
+    async def _wait_for_master(self, client, master: Child) -> None:
+        from tandem.common.messages.master import GetStatus
+
+        deadline = time.monotonic() + self.config.up.start_timeout
+        while time.monotonic() < deadline:
+            if master.returncode is not None:
+                raise click.ClickException(
+                    f"master exited with code {master.returncode} while starting:\n{master.tail()}")
+            if self._stop_reason:
+                raise click.Abort()
+            try:
+                self.progress.status = (await client.call(GetStatus(), timeout=1.0, retries=0)
+                                        ).model_dump()
+                return
+            except PeerDead:
+                continue
+        raise click.ClickException(
+            f"master did not answer within {self.config.up.start_timeout:g}s "
+            f"(raise up.start_timeout):\n{master.tail()}")
+
+    async def _watch(self, client, GetStatus) -> int:
+        display = _Display(self) if self.live else None
+        last_line = 0.0
+        deadline = (time.monotonic() + self.config.up.run_timeout
+                    if self.config.up.run_timeout else None)
+        try:
+            while True:
+                if self._stop_reason:
+                    log.warning("up.stopping", reason=self._stop_reason)
+                    return 130
+                if deadline and time.monotonic() > deadline:
+                    click.echo(f"run exceeded up.run_timeout={self.config.up.run_timeout:g}s",
+                               err=True)
+                    return 1
+                outcome = self._check_children()
+                if outcome is not None:
+                    return outcome
+                try:
+                    self.progress.status = (await client.call(
+                        GetStatus(), timeout=2.0, retries=0)).model_dump()
+                except (PeerDead, RequestFailed):
+                    pass
+                self.progress.update_from_trace(self.run_dir)
+                if display is not None:
+                    display.refresh()
+                elif time.monotonic() - last_line > 5.0:
+                    click.echo(self.status_line())
+                    last_line = time.monotonic()
+                await asyncio.sleep(0.5)
+        finally:
+            if display is not None:
+                display.close()
+
+    def _check_children(self) -> int | None:
+        """None while the run goes on; an exit code once it is over."""
+        master = self.children[0]
+        for child in self.children:
+            code = child.returncode
+            if code is None or child.finished:
+                continue
+            if child is master and code == 0:
+                # The master exits 0 on its own only when every step is done.
+                return self._finish()
+            if code == 0 and self._counters().get("stopped"):
+                child.finished = True
+                continue
+            click.echo(f"\n{child.name} exited with code {code}; last lines of {child.log_path}:\n"
+                       f"{child.tail()}\n", err=True)
+            if self.config.up.restart == "on-failure" and child.restarts < self.config.up.max_restarts:
+                child.restarts += 1
+                click.echo(f"restarting {child.name} ({child.restarts}/"
+                           f"{self.config.up.max_restarts})", err=True)
+                child.start()
+                continue
+            return 1
+        return None
+
+    def _finish(self) -> int:
+        deadline = time.monotonic() + self.config.up.stop_timeout
+        while time.monotonic() < deadline and any(
+                c.returncode is None for c in self.children):
+            time.sleep(0.1)
+        failed = [c for c in self.children if c.returncode not in (None, 0)]
+        for c in failed:
+            click.echo(f"{c.name} exited with code {c.returncode}:\n{c.tail()}", err=True)
+        counters = self._counters()
+        done = counters.get("trainer_steps_done") == counters.get("total_steps")
+        return 0 if done and not failed else 1
+
+    def _counters(self) -> dict[str, Any]:
+        return self.progress.status.get("counters", {})
+
+    def _stop_all(self) -> None:
+        for child in reversed(self.children):
+            child.signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.config.up.stop_timeout
+        while time.monotonic() < deadline and any(c.returncode is None for c in self.children):
+            time.sleep(0.05)
+        for child in self.children:
+            if child.returncode is None:
+                log.warning("up.kill", component=child.name)
+                child.signal(signal.SIGKILL)
+                child.proc.wait(5)
+
+    # -- what the user sees ------------------------------------------------------------------
+
+    def status_line(self) -> str:
+        c = self._counters()
+        elapsed = time.monotonic() - self.progress.started
+        reward = self.progress.rewards[-1][1] if self.progress.rewards else float("nan")
+        explorers = ", ".join(
+            f"{e['name']}: step {e.get('steps_done', 0)} v{e.get('held_version')}"
+            for e in self.progress.status.get("explorers", []))
+        return (f"[{elapsed:6.1f}s] trainer {c.get('trainer_steps_done', 0)}/"
+                f"{c.get('total_steps', '?')} v{c.get('newest_version', 0)} | reward {reward:.3f}"
+                f" | {explorers}")
+
+    def summary(self, code: int) -> list[tuple[str, str]]:
+        from .timeline import load_timeline, render_png, summary_rows
+
+        rows: list[tuple[str, str]] = [("result", "finished" if code == 0 else f"failed ({code})")]
+        rewards = [r for _, r in self.progress.rewards]
+        if rewards:
+            rows += [("reward first / final / best",
+                      f"{rewards[0]:.3f} / {rewards[-1]:.3f} / {max(rewards):.3f}")]
+        try:
+            tl = load_timeline(self.run_dir)
+            rows += summary_rows(tl)
+            rows.append(("timeline", str(render_png(tl, self.run_dir / "timeline.png"))))
+        except click.ClickException:
+            rows.append(("timeline", "no trace written"))
+        checkpoints = self.run_dir / "checkpoints"
+        if checkpoints.exists():
+            rows.append(("checkpoints", str(checkpoints)))
+        rows.append(("logs", str(self.run_dir / "logs")))
+        return rows
+
+
+class _Display:
+    """A rich live panel refreshed from the master's status."""
+
+    def __init__(self, sup: Supervisor):
+        from rich.console import Console
+        from rich.live import Live
+
+        self.sup = sup
+        self.live = Live(console=Console(), refresh_per_second=4, transient=False)
+        self.live.start()
+
+    def refresh(self) -> None:
+        from rich.table import Table
+
+        sup, p = self.sup, self.sup.progress
+        c = sup._counters()
+        elapsed = time.monotonic() - p.started
+        done, total = c.get("trainer_steps_done", 0), c.get("total_steps") or 0
+        remaining = elapsed / done * (total - done) if done else float("nan")
+        table = Table(title=f"tandem up - {sup.run_dir}", title_justify="left")
+        for col in ("lane", "step", "version", "staleness", "detail"):
+            table.add_column(col)
+        for e in p.status.get("explorers", []):
+            running = e.get("running") or {}
+            table.add_row(e["name"], str(e.get("steps_done", 0)), str(e.get("held_version")),
+                          str(e.get("staleness")),
+                          "rolling out step %s" % running["step"] if running else "waiting")
+        reward = f"{p.rewards[-1][1]:.3f}" if p.rewards else "-"
+        table.add_row("trainer", f"{done}/{total}", str(c.get("newest_version", 0)), "",
+                      f"reward mean {reward}")
+        table.caption = (f"elapsed {elapsed:.0f}s, remaining ~{remaining:.0f}s, "
+                         f"{p.tokens / max(elapsed, 1e-9):.0f} generated tokens/s")
+        self.live.update(table)
+
+    def close(self) -> None:
+        self.live.stop()
+
+
+def run_up(config: RunConfig, *, resume: bool = False, live: bool | None = None) -> int:
+    """Run `config` to the end under a Supervisor; returns the exit code."""
+    sup = Supervisor(config, resume=resume, live=live)
+
+    async def main() -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            # a signal only sets a flag; the watch loop stops the children
+            loop.add_signal_handler(sig, sup.request_stop, sig.name)
+        return await sup.run()
+
+    code = asyncio.run(main())
+    for name, value in sup.summary(code):
+        click.echo(f"{name:>28}: {value}")
+    return code
+
+
+@click.command("up")
+@click.argument("config_path", type=click.Path(exists=True, dir_okay=False))
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="override a config key, e.g. --set trainer.lr=1e-5 (repeatable)")
+@click.option("--resume", is_flag=True, help="continue from the run dir's last checkpoint")
+@click.option("--plain", is_flag=True, help="print progress lines instead of a live panel")
+def up(config_path: str, overrides: tuple[str, ...], resume: bool, plain: bool) -> None:
+    """Start a whole run on this machine as separate processes."""
+    try:
+        config = load_config(config_path, overrides)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    sys.exit(run_up(config, resume=resume, live=False if plain else None))
