@@ -25,7 +25,7 @@ def tokenizer(tiny_model_path):
     return AutoTokenizer.from_pretrained(str(tiny_model_path))
 
 
-def make_config(model_path, run_dir=None, **trainer) -> RunConfig:
+def _make_config(model_path, run_dir=None, **trainer) -> RunConfig:
     trainer = {"micro_batch_tokens": 64, "lr": 1e-3, "tensorboard": False, **trainer}
     return RunConfig.model_validate({
         "model": {"path": str(model_path)},
@@ -34,7 +34,7 @@ def make_config(model_path, run_dir=None, **trainer) -> RunConfig:
     })
 
 
-def make_group(tokenizer, task: str, prompt: str, responses: list[str], rewards: list[float],
+def _make_group(tokenizer, task: str, prompt: str, responses: list[str], rewards: list[float],
                version: int = 0, logprob: float = -3.0) -> list[Experience]:
     """One group: responses to `prompt`, with constant behaviour logprobs."""
     p = tokenizer(prompt)["input_ids"]
@@ -53,5 +53,40 @@ def make_group(tokenizer, task: str, prompt: str, responses: list[str], rewards:
 @pytest.fixture
 def fixed_batch(tokenizer) -> list[Experience]:
     """Two groups of four with mixed rewards: a GRPO step has signal in both."""
-    return (make_group(tokenizer, "t1", "1+1=", ["2", "3", "22", "11"], [1.0, 0.0, 0.0, 1.0])
-            + make_group(tokenizer, "t2", "2*3=", ["6", "5", "66", "six"], [1.0, 0.0, 1.0, 0.0]))
+    return (_make_group(tokenizer, "t1", "1+1=", ["2", "3", "22", "11"], [1.0, 0.0, 0.0, 1.0])
+            + _make_group(tokenizer, "t2", "2*3=", ["6", "5", "66", "six"], [1.0, 0.0, 1.0, 0.0]))
+
+
+def _with_model_logprobs(experiences: list[Experience], model_path) -> list[Experience]:
+    """Behaviour logprobs as the model at `model_path` gives them (an on-policy batch)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tandem.trainer.forward import token_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
+    out = []
+    with torch.no_grad():
+        for e in experiences:
+            tokens = torch.from_numpy(e.tokens.astype(np.int64))[None]
+            logp, _ = token_logprobs(model(input_ids=tokens).logits[:, :-1], tokens[:, 1:])
+            out.append(e.model_copy(update={"logprobs": logp[0, e.prompt_len - 1:].numpy()}))
+    return out
+
+
+@pytest.fixture
+def make_config():
+    """make_config(model_path, run_dir=None, **trainer_section) -> RunConfig"""
+    return _make_config
+
+
+@pytest.fixture
+def make_group(tokenizer):
+    """make_group(task, prompt, responses, rewards, version=0, logprob=-3.0) -> experiences"""
+    return lambda *a, **kw: _make_group(tokenizer, *a, **kw)
+
+
+@pytest.fixture
+def with_model_logprobs(tiny_model_path):
+    """with_model_logprobs(experiences) -> copies carrying the tiny model's own logprobs"""
+    return lambda experiences: _with_model_logprobs(experiences, tiny_model_path)
