@@ -175,3 +175,22 @@ def test_async_lost_batch_is_granted_again():
     clock.leave("b")
     clock.explorer_done("a", 0, 0, 0)
     assert clock.explorers["a"].running[:2] == (1, 2)  # b's step, new batch number
+
+
+def test_exhausted_taskset_ends_the_run_after_the_complete_steps():
+    clock = RunClock(SyncPlan.preset("synchronous", batches_per_step=2), total_steps=10)
+    clock.join("a")
+    clock.join("b")
+    clock.explorer_done("a", 0, 0, 0)
+    clock.explorer_done("b", 0, 1, 0)
+    clock.trainer_step_done(0)
+    clock.published(1)  # both run step 1
+    d = clock.tasks_exhausted("b")  # b's lease came back empty
+    assert d == [] and not clock.stopped
+    d = clock.explorer_done("a", 1, 2, 1)
+    assert gos(d) == [(1, 2)]  # step 1 goes ahead with a's batch alone
+    clock.trainer_step_done(1)
+    d = clock.published(2)
+    assert barriers(d) == [("a", 2, 2, True)]
+    d = clock.tasks_exhausted("a")
+    assert [t for t, _ in d] == ["stop"] and "exhausted after 2 of 10" in d[0][1].reason

@@ -351,3 +351,42 @@ async def test_barrier_topics_do_not_leak_between_explorers(tmp_path, zmq_socket
         await others.close()
         await peer.close()
         await master.close()
+
+
+async def test_run_stops_when_the_taskset_runs_dry(tmp_path, zmq_sockets_closed):
+    # 10 tasks, batches of 4: two full steps, a third of 2 tasks, then nothing
+    config = make_config(tmp_path, "master.total_steps=5", "sync.preset=one_step_off_policy",
+                         tasks=10)
+    master = Master(config)
+    await master.start()
+    seen, trained = [], []
+
+    async def explorer():
+        peer = Peer(master, "explorer-0", "explorer", [barrier_topic("explorer-0"), "stop"])
+        await peer.start()
+        try:
+            while True:
+                msg = await peer.next("barrier")
+                if msg.TYPE == "master.stop":
+                    return msg
+                lease = await peer.rpc.call(LeaseTasks(explorer="explorer-0", count=4,
+                                                       step=msg.step), timeout=2)
+                if not lease.tasks:
+                    assert lease.exhausted
+                    continue  # a real explorer exits here; we wait to see the Stop
+                seen.append(len(lease.tasks))
+                await peer.rpc.call(CompleteTasks(lease_id=lease.lease_id), timeout=2)
+                await peer.rpc.call(ExplorerStepDone(explorer="explorer-0", step=msg.step,
+                                                     batch=msg.batch, version=msg.version),
+                                    timeout=2)
+        finally:
+            await peer.close()
+
+    try:
+        stop, _ = await asyncio.wait_for(asyncio.gather(explorer(), trainer_loop(master, trained)),
+                                         20)
+    finally:
+        await master.close()
+    assert seen == [4, 4, 2]
+    assert [t for t, _, _ in trained] == [0, 1, 2]
+    assert "taskset exhausted after 3 of 5" in stop.reason

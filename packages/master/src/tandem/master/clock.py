@@ -34,6 +34,7 @@ class ExplorerSlot:
     name: str
     join_step: int
     alive: bool = True
+    finished: bool = False  # the taskset ran dry on it: it gets no more steps
     next_step: int | None = None  # synchronous: the step it waits to start
     redo: tuple[int, int] | None = None  # (step, batch) granted before it restarted
     running: tuple[int, int, int] | None = None  # (step, batch, version) granted, not done
@@ -44,7 +45,8 @@ class ExplorerSlot:
     barrier: Barrier | None = None
 
     def describe(self, newest: int, trained: int) -> dict[str, Any]:
-        return dict(name=self.name, alive=self.alive, join_step=self.join_step,
+        return dict(name=self.name, alive=self.alive, finished=self.finished,
+                    join_step=self.join_step,
                     running=None if self.running is None else dict(
                         step=self.running[0], batch=self.running[1], version=self.running[2]),
                     steps_done=self.steps_done, held_version=self.held,
@@ -65,6 +67,7 @@ class RunClock:
     trainer_go: int = 0  # trainer steps released
     newest: int = 0  # newest published version
     stopped: bool = False
+    exhausted: bool = False  # the taskset ran dry
     last_go: TrainerGo | None = None
     stop: Stop | None = None
     published_count: Counter = field(default_factory=Counter)  # decisions per topic
@@ -94,6 +97,19 @@ class RunClock:
         if slot.running is not None or slot.redo is not None:
             self.batches_lost += 1
         slot.running = slot.redo = None
+        return self._release()
+
+    def tasks_exhausted(self, name: str) -> list[Decision]:
+        """The taskset had nothing left for `name`'s granted step: that batch will never come,
+        and the explorer gets no more steps. Once no explorer can produce anything, the trainer
+        finishes the steps that are complete and the run stops."""
+        self.exhausted = True
+        slot = self.explorers.get(name)
+        if slot is not None and slot.alive and not slot.finished:
+            slot.finished = True
+            if slot.running is not None or slot.redo is not None:
+                self.batches_lost += 1
+            slot.running = slot.redo = None
         return self._release()
 
     def explorer_done(self, name: str, step: int, batch: int | None,
@@ -135,6 +151,11 @@ class RunClock:
         return [s for s in self.explorers.values() if s.alive]
 
     @property
+    def producing(self) -> list[ExplorerSlot]:
+        """Explorers that can still roll out batches."""
+        return [s for s in self.explorers.values() if s.alive and not s.finished]
+
+    @property
     def frontier(self) -> int:
         """The highest step any explorer was granted (-1 before any)."""
         steps = [s.last_done[0] for s in self.explorers.values() if s.last_done] + [
@@ -150,7 +171,7 @@ class RunClock:
         if plan.asynchronous:
             return plan.step_of_batch(self.batches_granted - self.batches_lost)
         step = self.trainer_go
-        if not self.alive:
+        if not self.producing:
             # nobody is left to finish the open steps: take over the first one without batches
             # (with nccl its version was broadcast already, so the trainer must send it again)
             while self.done.get(step):
@@ -166,7 +187,7 @@ class RunClock:
             step += 1
 
     def _expected(self, step: int) -> set[str]:
-        members = {s.name for s in self.alive if s.join_step <= step}
+        members = {s.name for s in self.producing if s.join_step <= step}
         return members | self.done.get(step, set())
 
     def _trainer_ready(self, step: int) -> bool:
@@ -188,7 +209,7 @@ class RunClock:
         out: list[Decision] = []
         if self.stopped:
             return out
-        for slot in self.alive:
+        for slot in self.producing:
             if slot.running is None:
                 barrier = self._grant(slot)
                 if barrier is not None:
@@ -200,13 +221,18 @@ class RunClock:
                        else len(self.done.get(t, ())))
             self.last_go = TrainerGo(
                 step=t, publish=self.plan.publish_after(t, self.total_steps), batches=batches,
-                explorers=sorted(s.name for s in self.alive),
+                explorers=sorted(s.name for s in self.producing),
                 in_use=sorted({s.held for s in self.alive if s.held is not None}))
             out.append(("trainer", self.last_go))
             self.trainer_go += 1
         if self.trainer_done >= self.total_steps:
-            self.stopped = True
             self.stop = Stop(reason=f"done: {self.total_steps} trainer steps")
+        elif (self.exhausted and not self.producing and self.trainer_go == self.trainer_done
+              and not self._trainer_ready(self.trainer_go)):
+            self.stop = Stop(reason=f"taskset exhausted after {self.trainer_done} of "
+                                    f"{self.total_steps} trainer steps")
+        if self.stop is not None:
+            self.stopped = True
             out.append(("stop", self.stop))
         self.published_count.update(topic for topic, _ in out)
         return out

@@ -161,6 +161,8 @@ class Master:
                     self.registry[rec["name"]] = rec["info"]
                 elif kind == "join":
                     self.clock.join(rec["name"])
+                elif kind == "exhausted":
+                    self.clock.tasks_exhausted(rec["name"])
                 elif kind == "leave":
                     self.clock.leave(rec["name"])
                     if rec["name"] in self.registry:
@@ -274,6 +276,13 @@ class Master:
         if lease is None:
             refs = d.plan_lease(msg.count)
             if not refs:
+                async with self._lock:
+                    slot = self.clock.explorers.get(msg.explorer)
+                    if slot is None or not slot.finished:
+                        log.info("tasks.exhausted", explorer=msg.explorer, step=msg.step,
+                                 **d.counters())
+                        self.journal.append("exhausted", name=msg.explorer)
+                        await self._emit(self.clock.tasks_exhausted(msg.explorer))
                 return TaskLease(lease_id="", tasks=[], deadline=time.time(), exhausted=True)
             now = time.time()
             lease_id = d.new_lease_id()
