@@ -1,0 +1,54 @@
+"""Two gloo processes under torchrun train exactly what one process trains (DDP and FSDP2)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tandem.trainer.learner import Learner
+
+WORKER = os.path.join(os.path.dirname(__file__), "dist_worker.py")
+
+
+@pytest.mark.slow
+def test_two_ranks_match_one(tiny_model_path, fixed_batch, make_config, tmp_path):
+    rows = [{**e.model_dump(), "tokens": e.tokens.tolist(), "action_mask": e.action_mask.tolist(),
+             "logprobs": e.logprobs.tolist()} for e in fixed_batch]
+    batch_file = tmp_path / "batch.json"
+    batch_file.write_text(json.dumps(rows))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           WORKER, str(tiny_model_path), str(batch_file), str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        pytest.fail("torchrun did not finish in 150 s")
+    assert proc.returncode == 0, output.decode()[-3000:]
+
+    single = Learner(make_config(tiny_model_path, micro_batch_tokens=24,
+                                 off_policy={"proximal": True}))
+    expected = [single.step(fixed_batch) for _ in range(2)]
+    reference = single.policy_state_dict()
+    for mode in ("ddp", "fsdp"):
+        got = torch.load(tmp_path / f"{mode}.pt", weights_only=True)
+        for name, tensor in reference.items():
+            torch.testing.assert_close(got[name], tensor, rtol=1e-4, atol=1e-5, msg=f"{mode} {name}")
+        metrics = json.loads((tmp_path / f"{mode}.json").read_text())
+        for key in ("loss/policy", "optim/grad_norm", "policy/clip_frac", "policy/ratio_max"):
+            assert metrics[1][key] == pytest.approx(expected[1][key], rel=1e-3, abs=1e-6), (mode, key)
+    saved = load_file(str(tmp_path / "checkpoints" / "step_00000002" / "model" / "model.safetensors"))
+    for name, tensor in saved.items():
+        torch.testing.assert_close(tensor, reference[name], rtol=1e-4, atol=1e-5)
