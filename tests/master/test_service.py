@@ -111,7 +111,7 @@ async def trainer_loop(master: Master, trained: list, method: str = "checkpoint"
             if msg.TYPE == "master.stop":
                 return
             await asyncio.sleep(0.01)  # "train"
-            trained.append((msg.step, msg.publish, msg.batches))
+            trained.append((msg.step, msg.publish, msg.groups))
             await peer.rpc.call(TrainerStepDone(step=msg.step, version=msg.step + 1), timeout=2)
             if msg.publish is not None:
                 await peer.rpc.call(WeightsPublished(version=msg.publish, method=method,
@@ -158,6 +158,7 @@ async def test_two_explorers_async_and_status(tmp_path, zmq_sockets_closed):
     assert len(seen) == 8 and {n for n, *_ in seen} == {"explorer-0", "explorer-1"}
     assert all(v >= s - 4 for _, s, v, _, _ in seen)
     assert [t for t, _, _ in trained] == [0, 1, 2, 3]
+    assert [g for _, _, g in trained] == [8, 8, 8, 8]  # two batches of 4 tasks per step
     assert status.counters["stopped"] and status.counters["batches_done"] == 8
     assert {c["name"] for c in status.components} == {"explorer-0", "explorer-1", "trainer"}
 
@@ -205,6 +206,13 @@ async def test_silent_explorer_is_declared_dead_and_its_lease_returns(tmp_path,
         assert status.counters["batches_lost"] == 1 and status.leases == []
         taken = await b.call(LeaseTasks(explorer="explorer-1", count=4, step=0), timeout=2)
         assert [t.id for t in taken.tasks] == [t.id for t in lease.tasks]
+        # the dead explorer wakes up: its report is refused until it registers again
+        with pytest.raises(RequestFailed, match="declared dead.*register again"):
+            await a.call(ExplorerStepDone(explorer="explorer-0", step=0, batch=0, version=0),
+                         timeout=2)
+        await a.call(Register(name="explorer-0", role="explorer"), timeout=2)
+        status = await b.call(GetStatus(), timeout=2)
+        assert {c["name"]: c["alive"] for c in status.components}["explorer-0"] is True
     finally:
         await a.close()
         await b.close()
@@ -388,5 +396,5 @@ async def test_run_stops_when_the_taskset_runs_dry(tmp_path, zmq_sockets_closed)
     finally:
         await master.close()
     assert seen == [4, 4, 2]
-    assert [t for t, _, _ in trained] == [0, 1, 2]
+    assert trained == [(0, 1, 4), (1, 2, 4), (2, 3, 2)]
     assert "taskset exhausted after 3 of 5" in stop.reason

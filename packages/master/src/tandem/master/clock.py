@@ -60,6 +60,8 @@ class RunClock:
     total_steps: int
     explorers: dict[str, ExplorerSlot] = field(default_factory=dict)
     done: dict[int, set[str]] = field(default_factory=dict)  # synchronous: step -> explorers
+    groups: dict[int, int] = field(default_factory=dict)  # synchronous: step -> tasks done
+    completed_groups: list[int | None] = field(default_factory=list)  # per batch, in order
     batches_granted: int = 0
     batches_lost: int = 0
     batches_done: int = 0
@@ -112,11 +114,14 @@ class RunClock:
             slot.running = slot.redo = None
         return self._release()
 
-    def explorer_done(self, name: str, step: int, batch: int | None,
-                      version: int) -> list[Decision]:
+    def explorer_done(self, name: str, step: int, batch: int | None, version: int,
+                      groups: int | None = None) -> list[Decision]:
         slot = self.explorers.get(name)
         if slot is None:
             raise StepMismatch(f"{name} is not registered with the master; register first")
+        if not slot.alive:
+            raise StepMismatch(f"{name} was declared dead (silent past transport.liveness) and "
+                               "its batch was given up; register again to get a new step")
         if slot.last_done is not None and slot.last_done[0] == step and (
                 batch is None or slot.last_done[1] == batch):
             return []  # a repeat of a report already counted
@@ -131,8 +136,11 @@ class RunClock:
         slot.held, slot.steps_done = version, slot.steps_done + 1
         slot.since_load += 1
         self.batches_done += 1
+        self.completed_groups.append(groups)
         if not self.plan.asynchronous:
             self.done.setdefault(step, set()).add(name)
+            if groups is not None:
+                self.groups[step] = self.groups.get(step, 0) + groups
             slot.next_step = step + 1
         return self._release()
 
@@ -217,10 +225,17 @@ class RunClock:
         while (self.trainer_go < self.total_steps and self.trainer_go == self.trainer_done
                and self._trainer_ready(self.trainer_go)):
             t = self.trainer_go
-            batches = (self.batches_done if self.plan.asynchronous
-                       else len(self.done.get(t, ())))
+            if self.plan.asynchronous:
+                per = self.plan.batches_per_step
+                counts = self.completed_groups[t * per:(t + 1) * per]
+                batches = per
+                groups = None if None in counts else sum(counts)
+            else:
+                batches = len(self.done.get(t, ()))
+                groups = self.groups.get(t)
             self.last_go = TrainerGo(
                 step=t, publish=self.plan.publish_after(t, self.total_steps), batches=batches,
+                groups=groups,
                 explorers=sorted(s.name for s in self.producing),
                 in_use=sorted({s.held for s in self.alive if s.held is not None}))
             out.append(("trainer", self.last_go))

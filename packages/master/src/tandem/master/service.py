@@ -87,6 +87,7 @@ class Master:
         self._last_weights: WeightsPublished | None = None
         self._weights_events = 0
         self._peers: dict[str, str] = {}  # RPC identity -> component name
+        self._lease_sizes: dict[tuple[str, int], int] = {}  # (explorer, step) -> tasks leased
         self._loop_task: asyncio.Task | None = None
         self._done: asyncio.Event | None = None
         self._closed = False
@@ -169,7 +170,7 @@ class Master:
                         self.registry[rec["name"]]["alive"] = False
                 elif kind == "explorer_done":
                     self.clock.explorer_done(rec["name"], rec["step"], rec["batch"],
-                                             rec["version"])
+                                             rec["version"], rec.get("groups"))
                 elif kind == "trainer_done":
                     self.clock.trainer_step_done(rec["step"])
                 elif kind == "published":
@@ -179,6 +180,7 @@ class Master:
                 elif kind == "lease" and self.dispatcher is not None:
                     self.dispatcher.apply_lease(rec["id"], rec["explorer"], rec["step"],
                                                 rec["refs"], rec["deadline"], rec["granted_at"])
+                    self._lease_sizes[(rec["explorer"], rec["step"])] = len(rec["refs"])
                 elif kind == "complete" and self.dispatcher is not None:
                     self.dispatcher.apply_complete(rec["id"])
                 elif kind == "expire" and self.dispatcher is not None:
@@ -243,9 +245,10 @@ class Master:
         self._peers[ctx.peer] = name
         self.liveness.touch(name)
         info = self.registry.get(name)
-        if info is not None and not info.get("alive", True):
+        if info is not None and not info.get("alive", True) and info["role"] != "explorer":
+            # an explorer's steps were given up when it died: it must register again
             info["alive"] = True
-            log.info("component.back", name=name)
+            log.info("component.back", name=name, role=info["role"])
 
     async def _on_register(self, msg: Register, ctx: CallContext) -> Registered:
         async with self._lock:
@@ -290,6 +293,7 @@ class Master:
             self.journal.append("lease", id=lease_id, explorer=msg.explorer, step=msg.step,
                                 refs=refs, deadline=deadline, granted_at=now)
             lease = d.apply_lease(lease_id, msg.explorer, msg.step, refs, deadline, now)
+            self._lease_sizes[(msg.explorer, msg.step)] = len(refs)
         return TaskLease(lease_id=lease.lease_id, tasks=[d.task(r) for r in lease.refs],
                          deadline=lease.deadline, exhausted=d.exhausted)
 
@@ -308,12 +312,14 @@ class Master:
         self._touch(ctx, msg.explorer)
         async with self._lock:
             try:
+                groups = self._lease_sizes.get((msg.explorer, msg.step))
                 decisions = self.clock.explorer_done(msg.explorer, msg.step, msg.batch,
-                                                     msg.version)
+                                                     msg.version, groups)
             except StepMismatch as exc:
                 raise RequestFailed("unexpected_step", str(exc)) from None
+            self._lease_sizes.pop((msg.explorer, msg.step), None)
             self.journal.append("explorer_done", name=msg.explorer, step=msg.step,
-                                batch=msg.batch, version=msg.version,
+                                batch=msg.batch, version=msg.version, groups=groups,
                                 experiences=msg.experiences)
             await self._emit(decisions)
         return Ok()

@@ -133,7 +133,9 @@ class TrainerGo(Message):
 
     step: int
     publish: int | None = Field(default=None, description="the version to publish after it")
-    batches: int = Field(default=0, description="explorer batches complete for this step")
+    batches: int = Field(default=0, description="explorer batches this step trains on")
+    groups: int | None = Field(
+        default=None, description="tasks (= groups) in those batches, when the master knows")
     explorers: list[str] = Field(
         default_factory=list, description="explorers alive now (the nccl group for `publish`)")
     in_use: list[int] = Field(
