@@ -1,12 +1,15 @@
 """The receiving process of the weight-sync tests: an explorer worker, as a real OS process.
 
-    python peer.py broadcast  RENDEZVOUS_JSON MEMBER MODEL_DIR OUT_DIR VERSION[,VERSION...] TIMEOUT
-    python peer.py checkpoint RUN_DIR MODEL_DIR OUT_DIR VERSION
-    python peer.py fake-vllm  RENDEZVOUS_JSON EXPLORER MODEL_DIR OUT_DIR VERSION TIMEOUT
+    python peer.py broadcast  RENDEZVOUS_JSON MEMBER OUT_DIR VERSIONS TIMEOUT [MODEL_DIR]
+    python peer.py checkpoint RUN_DIR OUT_DIR VERSION [MODEL_DIR]
+    python peer.py fake-vllm  RENDEZVOUS_JSON EXPLORER OUT_DIR VERSION TIMEOUT
+    python peer.py stall      RENDEZVOUS_JSON MEMBER TIMEOUT     (joins, then never receives)
 
-Each received version is loaded into a fresh copy of the tiny model and its parameters are
-written to OUT_DIR/v{N}.safetensors for the test to compare bit by bit. Exit code 0 on
-success, 3 on a tandem error (its message on stderr).
+VERSIONS is a comma-separated list, received one after the other in the same group. With a
+MODEL_DIR, each version is loaded into a fresh copy of that Hugging Face model (`load_into`);
+without one, into a plain dict (an engine without transformers: starts in a second, not ten).
+Either way the loaded tensors are written to OUT_DIR/v{N}.safetensors for the test to compare
+bit by bit. Exit code 0 on success, 3 on a tandem error (its message on stderr).
 """
 
 from __future__ import annotations
@@ -14,20 +17,37 @@ from __future__ import annotations
 import json
 import signal
 import sys
+import time
 from pathlib import Path
 
 
-def dump(model, out_dir: str, version: int) -> None:
-    from safetensors.torch import save_file
+class DictEngine:
+    """An engine whose `load_weights` copies every tensor into a dict."""
 
-    state = {n: p.detach().contiguous() for n, p in model.named_parameters()}
-    save_file(state, str(Path(out_dir) / f"v{version}.safetensors"))
+    def __init__(self):
+        self.state = {}
+
+    def load_weights(self, weights):
+        for name, tensor in weights:
+            self.state[name] = tensor.clone()
 
 
-def fresh_model(model_dir: str):
-    from transformers import AutoModelForCausalLM
+class ModuleEngine:
+    """An engine around a Hugging Face model: `load_weights` is `load_into`."""
 
-    return AutoModelForCausalLM.from_pretrained(model_dir)
+    def __init__(self, model_dir: str):
+        from transformers import AutoModelForCausalLM
+
+        self.module = AutoModelForCausalLM.from_pretrained(model_dir)
+
+    def load_weights(self, weights):
+        from tandem.common.weights import load_into
+
+        load_into(self.module, weights)
+
+    @property
+    def state(self):
+        return {n: p.detach() for n, p in self.module.named_parameters()}
 
 
 class FakeVllmWorker:
@@ -38,53 +58,56 @@ class FakeVllmWorker:
         def __init__(self, model):
             self.model = model
 
-    class _Model:
-        def __init__(self, module):
-            self.module = module
-
-        def load_weights(self, weights):
-            from tandem.common.weights import load_into
-
-            return load_into(self.module, weights)
-
-    def __init__(self, module):
+    def __init__(self, engine):
         self.rank = 0
         self.device = "cpu"
-        self.model_runner = self._Runner(self._Model(module))
+        self.model_runner = self._Runner(engine)
+
+
+def dump(engine, out_dir: str, version: int) -> None:
+    from safetensors.torch import save_file
+
+    state = {n: t.contiguous() for n, t in engine.state.items()}
+    save_file(state, str(Path(out_dir) / f"v{version}.safetensors"))
 
 
 def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     from tandem.common.errors import TandemError
-    from tandem.common.weights import WeightReceiver, WeightSubscriber, load_into
+    from tandem.common.weights import WeightReceiver, WeightSubscriber
 
-    mode = argv[0]
+    mode, args = argv[0], argv[1:]
     try:
         if mode == "broadcast":
-            rendezvous, member, model_dir, out_dir, versions, timeout = argv[1:]
-            model = fresh_model(model_dir)
+            rendezvous, member, out_dir, versions, timeout, *model = args
+            engine = ModuleEngine(model[0]) if model else DictEngine()
             receiver = WeightReceiver(json.loads(rendezvous), member, timeout=float(timeout))
             receiver.join()
             for version in (int(v) for v in versions.split(",")):
-                load_into(model, receiver.receive(version))
-                dump(model, out_dir, version)
+                engine.load_weights(receiver.receive(version))
+                dump(engine, out_dir, version)
             receiver.close()
         elif mode == "checkpoint":
-            run_dir, model_dir, out_dir, version = argv[1:]
-            model = fresh_model(model_dir)
-            load_into(model, WeightSubscriber(run_dir).load(int(version)))
-            dump(model, out_dir, int(version))
+            run_dir, out_dir, version, *model = args
+            engine = ModuleEngine(model[0]) if model else DictEngine()
+            engine.load_weights(WeightSubscriber(run_dir).load(int(version)))
+            dump(engine, out_dir, int(version))
         elif mode == "fake-vllm":
             from tandem.common.weights.vllm import TandemWeightExtension
 
-            rendezvous, explorer, model_dir, out_dir, version, timeout = argv[1:]
-            worker_cls = type("Worker", (TandemWeightExtension, FakeVllmWorker), {})
-            model = fresh_model(model_dir)
-            worker = worker_cls(model)
+            rendezvous, explorer, out_dir, version, timeout = args
+            engine = DictEngine()
+            worker = type("Worker", (TandemWeightExtension, FakeVllmWorker), {})(engine)
             worker.tandem_join(json.loads(rendezvous), explorer, float(timeout))
-            worker.tandem_receive(int(version))
+            count = worker.tandem_receive(int(version))
             worker.tandem_leave()
-            dump(model, out_dir, int(version))
+            (Path(out_dir) / "count.json").write_text(json.dumps({"tensors": count}))
+            dump(engine, out_dir, int(version))
+        elif mode == "stall":
+            rendezvous, member, timeout = args
+            receiver = WeightReceiver(json.loads(rendezvous), member, timeout=float(timeout))
+            receiver.join()
+            time.sleep(120)  # holding `receiver`: a member that is there but never takes part
         else:
             print(f"unknown mode {mode!r}", file=sys.stderr)
             return 2

@@ -25,7 +25,7 @@ def test_published_weights_arrive_bit_identical_in_another_process(
 
     out = tmp_path / "out"
     out.mkdir()
-    finish(spawn("checkpoint", tmp_path, tiny_model_dir, out, 1))
+    finish(spawn("checkpoint", tmp_path, out, 1))
     assert_bit_identical(tiny_model, out / "v1.safetensors")
 
 

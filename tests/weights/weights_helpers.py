@@ -20,13 +20,16 @@ def train_step(model, seed: int) -> None:
     model.zero_grad(set_to_none=True)
 
 
-def assert_bit_identical(model, received: Path) -> None:
-    """Every parameter of `model` equals, bit for bit, the one the receiver dumped."""
+def assert_bit_identical(model_or_tensors, received: Path) -> None:
+    """Every tensor sent (a module's parameters, or (name, tensor) pairs) equals, bit for bit,
+    the one the receiver dumped."""
     import torch
     from safetensors.torch import load_file
 
     got = load_file(str(received))
-    want = {n: p.detach() for n, p in model.named_parameters()}
+    if hasattr(model_or_tensors, "named_parameters"):
+        model_or_tensors = model_or_tensors.named_parameters()
+    want = {n: p.detach() for n, p in model_or_tensors}
     assert sorted(got) == sorted(want)
     for name, tensor in want.items():
         assert got[name].dtype == tensor.dtype, name

@@ -39,11 +39,14 @@ class GroupRendezvous(Message):
     """Trainer to master (relayed to explorers in `WeightsPublished.rendezvous`): the group to join.
 
     Rank 0 is the trainer; `members[i]` joins as rank i+1. A new `epoch` replaces every earlier
-    group at the same store, so a worker that restarts or arrives late joins the newest one.
+    group at the same store, so a worker that restarts or arrives late joins the newest one; a
+    member is in the announced group exactly when its rendezvous equals the announced one.
     """
 
     host: str
     port: int = Field(ge=1, le=65535)
+    session: str = Field(description="random id of the trainer process hosting the store, so an "
+                                     "epoch number of a restarted trainer is never mistaken")
     epoch: int = Field(ge=1)
     members: list[str] = Field(min_length=1)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +38,7 @@ from ..messages.weights import (
     TensorSpec,
 )
 from .group import (
-    EPOCH_KEY,
+    CURRENT_KEY,
     GroupAbandoned,
     build_backend,
     broadcast,
@@ -79,12 +80,18 @@ def _bucket_views(flat: torch.Tensor, specs: list[TensorSpec]) -> Iterator[tuple
         offset += numel
 
 
+def _why(exc: BaseException, timeout: float) -> str:
+    if isinstance(exc, TimeoutError) or "timed out" in str(exc).lower():
+        return f"no progress within {timeout:.1f} s; raise {TIMEOUT_KEY} if they are only slow"
+    return f"{exc}".split(" This is typically")[0]
+
+
 class _Epoch:
     """One group epoch as the sender holds it."""
 
     def __init__(self, rendezvous: GroupRendezvous, store: dist.Store):
         self.rendezvous = rendezvous
-        self.store = dist.PrefixStore(epoch_prefix(rendezvous.epoch), store)
+        self.store = dist.PrefixStore(epoch_prefix(rendezvous.session, rendezvous.epoch), store)
         self.pg: Any = None
         self.backend: str | None = None
         self.seq = 0
@@ -108,6 +115,7 @@ class WeightBroadcaster:
         self.timeout = timeout
         self.store = connect_store(host, port, timeout, serve=True)
         self.port = self.store.port
+        self.session = uuid.uuid4().hex[:12]
         self.epoch = 0
         self._current: _Epoch | None = None
 
@@ -127,15 +135,23 @@ class WeightBroadcaster:
         """Start a new epoch for `members` (abandoning the current one); announce the result."""
         if not members or len(set(members)) != len(members):
             raise ValueError(f"group members must be unique and non-empty, got {members}")
-        self._abandon("replaced by a new epoch")
+        self._abandon(f"replaced by epoch {self.epoch + 1}", failed=False)
         self.epoch += 1
-        rendezvous = GroupRendezvous(host=self.host, port=self.port, epoch=self.epoch,
-                                     members=list(members))
+        rendezvous = GroupRendezvous(host=self.host, port=self.port, session=self.session,
+                                     epoch=self.epoch, members=list(members))
         self._current = _Epoch(rendezvous, self.store)
-        self.store.set(EPOCH_KEY, str(self.epoch))
+        self.store.set(CURRENT_KEY, f"{self.session}/{self.epoch}")
         log.info("weights.group.opened", epoch=self.epoch, members=members,
                  store=f"{self.host}:{self.port}")
         return rendezvous
+
+    def joined(self) -> list[str]:
+        """Members of the current group that have signed in so far (for logs and tests)."""
+        group = self._current
+        if group is None:
+            return []
+        return [m for rank, m in enumerate(group.rendezvous.members, start=1)
+                if group.store.check([f"join/{rank}"])]
 
     def broadcast(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]
                   ) -> BroadcastStats:
@@ -148,12 +164,13 @@ class WeightBroadcaster:
         try:
             if group.pg is None:
                 self._build(group, version)
-            stats = self._send(group, version, [(n, t.detach()) for n, t in named_tensors])
+            moved, buckets = self._send(group, version,
+                                        [(n, t.detach()) for n, t in named_tensors])
         except BaseException as exc:
             self._abandon(f"version {version} failed: {exc}")
             raise
         stats = BroadcastStats(version=version, epoch=group.rendezvous.epoch,
-                               backend=group.backend or "", bytes=stats[0], buckets=stats[1],
+                               backend=group.backend or "", bytes=moved, buckets=buckets,
                                seconds=time.perf_counter() - start)
         log.info("weights.broadcast", version=version, epoch=stats.epoch, backend=stats.backend,
                  bytes=stats.bytes, buckets=stats.buckets, seconds=round(stats.seconds, 3))
@@ -173,16 +190,26 @@ class WeightBroadcaster:
                 f"{self._where(group)} within {self.timeout:.1f} s; raise {TIMEOUT_KEY} if "
                 "they are slow to start, or check that they received the rendezvous"))
         joined = [decode(group.store.get(k), GroupMember, f"store key {k}") for k in keys]
+        for rank, member in enumerate(joined, start=1):
+            if member.name != members[rank - 1] or member.rank != rank:
+                raise WeightsError(f"weight group epoch {group.rendezvous.epoch}: rank {rank} "
+                                   f"belongs to {members[rank - 1]!r}, {member.name!r} took it")
         backend = self.backend
         if backend == "auto":
             on_cuda = self.device.type == "cuda" and all(m.device == "cuda" for m in joined)
             backend = "nccl" if on_cuda else "gloo"
         group.store.set("backend", encode(GroupBackend(backend=backend)))
         store = dist.PrefixStore("pg/", group.store)
-        group.pg = run_guarded(
-            lambda: build_backend(backend, store, 0, group.rendezvous.world_size,
-                                  device=self.device, bind_host=self.host, timeout=self.timeout),
-            self.timeout, lambda: None)
+        try:
+            group.pg = run_guarded(
+                lambda: build_backend(backend, store, 0, group.rendezvous.world_size,
+                                      device=self.device, bind_host=self.host,
+                                      timeout=self.timeout),
+                self.timeout, lambda: None)
+        except Exception as exc:
+            raise PeerDead(members[0], (
+                f"weights broadcast of version {version}: building the {backend} group with "
+                f"{members} in {self._where(group)} failed: {_why(exc, self.timeout)}")) from None
         group.backend = backend
         log.info("weights.group.ready", epoch=group.rendezvous.epoch, backend=backend,
                  members=[f"{m.name}@{m.host}:{m.pid}" for m in joined])
@@ -207,12 +234,11 @@ class WeightBroadcaster:
             except Exception as exc:
                 lagging = [group.rendezvous.members[r - 1] for r in ranks
                            if group.store.add(f"progress/{seq}/{r}", 0) <= b]
-                peer = lagging[0] if lagging else group.rendezvous.members[0]
-                raise PeerDead(peer, (
+                peers = lagging or group.rendezvous.members
+                raise PeerDead(peers[0], (
                     f"weights broadcast of version {version}: bucket {b + 1}/{len(buckets)} "
-                    f"did not reach {lagging or group.rendezvous.members} in {self._where(group)} "
-                    f"within {self.timeout:.1f} s ({exc}); raise {TIMEOUT_KEY} if they are "
-                    "only slow")) from None
+                    f"did not reach {peers} in {self._where(group)}: {_why(exc, self.timeout)}"
+                )) from None
             total += flat.numel() * flat.element_size()
         done = [f"done/{seq}/{r}" for r in ranks]
         missing = wait_keys(group.store, done, self.timeout)
@@ -238,7 +264,7 @@ class WeightBroadcaster:
             offset += n
         return flat
 
-    def _abandon(self, reason: str) -> None:
+    def _abandon(self, reason: str, *, failed: bool = True) -> None:
         group, self._current = self._current, None
         if group is None:
             return
@@ -248,11 +274,12 @@ class WeightBroadcaster:
             log.warning("weights.group.mark_failed", epoch=group.rendezvous.epoch, error=str(exc))
         if group.pg is not None:
             shutdown_backend(group.pg)
-        log.warning("weights.group.abandoned", epoch=group.rendezvous.epoch, reason=reason)
+        (log.warning if failed else log.info)(
+            "weights.group.abandoned", epoch=group.rendezvous.epoch, reason=reason)
 
     def close(self) -> None:
         """Abandon the current group and stop serving the store."""
-        self._abandon("sender closed")
+        self._abandon("the trainer closed its broadcaster", failed=False)
         self.store = None  # type: ignore[assignment]
 
 
@@ -296,7 +323,8 @@ class WeightReceiver:
     def _abandoned(self) -> str | None:
         store = self._store
         if store is not None and store.check(["abandoned"]):
-            return store.get("abandoned").decode(errors="replace")
+            reason = store.get("abandoned").decode(errors="replace")
+            return f"the trainer abandoned weight group epoch {self.epoch}: {reason}"
         return None
 
     def join(self) -> None:
@@ -307,14 +335,16 @@ class WeightReceiver:
         except dist.DistNetworkError:
             raise PeerDead("trainer", f"weight group: cannot reach the {self._trainer()} within "
                                       f"{self.timeout:.1f} s ({TIMEOUT_KEY})") from None
-        current = int(root.get(EPOCH_KEY))
-        if current != r.epoch:
-            raise GroupAbandoned(f"weight group epoch {r.epoch} was replaced by epoch {current}; "
-                                 "join the rendezvous the master announced last")
-        self._store = dist.PrefixStore(epoch_prefix(r.epoch), root)
+        session, _, current = root.get(CURRENT_KEY).decode().partition("/")
+        if (session, current) != (r.session, str(r.epoch)):
+            raise GroupAbandoned(
+                f"weight group epoch {r.epoch} was replaced by epoch {current}"
+                f"{'' if session == r.session else ' of a restarted trainer'}; join the "
+                "rendezvous the master announced last")
+        self._store = dist.PrefixStore(epoch_prefix(r.session, r.epoch), root)
         reason = self._abandoned()
         if reason is not None:
-            raise GroupAbandoned(f"weight group epoch {r.epoch} was abandoned: {reason}")
+            raise GroupAbandoned(reason)
         me = GroupMember(name=self.member, rank=self.rank,
                          device="cuda" if self.device.type == "cuda" else "cpu",
                          host=socket.gethostname(), pid=os.getpid())
@@ -329,7 +359,9 @@ class WeightReceiver:
             self._pg = run_guarded(
                 lambda: build_backend(self.backend, store, self.rank, r.world_size,
                                       device=self.device, bind_host=bind, timeout=self.timeout),
-                self.timeout, lambda: None)
+                self.timeout, lambda: None, self._abandoned)
+        except GroupAbandoned:
+            raise
         except Exception as exc:
             raise PeerDead("trainer", f"weight group: building the {self.backend} group with the "
                                       f"{self._trainer()} failed: {exc}") from None
@@ -370,12 +402,14 @@ class WeightReceiver:
             for b, bucket in enumerate(meta.buckets):
                 flat = torch.empty(bucket.numel, dtype=torch_dtype(bucket.dtype), device=comm)
                 try:
-                    broadcast(self._pg, flat, self.timeout)
+                    broadcast(self._pg, flat, self.timeout, self._abandoned)
+                except GroupAbandoned:
+                    raise
                 except Exception as exc:
                     raise PeerDead("trainer", (
                         f"weight group: bucket {b + 1}/{len(meta.buckets)} of version "
-                        f"{meta.version} did not arrive from the {self._trainer()} within "
-                        f"{self.timeout:.1f} s ({TIMEOUT_KEY}): {exc}")) from None
+                        f"{meta.version} did not arrive from the {self._trainer()}: "
+                        f"{_why(exc, self.timeout)}")) from None
                 self._store.add(f"progress/{meta.seq}/{self.rank}", 1)
                 yield from _bucket_views(flat, meta.tensors[bucket.first:bucket.first + bucket.count])
             self._store.set(f"done/{meta.seq}/{self.rank}", b"1")

@@ -2,7 +2,8 @@
 
 The trainer's rank 0 hosts a TCPStore; each group gets an epoch, and everything of epoch N
 (member sign-ins, the backend choice, transfer metadata, progress, and the backend's own keys)
-lives under the prefix `tandem/weights/<N>/`. The backend object (`ProcessGroupGloo` or
+lives under the prefix `tandem/weights/<session>/<N>/`, `session` being random per trainer
+process. The backend object (`ProcessGroupGloo` or
 `ProcessGroupNCCL`) is built directly on a PrefixStore, so it never touches, and is never
 touched by, a default group the trainer may use for FSDP: no `init_process_group`, no global
 registry. Every blocking step runs under a deadline; a collective runs on a helper thread so a
@@ -33,12 +34,16 @@ log = structlog.get_logger(__name__)
 M = TypeVar("M", bound=Message)
 T = TypeVar("T")
 
-EPOCH_KEY = "tandem/weights/epoch"
+CURRENT_KEY = "tandem/weights/current"
 GRACE = 2.0  # seconds past a backend's own timeout before the guard gives up on the thread
 
 
-def epoch_prefix(epoch: int) -> str:
-    return f"tandem/weights/{epoch}/"
+class GroupAbandoned(WeightsError):
+    """The trainer gave this group epoch up (a peer failed); join the next one announced."""
+
+
+def epoch_prefix(session: str, epoch: int) -> str:
+    return f"tandem/weights/{session}/{epoch}/"
 
 
 def engine_member(explorer: str, worker: int = 0) -> str:
@@ -93,25 +98,25 @@ def wait_keys(store: dist.Store, keys: list[str], timeout: float,
               abandoned: Callable[[], str | None] = lambda: None) -> list[str]:
     """Wait until every key exists; returns the keys still missing when `timeout` runs out.
 
-    Waits in short slices so that `abandoned()` (the group was given up) is noticed early.
+    Polls `check` (which never blocks) with a short back-off rather than `store.wait`, whose
+    timeouts the C++ side logs as warnings; `abandoned()` (the group was given up) is asked
+    about twice a second so a member stops waiting as soon as the trainer gives the epoch up.
     """
     deadline = time.monotonic() + timeout
-    while True:
-        left = deadline - time.monotonic()
-        try:
-            store.wait(keys, timedelta(min(left, 0.5)))
-            return []
-        except dist.DistStoreError:
-            pass
-        reason = abandoned()
-        if reason is not None:
-            raise GroupAbandoned(reason)
-        if time.monotonic() >= deadline:
+    next_look = time.monotonic() + 0.5
+    pause = 0.001
+    while not store.check(keys):
+        now = time.monotonic()
+        if now >= next_look:
+            reason = abandoned()
+            if reason is not None:
+                raise GroupAbandoned(reason)
+            next_look = now + 0.5
+        if now >= deadline:
             return missing_keys(store, keys)
-
-
-class GroupAbandoned(WeightsError):
-    """The trainer gave this group epoch up (a peer failed); join the next one announced."""
+        time.sleep(min(pause, max(deadline - now, 0.0)))
+        pause = min(pause * 2, 0.05)
+    return []
 
 
 def build_backend(backend: str, store: dist.Store, rank: int, world_size: int, *,
@@ -145,10 +150,15 @@ def shutdown_backend(pg: Any) -> None:
             log.debug("weights.group.shutdown_failed", method=method, error=str(exc))
 
 
-def run_guarded(fn: Callable[[], T], timeout: float, on_hang: Callable[[], None]) -> T:
-    """Run `fn` on a helper thread; if it neither returns nor raises in time, call `on_hang`
-    (abort the group) and raise TimeoutError. A raw collective cannot be interrupted where it
-    runs, so it runs where the caller can stop waiting for it."""
+def run_guarded(fn: Callable[[], T], timeout: float, on_hang: Callable[[], None],
+                abandoned: Callable[[], str | None] = lambda: None) -> T:
+    """Run `fn` on a helper thread and wait for it at most `timeout` (plus a grace period).
+
+    A raw collective cannot be interrupted where it runs, so it runs where the caller can stop
+    waiting for it: on a hang, or as soon as `abandoned()` reports the group given up, call
+    `on_hang` (tear the backend down, which unblocks NCCL; gloo's own timeout ends its thread)
+    and raise TimeoutError or GroupAbandoned.
+    """
     result: dict[str, Any] = {}
 
     def target() -> None:
@@ -159,17 +169,25 @@ def run_guarded(fn: Callable[[], T], timeout: float, on_hang: Callable[[], None]
 
     thread = threading.Thread(target=target, name="tandem-weights-collective", daemon=True)
     thread.start()
-    thread.join(timeout + GRACE)
-    if thread.is_alive():
-        on_hang()
-        thread.join(GRACE)
-        raise TimeoutError(f"collective did not finish within {timeout:.1f} s")
+    deadline = time.monotonic() + timeout + GRACE
+    while thread.is_alive():
+        thread.join(min(0.5, max(deadline - time.monotonic(), 0.0)))
+        if not thread.is_alive():
+            break
+        reason = abandoned()
+        if reason is not None:
+            on_hang()
+            raise GroupAbandoned(reason)
+        if time.monotonic() >= deadline:
+            on_hang()
+            raise TimeoutError(f"collective did not finish within {timeout:.1f} s")
     if "error" in result:
         raise result["error"]
     return result["value"]
 
 
-def broadcast(pg: Any, tensor: torch.Tensor, timeout: float) -> None:
+def broadcast(pg: Any, tensor: torch.Tensor, timeout: float,
+              abandoned: Callable[[], str | None] = lambda: None) -> None:
     """One broadcast from rank 0 on a backend object, abandoned after `timeout`."""
     options = dist.BroadcastOptions()
     options.rootRank = 0
@@ -180,5 +198,5 @@ def broadcast(pg: Any, tensor: torch.Tensor, timeout: float) -> None:
         if tensor.is_cuda:
             torch.cuda.current_stream(tensor.device).synchronize()
 
-    run_guarded(call, timeout, lambda: shutdown_backend(pg))
+    run_guarded(call, timeout, lambda: shutdown_backend(pg), abandoned)
 

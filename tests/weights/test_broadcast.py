@@ -1,0 +1,175 @@
+"""Broadcast method: real processes in a gloo group built by rendezvous, timeouts naming peers."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from weights_helpers import assert_bit_identical, finish, train_step
+
+from tandem.common.errors import PeerDead
+from tandem.common.messages.weights import TensorSpec
+from tandem.common.weights import (
+    GroupAbandoned,
+    WeightBroadcaster,
+    WeightReceiver,
+    engine_members,
+    plan_buckets,
+)
+
+
+@pytest.fixture
+def broadcaster():
+    made = []
+
+    def make(**kwargs) -> WeightBroadcaster:
+        kwargs.setdefault("timeout", 30.0)
+        made.append(WeightBroadcaster(**kwargs))
+        return made[-1]
+
+    yield make
+    for b in made:
+        b.close()
+
+
+def test_model_weights_arrive_bit_identical_version_after_version(
+        tmp_path, tiny_model, tiny_model_dir, spawn, broadcaster):
+    sender = broadcaster(bucket_bytes=64 * 2**10)
+    member = engine_members("explorer-0")[0]
+    rendezvous = sender.open_group([member])
+    peer = spawn("broadcast", rendezvous.model_dump_json(), member, tmp_path, "1,2", 30,
+                 tiny_model_dir)
+
+    train_step(tiny_model, seed=1)
+    first = sender.broadcast(1, tiny_model.named_parameters())
+    sent_v1 = [(n, p.detach().clone()) for n, p in tiny_model.named_parameters()]
+    train_step(tiny_model, seed=2)
+    second = sender.broadcast(2, tiny_model.named_parameters())
+    finish(peer)
+
+    assert (first.backend, first.epoch, second.epoch) == ("gloo", 1, 1)  # one group, reused
+    assert first.buckets > 1 and first.bytes == sum(t.numel() * 4 for _, t in sent_v1)
+    assert_bit_identical(sent_v1, tmp_path / "v1.safetensors")
+    assert_bit_identical(tiny_model, tmp_path / "v2.safetensors")
+
+
+def test_two_members_receive_mixed_dtypes(tmp_path, spawn, broadcaster):
+    sender = broadcaster(bucket_bytes=1000)
+    members = engine_members("explorer-0", 2)
+    rendezvous = sender.open_group(members)
+    outs = [tmp_path / m.replace("/", "-") for m in members]
+    peers = []
+    for member, out in zip(members, outs):
+        out.mkdir()
+        peers.append(spawn("broadcast", rendezvous.model_dump_json(), member, out, "5", 30))
+    g = torch.Generator().manual_seed(0)
+    tensors = [("embed", torch.randn(40, 8, generator=g, dtype=torch.float32)),
+               ("norm", torch.randn(8, generator=g).to(torch.bfloat16)),
+               ("big", torch.randn(600, generator=g).to(torch.bfloat16)),  # larger than a bucket
+               ("steps", torch.arange(7, dtype=torch.int64)),
+               ("empty", torch.zeros(0, 3)),
+               ("proj", torch.randn(3, 5, generator=g).t())]  # not contiguous
+    stats = sender.broadcast(5, tensors)
+    for peer, out in zip(peers, outs):
+        finish(peer)
+        assert_bit_identical(tensors, out / "v5.safetensors")
+    assert stats.buckets == len(plan_buckets(
+        [TensorSpec(name=n, dtype=str(t.dtype)[6:], shape=list(t.shape)) for n, t in tensors],
+        1000)[1])
+
+
+def test_member_that_never_joins_fails_the_sender_in_time_naming_it(broadcaster):
+    sender = broadcaster(timeout=1.5)
+    sender.open_group(["explorer-0/w0", "explorer-1/w0"])
+    start = time.monotonic()
+    with pytest.raises(PeerDead) as failure:
+        sender.broadcast(3, [("w", torch.ones(4))])
+    elapsed = time.monotonic() - start
+    assert 1.4 < elapsed < 4.0
+    assert failure.value.peer == "explorer-0/w0"
+    assert "['explorer-0/w0', 'explorer-1/w0'] did not join" in str(failure.value)
+    assert "sync.timeout" in str(failure.value)
+    assert sender.rendezvous is None  # the epoch is abandoned; the next sync opens a new one
+
+
+def test_member_that_joins_then_stalls_fails_the_sender_in_time_naming_it(
+        tmp_path, spawn, broadcaster):
+    sender = broadcaster(timeout=2.0)
+    sender.open_group(["explorer-0/w0", "explorer-1/w0"])
+    rendezvous = sender.rendezvous.model_dump_json()
+    healthy = spawn("broadcast", rendezvous, "explorer-0/w0", tmp_path, "7,8", 60)
+    stalled = spawn("stall", rendezvous, "explorer-1/w0", 60)
+    deadline = time.monotonic() + 60
+    while len(sender.joined()) < 2:  # both processes up before the 2 s clock starts
+        assert time.monotonic() < deadline and stalled.poll() is None and healthy.poll() is None
+        time.sleep(0.05)
+    start = time.monotonic()
+    with pytest.raises(PeerDead) as failure:
+        sender.broadcast(7, [("w", torch.ones(16 * 2**20))])  # 64 MiB: more than sockets buffer
+    assert time.monotonic() - start < 2.0 + 4.0
+    assert failure.value.peer == "explorer-1/w0"
+    assert "sync.timeout" in str(failure.value)
+    # the member that was fine hears that the trainer gave the epoch up (during version 7 or
+    # while waiting for version 8) and says so, instead of waiting for its own timeout
+    _, err = healthy.communicate(timeout=30)
+    assert healthy.returncode == 3 and "GroupAbandoned" in err and "abandoned weight group" in err
+
+
+def test_trainer_that_never_starts_fails_the_member_in_time(broadcaster):
+    sender = broadcaster(timeout=30.0)
+    rendezvous = sender.open_group(["explorer-0/w0"])
+    receiver = WeightReceiver(rendezvous, "explorer-0/w0", timeout=1.0)
+    start = time.monotonic()
+    with pytest.raises(PeerDead, match=r"trainer \(rank 0.*did not start.*sync.timeout") as failure:
+        receiver.join()
+    assert failure.value.peer == "trainer"
+    assert time.monotonic() - start < 3.0
+    receiver.close()
+    with pytest.raises(Exception, match="not a member"):
+        WeightReceiver(rendezvous, "explorer-9/w0")
+
+
+def test_restarted_member_gets_a_fresh_group(tmp_path, spawn, broadcaster):
+    sender = broadcaster(timeout=20.0)  # covers a peer process starting on a busy machine
+    member = "explorer-0/w0"
+    old = sender.open_group([member])
+    first = spawn("broadcast", old.model_dump_json(), member, tmp_path, "1", 30)
+    sender.broadcast(1, [("w", torch.full((64,), 1.0))])
+    finish(first)  # the member exits: its side of the group is gone
+
+    start = time.monotonic()
+    with pytest.raises(PeerDead, match="explorer-0/w0") as failure:
+        sender.broadcast(2, [("w", torch.full((64,), 2.0))])
+    assert failure.value.peer == member and "Connection closed" in str(failure.value)
+    assert time.monotonic() - start < 5.0  # a vanished peer is noticed at once, not at timeout
+
+    new = sender.open_group([member])
+    assert new.epoch == old.epoch + 1
+    restarted = spawn("broadcast", new.model_dump_json(), member, tmp_path, "2", 30)
+    tensors = [("w", torch.full((64,), 2.0))]
+    sender.broadcast(2, tensors)
+    finish(restarted)
+    assert_bit_identical(tensors, tmp_path / "v2.safetensors")
+
+
+def test_a_late_joiner_with_an_old_rendezvous_is_told_to_take_the_new_one(broadcaster):
+    sender = broadcaster(timeout=5.0)
+    old = sender.open_group(["a/w0"])
+    sender.open_group(["a/w0"])
+    with pytest.raises(GroupAbandoned, match="epoch 1 was replaced by epoch 2.*announced last"):
+        WeightReceiver(old, "a/w0", timeout=2.0).join()
+
+
+def test_bucket_plan_groups_dtypes_and_respects_the_size():
+    specs = [TensorSpec(name="a", dtype="float32", shape=[10]),     # 40 bytes
+             TensorSpec(name="b", dtype="bfloat16", shape=[10]),    # 20 bytes
+             TensorSpec(name="c", dtype="float32", shape=[20]),     # 80 bytes
+             TensorSpec(name="d", dtype="float32", shape=[100]),    # 400 bytes: alone
+             TensorSpec(name="e", dtype="float32", shape=[5]),
+             TensorSpec(name="f", dtype="bfloat16", shape=[2, 3])]
+    order, buckets = plan_buckets(specs, 128)
+    assert [specs[i].name for i in order] == ["a", "c", "d", "e", "b", "f"]
+    assert [(b.dtype, b.numel, b.first, b.count) for b in buckets] == [
+        ("float32", 30, 0, 2), ("float32", 100, 2, 1), ("float32", 5, 3, 1),
+        ("bfloat16", 16, 4, 2)]
