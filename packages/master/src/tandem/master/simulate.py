@@ -9,6 +9,7 @@ the trainer lane and a load on each explorer lane, each on its own time.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -117,6 +118,8 @@ class Simulator:
         self.blocks: list[Block] = []
         self.batches: list[_Batch] = []
         self.published: dict[int, float] = {0: 0.0}  # version -> time explorers may use it
+        self._pub_order: list[tuple[int, float]] = [(0, 0.0)]  # ascending in version and time
+        self.unconsumed: list[_Batch] = []
         self.consumed_at: list[tuple[float, int]] = []
 
     def run(self) -> Timeline:
@@ -198,21 +201,22 @@ class Simulator:
             candidates: list[tuple[float, int, Any]] = []
             if next_batch < total:
                 need = plan.min_version(plan.step_of_batch(next_batch))
-                ready = min((at for v, at in self.published.items() if v >= need), default=INF)
+                i = bisect.bisect_left(self._pub_order, (need, -INF))
+                ready = self._pub_order[i][1] if i < len(self._pub_order) else INF
                 for ex in self.explorers:
                     candidates.append((max(ex.free, ready), 1 + ex.index, ex))
-            if t < self.steps:
-                waiting = sorted(b.end for b in self.batches if not b.consumed)
-                if len(waiting) >= per_step:
-                    candidates.append((max(trainer_free, waiting[per_step - 1]), 0, None))
+            if t < self.steps and len(self.unconsumed) >= per_step:
+                waiting = sorted(b.end for b in self.unconsumed)
+                candidates.append((max(trainer_free, waiting[per_step - 1]), 0, None))
             start, _, ex = min(candidates, key=lambda c: (c[0], c[1]))
             if start == INF:
                 raise RuntimeError(f"plan deadlocked at trainer step {t}: {plan.describe()}")
             if ex is None:
-                done = sorted((b for b in self.batches if not b.consumed and b.end <= start),
+                done = sorted((b for b in self.unconsumed if b.end <= start),
                               key=lambda b: (b.end, b.batch))[:per_step]
                 for b in done:
                     b.consumed = True
+                self.unconsumed = [b for b in self.unconsumed if not b.consumed]
                 trainer_free = self._train(t, start, [b.batch for b in done])
                 version = plan.publish_after(t, self.steps)
                 if version is not None:
@@ -220,7 +224,8 @@ class Simulator:
                 t += 1
                 continue
             step = plan.step_of_batch(next_batch)
-            newest = max(v for v, at in self.published.items() if at <= start)
+            times = [at for _, at in self._pub_order]
+            newest = self._pub_order[bisect.bisect_right(times, start) - 1][0]
             go = plan.decide(step, newest=newest, held=ex.held, since_load=ex.since_load)
             assert go is not None, "the staleness bound was checked when choosing the start"
             if go.load:
@@ -243,6 +248,7 @@ class Simulator:
         end = start + ex.rollout
         self._add("rollout", ex.lane, start, end, step=step, version=version, batch=batch)
         self.batches.append(_Batch(batch, step, ex.index, end))
+        self.unconsumed.append(self.batches[-1])
         ex.free, ex.held = end, version
         if count_step:
             ex.step += 1
@@ -257,6 +263,7 @@ class Simulator:
         end = start + self.sync_time
         self._add("sync", "trainer", start, end, version=version, method="checkpoint")
         self.published[version] = end
+        self._pub_order.append((version, end))
         return end
 
     def _add(self, kind: str, lane: str, start: float, end: float, **attrs: Any) -> None:
