@@ -21,3 +21,15 @@ def engine(tiny_model_path):
     eng = TransformersEngine.from_pretrained(tiny_model_path, max_batch=8)
     yield eng
     eng.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """The tiny model gains nothing from intra-op threads, and on a shared 2-core machine
+    spinning worker threads only slow every test down."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -60,9 +60,13 @@ class TransformersEngine(Engine):
             raise ValueError(f"model.dtype {dtype!r}: expected one of {sorted(_DTYPES)}")
         seed = int(options.pop("seed", 0))
         attn = options.pop("attn_implementation", "sdpa")
+        threads = options.pop("threads", None)
         if options:
             raise ValueError(f"engine.options: unknown keys {sorted(options)} for transformers "
-                             "(known: seed, attn_implementation)")
+                             "(known: seed, attn_implementation, threads)")
+        if threads is not None:
+            # process-wide: an explorer process runs one engine
+            torch.set_num_threads(int(threads))
         tokenizer = load_tokenizer(path)
         model = AutoModelForCausalLM.from_pretrained(
             str(path), dtype=_DTYPES[dtype], local_files_only=True, attn_implementation=attn)

@@ -39,7 +39,8 @@ class EngineConfig(Section):
     max_batch: int = Field(default=64, ge=1, description="sequences generated at once")
     options: dict[str, Any] = Field(
         default_factory=dict,
-        description="engine-specific arguments (transformers: seed, attn_implementation)")
+        description="engine-specific arguments (transformers: seed, attn_implementation, "
+                    "threads: torch intra-op threads of the process)")
 
 
 class ExplorerConfig(Section):

@@ -1,0 +1,191 @@
+"""tandem-explorer as a real process against tandem-master and tandem-buffer processes.
+
+The test plays the trainer over the real protocol: it samples each step's groups from the
+buffer, acks them, reports the step, and publishes weights by checkpoint. The explorer rolls out
+two steps, waits at the sync point of step 1 until version 1 is published, waits again at step 2
+for a version that never comes, and leaves cleanly on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tandem.common.messages.buffer import AckLease, SampleGroups
+from tandem.common.messages.master import TrainerGo, TrainerStepDone, WeightsPublished
+from tandem.common.pubsub import Subscriber
+from tandem.common.rpc import RpcClient
+from tandem.common.trace import read_trace
+from tandem.common.weights import WeightPublisher
+
+BIN = Path(sys.executable).parent
+
+
+class Proc:
+    """A tandem CLI process; its JSON log lines (stderr) are drained by a thread."""
+
+    def __init__(self, name: str, argv: list[str]):
+        self.name = name
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     text=True)
+        self.lines: queue.Queue = queue.Queue()
+        self.events: list[dict] = []
+        self.raw: list[str] = []
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def wait_for(self, event: str, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self.lines.get(timeout=left)
+            except queue.Empty:
+                break
+            if line is None:
+                break
+            self.raw.append(line)
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            self.events.append(record)
+            if record.get("event") == event:
+                return record
+        raise AssertionError(f"{self.name} did not log {event} within {timeout}s (exit code "
+                             f"{self.proc.poll()}); last lines:\n{''.join(self.raw[-15:])}")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture
+def procs():
+    started: list[Proc] = []
+
+    def start(name, argv):
+        started.append(Proc(name, argv))
+        return started[-1]
+
+    yield start
+    for p in reversed(started):
+        p.stop()
+
+
+def write_run(tmp_path: Path, model_path: Path) -> Path:
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({"id": f"c{i}", "expression": f"{i}*7+1"}) + "\n"
+                             for i in range(12)))
+    config = {
+        "run_dir": str(tmp_path / "run"),
+        "model": {"path": str(model_path)},
+        "master": {"address": "tcp://127.0.0.1:0", "publish_address": "tcp://127.0.0.1:0",
+                   "taskset": {"path": str(tasks), "id_field": "id"}, "total_steps": 3,
+                   "stop_grace": 0.2},
+        "transport": {"heartbeat_interval": 0.2, "liveness": 10},
+        "sync": {"method": "checkpoint", "interval": 1, "offset": 0, "timeout": 60},
+        "explorers": [{"name": "explorer-0", "batch_size": 2, "repeat_times": 3,
+                       "workflow": "multi_turn",
+                       "workflow_args": {"env": "calculator", "max_turns": 2},
+                       "sampling": {"max_tokens": 8}, "drain_seconds": 5,
+                       "engine": {"options": {"threads": 1}}}],
+        "logging": {"json_console": True},
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+async def play_trainer(master: str, publish: str, buffer: str, run_dir: str, model_path: Path,
+                       seen: list, published: asyncio.Event):
+    """Trainer steps 0 and 1: sample the step's groups, ack, report; publish version 1 only."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_path))
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    rpc = RpcClient(master, peer="master", name="trainer")
+    snap = RpcClient(master, peer="master", name="trainer-s")
+    buf = RpcClient(buffer, peer="buffer", name="trainer-b")
+    sub = Subscriber(publish, topics=["trainer"], snapshot=snap, resync_interval=0.2)
+    try:
+        for _ in range(2):
+            go = (await sub.recv(60, what="trainer go")).body
+            assert isinstance(go, TrainerGo)
+            sample = await buf.call(SampleGroups(num_groups=2, wait=30), timeout=40)
+            seen.append((go.step, sorted({e.policy_version for e in sample.experiences}),
+                         len(sample.experiences)))
+            await buf.call(AckLease(lease_id=sample.lease_id), timeout=5)
+            await rpc.call(TrainerStepDone(step=go.step, version=go.step + 1), timeout=5)
+            if go.publish == 1:
+                pub = await asyncio.to_thread(WeightPublisher(run_dir).publish, 1,
+                                              model.named_parameters())
+                await rpc.call(WeightsPublished(version=1, method="checkpoint",
+                                                path=str(pub.path)), timeout=5)
+                published.set()
+    finally:
+        await sub.close()
+        await snap.close()
+        await buf.close()
+        await rpc.close()
+
+
+async def test_explorer_process_steps_waits_for_weights_and_leaves_on_sigterm(
+        tmp_path, tiny_model_path, procs):
+    config = write_run(tmp_path, tiny_model_path)
+    run_dir = str(tmp_path / "run")
+    master = procs("master", [str(BIN / "tandem-master"), "--config", str(config)])
+    buffer = procs("buffer", [str(BIN / "tandem-buffer"), "--config", str(config),
+                              "--address", "tcp://127.0.0.1:0"])
+    started = master.wait_for("master.started", 60)
+    buffer_address = buffer.wait_for("buffer.listening", 60)["address"]
+    explorer = procs("explorer", [
+        sys.executable, "-m", "tandem.explorer.cli", "--config", str(config),
+        "--name", "explorer-0", "--set", f"master.address={started['address']}",
+        "--set", f"buffer.address={buffer_address}"])
+    seen: list = []
+    published = asyncio.Event()
+    await asyncio.wait_for(play_trainer(started["address"], started["publish"], buffer_address,
+                                        run_dir, tiny_model_path, seen, published), 120)
+    # step 0 rolled out with the base weights, step 1 with version 1 after waiting for it
+    assert seen == [(0, [0], 6), (1, [1], 6)]
+    await asyncio.to_thread(explorer.wait_for, "explorer.step", 60)  # step 0
+    await asyncio.to_thread(explorer.wait_for, "explorer.step", 60)  # step 1
+    # step 2 needs version 2, which never comes: the explorer waits until SIGTERM
+    time.sleep(0.5)
+    assert explorer.proc.poll() is None
+    begin = time.monotonic()
+    assert explorer.stop() == 0 and time.monotonic() - begin < 10
+    closed = explorer.wait_for("explorer.closed", 5)
+    assert closed["steps"] == 2 and closed["reason"] == "signal"
+
+    spans = [s for s in read_trace(run_dir) if s["component"] == "explorer-0"]
+    rollouts = [(s["step"], s["version"]) for s in spans if s["kind"] == "rollout"]
+    assert rollouts == [(0, 0), (1, 1)]
+    [sync] = [s for s in spans if s["kind"] == "sync"]
+    assert sync["step"] == 1 and sync["version"] == 1 and sync["attrs"]["method"] == "checkpoint"
+    [wait] = [s for s in spans if s["kind"] == "wait" and s["step"] == 1]
+    assert wait["end"] <= sync["start"] and rollouts[0] == (0, 0)
