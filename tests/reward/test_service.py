@@ -146,3 +146,16 @@ def test_cli_reports_a_bad_config_in_one_message(tmp_path):
     assert done.returncode == 2
     err = done.stderr.decode()
     assert "Traceback" not in err and "reward.workers" in err
+
+
+async def test_time_waiting_for_a_worker_does_not_count_against_the_evaluation():
+    # one worker, six evaluations of ~0.3 s each: together far past the 1.5 s limit, each within
+    config = RewardConfig(functions={"code": 1.0}, workers=1, timeout=1.5,
+                          code=CodeSandboxConfig(wall_seconds=1.4))
+    item = ScoreItem(response="import time\ntime.sleep(0.3)\nprint('done')",
+                     truth={"tests": [{"input": "", "output": "done"}]})
+    async with LocalScorer(config=config) as scorer:
+        start = time.monotonic()
+        scores = await scorer.score([item] * 6)
+        assert time.monotonic() - start > config.timeout
+    assert [s.reason for s in scores] == ["1/1 tests passed"] * 6

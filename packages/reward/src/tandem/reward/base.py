@@ -66,7 +66,13 @@ class PureReward(RewardFunction):
 
 
 class AsyncReward(RewardFunction):
-    """A reward that waits on something (a subprocess, a model); cancelled on timeout."""
+    """A reward that waits on something (a subprocess, a model); cancelled on timeout.
+
+    With `one_per_worker`, at most `reward.workers` evaluations run at once and the time limit
+    starts when one begins, not while it waits for its turn.
+    """
+
+    one_per_worker: ClassVar[bool] = False
 
     async def start(self) -> None:
         """Acquire what it needs (load a model, probe the sandbox) before the first item."""

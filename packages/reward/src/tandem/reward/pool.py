@@ -110,11 +110,23 @@ class WorkerPool:
         self._spawning.add(task)
         task.add_done_callback(self._spawning.discard)
 
-    async def evaluate(self, fn: str, item: ScoreItem, timeout: float) -> Score:
-        """Score `item` with `fn` in a worker; EvaluationTimeout after `timeout` seconds."""
+    async def evaluate(self, fn: str, item: ScoreItem, timeout: float, *,
+                       deadline: float | None = None) -> Score:
+        """Score `item` with `fn` in a worker; EvaluationTimeout after `timeout` seconds of
+        running or at `deadline` (time.monotonic()), whichever is first. The wait for a free
+        worker counts against the deadline only (without one: STARTUP_TIMEOUT at most)."""
         if not self._started:
             await self.start()
-        worker = await self._idle.get()
+        wait = STARTUP_TIMEOUT if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            worker = await asyncio.wait_for(self._idle.get(), wait)
+        except asyncio.TimeoutError:
+            raise EvaluationTimeout() from None
+        if deadline is not None:
+            timeout = min(timeout, deadline - time.monotonic())
+            if timeout <= 0:
+                self._idle.put_nowait(worker)
+                raise EvaluationTimeout()
         start = time.monotonic()
         try:
             await worker.send({"fn": fn, "item": item.model_dump(mode="json")})

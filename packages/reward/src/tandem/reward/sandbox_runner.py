@@ -12,13 +12,17 @@ program that exits early cannot pass).
 """
 
 import errno
-import math
 import os
 import resource
 import sys
-import traceback
 
 RUNTIME_ERROR, MEMORY_ERROR, SYNTAX_ERROR, FILE_TOO_LARGE, NOT_REACHED = 101, 102, 103, 104, 105
+
+
+def _print_exc(**kwargs) -> None:
+    import traceback  # only on failure: importing it costs more than starting the interpreter
+
+    traceback.print_exc(**kwargs)
 
 
 def _flush() -> None:
@@ -44,7 +48,7 @@ def candidate(mode: str, program_path: str, test_path: str | None) -> int:
         program_code = compile(source, "solution.py", "exec")
         test_code = compile(test, "test.py", "exec") if test is not None else None
     except (SyntaxError, ValueError):
-        traceback.print_exc(limit=0)
+        _print_exc(limit=0)
         return SYNTAX_ERROR
     scope = {"__name__": "__main__" if mode == "stdio" else "solution",
              "__builtins__": __builtins__}
@@ -69,11 +73,11 @@ def candidate(mode: str, program_path: str, test_path: str | None) -> int:
         if exc.errno == errno.EFBIG:
             os.write(2, b"File too large\n")
             return FILE_TOO_LARGE
-        traceback.print_exc()
+        _print_exc()
         return RUNTIME_ERROR
     except BaseException:
         try:
-            traceback.print_exc()
+            _print_exc()
         except MemoryError:
             os.write(2, b"MemoryError\n")
             return MEMORY_ERROR
@@ -85,7 +89,7 @@ def candidate(mode: str, program_path: str, test_path: str | None) -> int:
 def main() -> None:
     mode, cpu, mem, nproc, fsize, nofile, program = sys.argv[1:8]
     test = sys.argv[8] if len(sys.argv) > 8 else None
-    cpu_s = max(1, math.ceil(float(cpu)))
+    cpu_s = max(1, -int(-float(cpu) // 1))  # ceil, without importing math
     resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
     resource.setrlimit(resource.RLIMIT_AS, (int(mem), int(mem)))
     resource.setrlimit(resource.RLIMIT_NPROC, (int(nproc), int(nproc)))

@@ -14,6 +14,7 @@ scores 0 with reason `error: ...`. Neither fails the batch.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import defaultdict
 from typing import Iterable, Protocol, runtime_checkable
@@ -73,6 +74,7 @@ class LocalScorer:
         self._functions: dict[str, RewardFunction] = {}
         self._started: dict[str, asyncio.Future] = {}
         self._pool: WorkerPool | None = None
+        self._turns: dict[str, asyncio.Semaphore] = {}
         self.stats: dict[str, dict[str, float]] = defaultdict(
             lambda: {"evaluated": 0, "timeouts": 0, "errors": 0, "seconds": 0.0})
         for name in config.functions:
@@ -125,19 +127,22 @@ class LocalScorer:
         defaults = self.config.args.get(name)
         if defaults:
             item = item.model_copy(update={"args": {**defaults, **item.args}})
-        limit = self.config.timeout
-        if deadline is not None:
-            limit = min(limit, deadline - time.monotonic())
         start = time.monotonic()
         try:
-            if limit <= 0:
-                raise EvaluationTimeout()
-            if isinstance(fn, AsyncReward):
-                score = await asyncio.wait_for(fn.score(item), limit)
-            elif fn.isolated:
-                score = await self._pool.evaluate(name, item, limit)
-            else:
-                score = fn.score(item)
+            async with self._turn(fn, deadline):
+                limit = self.config.timeout
+                if deadline is not None:
+                    limit = min(limit, deadline - time.monotonic())
+                if limit <= 0:
+                    raise EvaluationTimeout()
+                if isinstance(fn, AsyncReward):
+                    score = await asyncio.wait_for(fn.score(item), limit)
+                elif fn.isolated:
+                    # the limit runs from when a worker takes the item
+                    score = await self._pool.evaluate(name, item, self.config.timeout,
+                                                      deadline=deadline)
+                else:
+                    score = fn.score(item)
         except (EvaluationTimeout, asyncio.TimeoutError):
             stats["timeouts"] += 1
             score = Score(score=0.0, reason="timeout")
@@ -148,6 +153,21 @@ class LocalScorer:
         stats["evaluated"] += 1
         stats["seconds"] += time.monotonic() - start
         return score
+
+    @contextlib.asynccontextmanager
+    async def _turn(self, fn: RewardFunction, deadline: float | None):
+        """Wait for a free worker for `one_per_worker` functions (until the deadline at most),
+        so that the evaluation's own time limit counts only its running time."""
+        if not (isinstance(fn, AsyncReward) and fn.one_per_worker):
+            yield
+            return
+        turns = self._turns.setdefault(fn.name, asyncio.Semaphore(self.config.workers))
+        wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+        await asyncio.wait_for(turns.acquire(), wait)
+        try:
+            yield
+        finally:
+            turns.release()
 
     async def close(self) -> None:
         for name, fn in self._functions.items():

@@ -69,6 +69,8 @@ def same_output(got: str, want: str, compare: str = "lines") -> bool:
 class CodeReward(AsyncReward):
     """Fraction of tests passed."""
 
+    one_per_worker = True
+
     def __init__(self, config):
         super().__init__(config)
         self.sandbox = Sandbox(config.code, slots=config.workers)
