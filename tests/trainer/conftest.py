@@ -10,12 +10,9 @@ from tandem.common.messages.experience import Experience, experience_id, group_i
 
 
 @pytest.fixture(scope="session")
-def tiny_model_path(tmp_path_factory):
-    from tandem.common.tiny import build_tiny_model
-
-    path = tmp_path_factory.mktemp("tiny") / "model"
-    build_tiny_model(path)
-    return path
+def tiny_model_path(tiny_model_dir):
+    """The suite's tiny Qwen2 (tests/conftest.py builds it once per session)."""
+    return tiny_model_dir
 
 
 @pytest.fixture(scope="session")

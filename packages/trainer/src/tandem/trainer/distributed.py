@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tandem.common.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -58,7 +60,8 @@ def resolve_device(spec: str, info: DistInfo) -> torch.device:
     device = torch.device(spec)
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError(f"trainer.device is {spec!r} but CUDA is not available; set trainer.device: cpu")
+            raise ConfigError([f"trainer.device: {spec!r} but CUDA is not available; "
+                               f"set trainer.device: cpu"])
         if device.index is None:
             device = torch.device("cuda", info.local_rank)
         torch.cuda.set_device(device)
@@ -104,3 +107,67 @@ def gradient_sync(wrapped: nn.Module, mode: str, sync: bool) -> Iterator[None]:
 
 def unwrap(wrapped: nn.Module) -> nn.Module:
     return getattr(wrapped, "module", wrapped)
+
+
+# -- rank 0 -> every rank: commands and batches as tensors ---------------------------------------
+
+STEP, PUBLISH, CHECKPOINT, STOP = 1, 2, 3, 4
+
+
+def send_command(command: int, arg: int = 0) -> None:
+    """Rank 0: tell every rank what comes next."""
+    dist.broadcast(torch.tensor([command, arg], dtype=torch.long), src=0)
+
+
+def recv_command() -> tuple[int, int]:
+    buf = torch.zeros(2, dtype=torch.long)
+    dist.broadcast(buf, src=0)
+    return int(buf[0]), int(buf[1])
+
+
+def broadcast_experiences(experiences: list | None) -> list:
+    """Rank 0 passes the batch, other ranks pass None; every rank returns it.
+
+    Sent as flat tensors (tokens, masks, logprobs and a per-row header), not pickled objects.
+    Ids are not sent: other ranks name rows by position and groups by their index.
+    """
+    import numpy as np
+
+    from tandem.common.messages.experience import Experience
+
+    if dist.get_rank() == 0:
+        groups: dict[str, int] = {}
+        header = torch.tensor([[int(e.tokens.shape[0]), e.prompt_len, e.policy_version,
+                                groups.setdefault(e.group_id, len(groups))] for e in experiences],
+                              dtype=torch.long)
+        rewards = torch.tensor([e.reward for e in experiences], dtype=torch.float64)
+        tokens = torch.from_numpy(np.concatenate([e.tokens for e in experiences]).astype(np.int64))
+        action = torch.from_numpy(np.concatenate([e.action_mask for e in experiences]).astype(np.int64))
+        logprobs = torch.from_numpy(np.concatenate([e.logprobs for e in experiences]))
+        sizes = torch.tensor([header.shape[0], tokens.numel(), action.numel()], dtype=torch.long)
+    else:
+        sizes = torch.zeros(3, dtype=torch.long)
+    dist.broadcast(sizes, src=0)
+    n, n_tokens, n_action = sizes.tolist()
+    if dist.get_rank() != 0:
+        header = torch.zeros((n, 4), dtype=torch.long)
+        rewards = torch.zeros(n, dtype=torch.float64)
+        tokens = torch.zeros(n_tokens, dtype=torch.long)
+        action = torch.zeros(n_action, dtype=torch.long)
+        logprobs = torch.zeros(n_action, dtype=torch.float32)
+    for tensor in (header, rewards, tokens, action, logprobs):
+        dist.broadcast(tensor, src=0)
+    if dist.get_rank() == 0:
+        return experiences
+    out, t_at, a_at = [], 0, 0
+    for i, (length, prompt_len, version, group) in enumerate(header.tolist()):
+        r = length - prompt_len
+        out.append(Experience(
+            id=str(i), task_id=f"g{group}", group_id=f"g{group}",
+            tokens=tokens[t_at:t_at + length].numpy().astype(np.int32), prompt_len=prompt_len,
+            action_mask=action[a_at:a_at + r].numpy().astype(np.uint8),
+            logprobs=logprobs[a_at:a_at + r].numpy(), reward=float(rewards[i]),
+            policy_version=version))
+        t_at += length
+        a_at += r
+    return out

@@ -115,7 +115,6 @@ class TrainerConfig(Section):
     # outputs
     checkpoint_every: int = Field(default=0, ge=0, description="steps between checkpoints; 0 = end")
     keep_checkpoints: int = Field(default=2, ge=1, description="checkpoint folders kept")
-    keep_weight_versions: int = Field(default=3, ge=1, description="weights/v{N} folders kept")
     tensorboard: bool = Field(default=True, description="write metrics to run_dir/tensorboard")
 
     @model_validator(mode="after")

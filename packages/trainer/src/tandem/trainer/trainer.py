@@ -1,0 +1,295 @@
+"""The trainer component: the learner, wired to the master, the buffer and the weight path.
+
+Per step, on rank 0 (DESIGN §4, docs/master.md):
+
+    TrainerGo(step t, publish p)            from the master's PUB socket (topic `trainer`)
+    sample whole groups from the buffer     under a lease
+    train                                   every rank (the batch is broadcast to them)
+    AckLease, TrainerStepDone(t, t+1)       the groups are consumed; the master counts the step
+    publish p when set                      checkpoint: weights/v{p} + WeightsPublished;
+                                            nccl: WeightsPublished(rendezvous), then broadcast
+    checkpoint every `trainer.checkpoint_every` steps and at the end
+
+Ranks other than 0 run `follow()`: they wait for rank 0's commands and join its collectives.
+Without sockets, `train_step(experiences)` runs one step on a batch handed in directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Sequence
+
+import structlog
+import torch
+
+from tandem.common.config import RunConfig
+from tandem.common.errors import PeerDead, RequestFailed, TandemError, WaitTimeout
+from tandem.common.messages.buffer import AckLease, SampleGroups, SampleResult
+from tandem.common.messages.experience import Experience
+from tandem.common.messages.master import (
+    Register, Stop, TrainerGo, TrainerStepDone, WeightsPublished)
+from tandem.common.trace import Tracer
+
+from . import checkpoint
+from . import distributed as dd
+from .learner import Learner
+from .metrics import MetricsWriter
+
+log = structlog.get_logger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class TrainerStopped(TandemError):
+    """The trainer was asked to stop while waiting."""
+
+
+class Trainer:
+    """`Trainer(config)`: `train_step(experiences)` alone, or `await run()` against a live run."""
+
+    def __init__(self, config: RunConfig, *, resume: bool = False,
+                 dist_info: dd.DistInfo | None = None):
+        self.config = config
+        self.tc = config.trainer
+        self.dist = dist_info or dd.from_env()
+        self.run_dir = Path(config.run_dir)
+        self.checkpoint_root = self.run_dir / "checkpoints"
+        resume_from = checkpoint.latest(self.checkpoint_root) if resume else None
+        if resume and resume_from is None:
+            log.info("trainer.resume_none", root=str(self.checkpoint_root),
+                     detail="no checkpoint yet; starting from model.path")
+        self.learner = Learner(config, dist_info=self.dist, resume_from=resume_from)
+        main = self.dist.is_main
+        self.tracer = Tracer(self.run_dir if (main and config.logging.trace) else None, "trainer")
+        self.writer = MetricsWriter(self.run_dir if main else None, self.tc.tensorboard)
+        self.last_checkpoint_step = self.learner.step_count if resume_from else None
+        self._stopping = False
+        self._in_use: list[int] = []
+        self._publisher = None
+        self._broadcaster = None
+        self._master = self._buffer = self._sub = self._heartbeat = None
+
+    @property
+    def step(self) -> int:
+        return self.learner.step_count
+
+    def request_stop(self) -> None:
+        """Finish the current step, then stop (safe from a signal handler)."""
+        self._stopping = True
+
+    # -- without sockets -----------------------------------------------------------------------
+
+    def train_step(self, experiences: Sequence[Experience], *, step: int | None = None
+                   ) -> dict[str, float]:
+        """One step on these experiences; under torchrun, rank 0 calls it and the others follow."""
+        if self.dist.enabled:
+            dd.send_command(dd.STEP)
+            experiences = dd.broadcast_experiences(list(experiences))
+        step = self.learner.step_count if step is None else step
+        start = time.time()
+        metrics = self.learner.step(experiences)
+        self.tracer.record("train", start, time.time(), step=step, version=self.learner.version,
+                           tokens=int(metrics["batch/tokens"]),
+                           loss=round(metrics.get("loss/total", 0.0), 6))
+        self.writer.write(self.learner.step_count, metrics)
+        log.info("train.step", step=step, version=self.learner.version,
+                 loss=round(metrics.get("loss/total", float("nan")), 5),
+                 reward=round(metrics["reward/mean"], 4),
+                 tokens_per_s=round(metrics.get("throughput/tokens_per_s", 0.0), 1))
+        return metrics
+
+    def save_checkpoint(self) -> Path | None:
+        if self.dist.enabled:
+            dd.send_command(dd.CHECKPOINT)
+        path = self.learner.save_checkpoint(self.checkpoint_root)
+        self.last_checkpoint_step = self.learner.step_count
+        return path
+
+    def policy_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """The policy's weights to publish: HF names, `model.dtype`, each tied weight once."""
+        if self.dist.enabled:
+            dd.send_command(dd.PUBLISH)
+        state = self.learner.policy_state_dict()
+        tied = getattr(self.learner.actor.model.config, "tie_word_embeddings", False)
+        dtype = _DTYPES[self.config.model.dtype]
+        seen: set[int] = set()
+        out = []
+        for name, tensor in state.items():
+            if (tied and name == "lm_head.weight") or tensor.data_ptr() in seen:
+                continue
+            seen.add(tensor.data_ptr())
+            out.append((name, tensor.to(dtype)))
+        return out
+
+    def follow(self) -> None:
+        """Ranks > 0: join rank 0's steps, publications and checkpoints until it stops."""
+        while True:
+            command, _ = dd.recv_command()
+            if command == dd.STEP:
+                self.learner.step(dd.broadcast_experiences(None))
+            elif command == dd.PUBLISH:
+                self.learner.policy_state_dict()
+            elif command == dd.CHECKPOINT:
+                self.learner.save_checkpoint(self.checkpoint_root)
+            elif command == dd.STOP:
+                return
+
+    # -- against a live run --------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Rank 0: train the steps the master releases until it says stop (or `request_stop`)."""
+        from tandem.common.heartbeat import Heartbeater
+        from tandem.common.pubsub import Subscriber
+        from tandem.common.rpc import RpcClient
+
+        cfg = self.config
+        transport = cfg.transport
+        self._master = RpcClient(cfg.master.address, peer="master", transport=transport)
+        self._buffer = RpcClient(cfg.buffer.address, peer="buffer", transport=transport)
+        try:
+            registered = await self._master.call(
+                Register(name="trainer", role="trainer", pid=os.getpid(), host=socket.gethostname(),
+                         meta={"world_size": self.dist.world_size, "step": self.step}),
+                timeout_key="transport.rpc_timeout")
+            self._sub = Subscriber(registered.publish_address or cfg.master.publish_address,
+                                   topics=["trainer", "stop"], transport=transport,
+                                   snapshot=self._master)
+            await self._sub.start()
+            self._heartbeat = Heartbeater(self._master, name="trainer", role="trainer",
+                                          interval=transport.heartbeat_interval,
+                                          liveness=transport.liveness)
+            self._heartbeat.start()
+            log.info("trainer.started", run_id=registered.run_id, step=self.step,
+                     world_size=self.dist.world_size, device=str(self.learner.device))
+            while not self._stopping:
+                event = await self._next_event()
+                if event is None:
+                    break
+                try:
+                    await self._run_step(event)
+                except TrainerStopped:
+                    break
+        finally:
+            if self.last_checkpoint_step != self.step:
+                await asyncio.to_thread(self.save_checkpoint)
+            await self._close_clients()
+
+    async def _next_event(self) -> TrainerGo | None:
+        """The next TrainerGo not yet trained; None on Stop or request_stop."""
+        deadline = time.monotonic() + self.tc.idle_timeout
+        waited_from = time.time()
+        while not self._stopping:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise WaitTimeout(f"no TrainerGo from the master at {self.config.master.address} "
+                                  f"within {self.tc.idle_timeout:g}s; raise trainer.idle_timeout "
+                                  f"if the explorers are only slow")
+            try:
+                event = await self._sub.recv(timeout=min(1.0, remaining), what="TrainerGo",
+                                             timeout_key="trainer.idle_timeout")
+            except WaitTimeout:
+                continue
+            if isinstance(event.body, Stop):
+                log.info("trainer.stop", reason=event.body.reason)
+                return None
+            go = event.body
+            if not isinstance(go, TrainerGo) or go.step < self.step:
+                continue  # a repeat (snapshot after a gap or a restart): already trained
+            if time.time() - waited_from > 0.01:
+                self.tracer.record("wait", waited_from, time.time(), step=go.step, what="trainer_go")
+            return go
+        return None
+
+    async def _run_step(self, go: TrainerGo) -> None:
+        if go.step != self.step:
+            log.warning("trainer.step_mismatch", master_step=go.step, trainer_step=self.step,
+                        detail="resumed from an older checkpoint; following the master's count")
+        self._in_use = list(go.in_use)
+        groups = go.groups or self.tc.groups_per_step
+        sample = await self._sample(groups, go.step)
+        metrics = await asyncio.to_thread(self.train_step, sample.experiences, step=go.step)
+        metrics["buffer/dropped_stale"] = float(sample.dropped_stale)
+        await self._buffer.call(AckLease(lease_id=sample.lease_id), timeout_key="transport.rpc_timeout")
+        await self._master.call(TrainerStepDone(step=go.step, version=go.step + 1, metrics=metrics),
+                                timeout_key="transport.rpc_timeout")
+        if go.publish is not None:
+            await self._publish(go.publish, go)
+        every = self.tc.checkpoint_every
+        if every and self.step % every == 0:
+            await asyncio.to_thread(self.save_checkpoint)
+
+    async def _sample(self, groups: int, step: int) -> SampleResult:
+        """Lease `groups` whole groups, waiting up to `trainer.idle_timeout` for them."""
+        wait = self.tc.sample_wait
+        deadline = time.monotonic() + self.tc.idle_timeout
+        start = time.time()
+        while True:
+            if self._stopping:
+                raise TrainerStopped("stopped while waiting for experiences")
+            try:
+                result = await self._buffer.call(
+                    SampleGroups(num_groups=groups, wait=wait),
+                    timeout=wait + self.config.transport.rpc_timeout, timeout_key="trainer.sample_wait")
+                break
+            except RequestFailed as exc:
+                if exc.code != "not_enough" or time.monotonic() > deadline:
+                    if exc.code == "not_enough":
+                        raise WaitTimeout(f"buffer at {self.config.buffer.address} had not "
+                                          f"{groups} groups within {self.tc.idle_timeout:g}s ("
+                                          f"{exc.message}); raise trainer.idle_timeout") from None
+                    raise
+        if time.time() - start > 0.01:
+            self.tracer.record("wait", start, time.time(), step=step, what="sample", groups=groups)
+        return result
+
+    async def _publish(self, version: int, go: TrainerGo) -> None:
+        method = self.config.sync.method
+        start = time.time()
+        if method == "checkpoint":
+            published = await asyncio.to_thread(self._publish_checkpoint, version)
+            await self._master.call(
+                WeightsPublished(version=version, method="checkpoint", path=str(published.path)),
+                timeout_key="transport.rpc_timeout")
+        else:
+            from tandem.common.weights import WeightBroadcaster, engine_members
+
+            if self._broadcaster is None:
+                self._broadcaster = WeightBroadcaster.from_config(self.config, device=self.learner.device)
+            members = [m for name in go.explorers for m in engine_members(name)]
+            rendezvous = self._broadcaster.open_group(members)
+            await self._master.call(
+                WeightsPublished(version=version, method="nccl", rendezvous=rendezvous.model_dump()),
+                timeout_key="transport.rpc_timeout")
+            tensors = await asyncio.to_thread(self.policy_weights)
+            await asyncio.to_thread(self._broadcaster.broadcast, version, tensors)
+        self.tracer.record("sync", start, time.time(), step=go.step, version=version, method=method)
+
+    def _publish_checkpoint(self, version: int):
+        from tandem.common.weights import WeightPublisher
+
+        if self._publisher is None:
+            self._publisher = WeightPublisher.from_config(self.run_dir, self.config.weights,
+                                                          in_use=lambda: self._in_use)
+        return self._publisher.publish(version, self.policy_weights())
+
+    async def _close_clients(self) -> None:
+        if self._heartbeat is not None:
+            await self._heartbeat.close()
+        if self._sub is not None:
+            await self._sub.close()
+        for client in (self._master, self._buffer):
+            if client is not None:
+                await client.close()
+
+    def close(self) -> None:
+        """Release ranks > 0, flush the trace and TensorBoard, leave the process group."""
+        if self.dist.enabled and self.dist.is_main:
+            dd.send_command(dd.STOP)
+        if self._broadcaster is not None:
+            self._broadcaster.close()
+        self.tracer.close()
+        self.writer.close()

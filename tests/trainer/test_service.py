@@ -1,0 +1,179 @@
+"""The trainer against real `tandem-master` and `tandem-buffer` processes on loopback.
+
+The test plays the explorer (leases tasks, puts scored groups, reports steps) so that what
+is exercised is the trainer's side: TrainerGo -> sample under a lease -> train -> ack ->
+TrainerStepDone -> publish weights/v{N} -> WeightsPublished, until the master says stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from tandem.common.config import load_config
+from tandem.common.errors import PeerDead
+from tandem.common.messages.buffer import GetBufferStats, PutExperiences
+from tandem.common.messages.experience import Experience, experience_id, group_id
+from tandem.common.messages.master import (
+    CompleteTasks, ExplorerStepDone, GetStatus, LeaseTasks, Register, barrier_topic)
+from tandem.common.pubsub import Subscriber
+from tandem.common.rpc import RpcClient
+from tandem.common.trace import read_trace
+from tandem.common.weights import WeightSubscriber
+from tandem.trainer.trainer import Trainer
+
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(cmd: list[str], log: Path) -> subprocess.Popen:
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+async def wait_ready(client: RpcClient, request, what: str, log: Path) -> None:
+    deadline = time.monotonic() + 40
+    while True:
+        try:
+            await client.call(request, timeout=1.0, retries=0)
+            return
+        except PeerDead:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{what} did not start:\n{log.read_text()[-2000:]}")
+
+
+async def play_explorer(cfg, tokenizer, puts: list) -> None:
+    """Explorer-0: per barrier, lease tasks, put one scored group per task, report the step."""
+    name = "explorer-0"
+    rpc = RpcClient(cfg.master.address, peer="master", name=name)
+    snap = RpcClient(cfg.master.address, peer="master", name=name + "-s")
+    buffer = RpcClient(cfg.buffer.address, peer="buffer", name=name + "-b")
+    sub = Subscriber(cfg.master.publish_address, topics=[barrier_topic(name), "stop"],
+                     snapshot=snap, resync_interval=0.2)
+    await sub.start()
+    await rpc.call(Register(name=name, role="explorer", pid=os.getpid()), timeout=5)
+    done = -1
+    try:
+        while True:
+            msg = (await sub.recv(60, what="barrier")).body
+            if msg.TYPE == "master.stop":
+                return
+            if msg.batch <= done:
+                continue
+            done = msg.batch
+            lease = await rpc.call(LeaseTasks(explorer=name, count=2, step=msg.step), timeout=5)
+            experiences = []
+            for task in lease.tasks:
+                prompt = tokenizer(task.payload["prompt"])["input_ids"]
+                for i, (text, reward) in enumerate([(task.payload["answer"], 1.0), ("x", 0.0)]):
+                    response = tokenizer(text)["input_ids"]
+                    experiences.append(Experience(
+                        id=experience_id(task.id, i, msg.version, name), task_id=task.id,
+                        group_id=group_id(task.id, msg.version),
+                        tokens=np.array(prompt + response, dtype=np.int32), prompt_len=len(prompt),
+                        action_mask=np.ones(len(response), dtype=np.uint8),
+                        logprobs=np.full(len(response), -4.6, dtype=np.float32), reward=reward,
+                        policy_version=msg.version, explorer=name))
+            await buffer.call(PutExperiences(experiences=experiences), timeout=5)
+            puts.append((msg.step, msg.version, msg.wait))
+            await rpc.call(CompleteTasks(lease_id=lease.lease_id), timeout=5)
+            await rpc.call(ExplorerStepDone(explorer=name, step=msg.step, batch=msg.batch,
+                                            version=msg.version), timeout=5)
+    finally:
+        await sub.close()
+        for client in (rpc, snap, buffer):
+            await client.close()
+
+
+@pytest.mark.slow
+async def test_trainer_trains_and_publishes_against_real_master_and_buffer(
+        tmp_path, tiny_model_path, tokenizer, zmq_sockets_closed):
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({"id": f"t{i}", "prompt": f"{i}+1=", "answer": str(i + 1)})
+                             + "\n" for i in range(6)))
+    run_dir = tmp_path / "run"
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(yaml.safe_dump({
+        "run_dir": str(run_dir),
+        "model": {"path": str(tiny_model_path)},
+        "sync": {"method": "checkpoint", "interval": 1, "offset": 0},
+        "transport": {"liveness": 5.0, "heartbeat_interval": 0.2},
+        "master": {"address": f"tcp://127.0.0.1:{free_port()}",
+                   "publish_address": f"tcp://127.0.0.1:{free_port()}",
+                   "taskset": {"path": str(tasks), "id_field": "id", "shuffle": False},
+                   "total_steps": 3, "stop_grace": 0.5},
+        "buffer": {"address": f"tcp://127.0.0.1:{free_port()}"},
+        "explorers": [{"name": "explorer-0", "batch_size": 2, "repeat_times": 2}],
+        "trainer": {"groups_per_step": 2, "lr": 1e-3, "micro_batch_tokens": 64,
+                    "sample_wait": 1.0, "idle_timeout": 60},
+    }))
+    cfg = load_config(config_file)
+    master = start([str(BIN / "tandem-master"), "--config", str(config_file)], tmp_path / "master.log")
+    buffer = start([str(BIN / "tandem-buffer"), "--config", str(config_file)], tmp_path / "buffer.log")
+    trainer = None
+    probe_m = RpcClient(cfg.master.address, peer="master", name="probe-m")
+    probe_b = RpcClient(cfg.buffer.address, peer="buffer", name="probe-b")
+    try:
+        await wait_ready(probe_m, GetStatus(), "tandem-master", tmp_path / "master.log")
+        await wait_ready(probe_b, GetBufferStats(), "tandem-buffer", tmp_path / "buffer.log")
+        trainer = Trainer(cfg)
+        puts: list = []
+        await asyncio.wait_for(asyncio.gather(trainer.run(), play_explorer(cfg, tokenizer, puts)),
+                               timeout=120)
+        assert trainer.step == 3
+        assert [p[0] for p in puts] == [0, 1, 2]
+        assert [p[1] for p in puts] == [0, 1, 2]  # synchronous: batch e rolled out with version e
+
+        weights = WeightSubscriber(run_dir)
+        assert weights.versions() == [1, 2]  # version 3 is needed by no step of this run
+        from transformers import AutoModelForCausalLM
+        base = AutoModelForCausalLM.from_pretrained(str(tiny_model_path)).state_dict()
+        v1, v2 = dict(weights.load(1)), dict(weights.load(2))
+        name = "model.layers.0.mlp.up_proj.weight"
+        assert not torch.equal(base[name], v1[name]) and not torch.equal(v1[name], v2[name])
+        assert "lm_head.weight" not in v1  # tied to the embedding, published once
+
+        stats = await probe_b.call(GetBufferStats(), timeout=5)
+        assert stats.groups_ready == 0 and stats.by_state["leased"] == 0
+        status = await probe_m.call(GetStatus(), timeout=5)
+        assert status.counters["trainer_steps_done"] == 3
+
+        assert (run_dir / "checkpoints" / "step_00000003" / "model" / "model.safetensors").exists()
+        assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+        trainer.tracer.flush()
+        spans = [s for s in read_trace(run_dir) if s["component"] == "trainer"]
+        assert [s["step"] for s in spans if s["kind"] == "train"] == [0, 1, 2]
+        assert [s["version"] for s in spans if s["kind"] == "sync"] == [1, 2]
+    finally:
+        if trainer is not None:
+            trainer.close()
+        await probe_m.close()
+        await probe_b.close()
+        stop(master)
+        stop(buffer)
