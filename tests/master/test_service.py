@@ -398,3 +398,100 @@ async def test_run_stops_when_the_taskset_runs_dry(tmp_path, zmq_sockets_closed)
     assert seen == [4, 4, 2]
     assert trained == [(0, 1, 4), (1, 2, 4), (2, 3, 2)]
     assert "taskset exhausted after 3 of 5" in stop.reason
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def test_killed_master_process_restarts_and_the_run_finishes(tmp_path, zmq_sockets_closed):
+    """kill -9 the master mid-run; a new one on the same run dir resumes; peers reconnect."""
+    tasks = write_tasks(tmp_path / "tasks.jsonl", 40)
+    rpc, pub = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(
+        f"run_dir: {tmp_path / 'run'}\nsync: {{preset: one_step_off_policy}}\n"
+        f"master: {{address: '{rpc}', publish_address: '{pub}', total_steps: 6, "
+        f"stop_grace: 0.5, taskset: {{path: '{tasks}', id_field: id}}}}\n"
+        "transport: {liveness: 30, heartbeat_interval: 0.2}\n"
+        "explorers: [{name: explorer-0, batch_size: 4}]\n"
+        "logging: {level: warning}\n")
+    exe = Path(sys.executable).with_name("tandem-master")
+    start = lambda: subprocess.Popen([str(exe), "--config", str(cfg)],  # noqa: E731
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    procs = [start()]
+    seen, trained, killed = [], [], asyncio.Event()
+
+    class Addr:  # what the loops need of a master
+        address, publish_address = rpc, pub
+
+    async def call(client, msg):
+        return await client.call(msg, timeout=2, retries=10)
+
+    async def explorer():
+        peer = Peer(Addr, "explorer-0", "explorer", [barrier_topic("explorer-0"), "stop"])
+        await call(peer.rpc, Register(name="explorer-0", role="explorer"))
+        await peer.sub.start()
+        last = -1
+        try:
+            while True:
+                msg = await peer.next("barrier", timeout=30)
+                if msg.TYPE == "master.stop":
+                    return
+                if msg.batch <= last:
+                    continue
+                last = msg.batch
+                lease = await call(peer.rpc, LeaseTasks(explorer="explorer-0", count=4,
+                                                        step=msg.step))
+                await call(peer.rpc, CompleteTasks(lease_id=lease.lease_id))
+                seen.append((msg.step, msg.version, [t.id for t in lease.tasks]))
+                if msg.step == 2 and not killed.is_set():
+                    procs[0].kill()  # mid-step: the report below goes to the next master
+                    procs[0].wait()
+                    killed.set()
+                await call(peer.rpc, ExplorerStepDone(explorer="explorer-0", step=msg.step,
+                                                      batch=msg.batch, version=msg.version))
+        finally:
+            await peer.close()
+
+    async def trainer():
+        peer = Peer(Addr, "trainer", "trainer", ["trainer", "stop"])
+        await call(peer.rpc, Register(name="trainer", role="trainer"))
+        await peer.sub.start()
+        last = -1
+        try:
+            while True:
+                msg = await peer.next("trainer", timeout=30)
+                if msg.TYPE == "master.stop":
+                    return
+                if msg.step <= last:
+                    continue
+                last = msg.step
+                trained.append(msg.step)
+                await call(peer.rpc, TrainerStepDone(step=msg.step, version=msg.step + 1))
+                if msg.publish is not None:
+                    await call(peer.rpc, WeightsPublished(version=msg.publish,
+                                                          method="checkpoint"))
+        finally:
+            await peer.close()
+
+    async def restart():
+        await killed.wait()
+        procs.append(start())
+
+    try:
+        await asyncio.wait_for(asyncio.gather(explorer(), trainer(), restart()), 60)
+        assert procs[1].wait(timeout=15) == 0  # it stops on its own once the run is done
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert [(s, v) for s, v, _ in seen] == [(0, 0), (1, 0), (2, 1), (3, 2), (4, 3), (5, 4)]
+    assert trained == [0, 1, 2, 3, 4, 5]
+    ids = [i for *_, batch in seen for i in batch]
+    assert len(ids) == len(set(ids)) == 24  # the cursor survived: no task handed out twice

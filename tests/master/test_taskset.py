@@ -89,6 +89,8 @@ def test_expired_tasks_go_first_and_late_completion_takes_them_back():
     assert d.apply_complete(first.lease_id)  # late: task 2 not re-leased yet comes back
     assert [r[1] for r in d.plan_lease(2)] == [3, 4]
     assert not d.apply_complete("unknown")
+    assert d.apply_complete(second.lease_id) and d.apply_complete(second.lease_id)  # repeat
+    assert d.completed == 3
 
 
 def test_replaying_the_same_leases_rebuilds_the_cursor():

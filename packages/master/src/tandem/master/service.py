@@ -301,11 +301,14 @@ class Master:
         self._touch(ctx)
         if self.dispatcher is None:
             raise RequestFailed("no_taskset", "the master has no taskset")
-        if msg.lease_id not in self.dispatcher.leases and msg.lease_id not in self.dispatcher.late:
-            raise RequestFailed("unknown_lease", f"no open lease {msg.lease_id!r} (completed "
-                                                 "already, or never granted)")
+        d = self.dispatcher
+        if msg.lease_id in d.done_ids:
+            return Ok()
+        if msg.lease_id not in d.leases and msg.lease_id not in d.late:
+            raise RequestFailed("unknown_lease", f"the master never granted lease "
+                                                 f"{msg.lease_id!r}")
         self.journal.append("complete", id=msg.lease_id)
-        self.dispatcher.apply_complete(msg.lease_id)
+        d.apply_complete(msg.lease_id)
         return Ok()
 
     async def _on_explorer_step(self, msg: ExplorerStepDone, ctx: CallContext) -> Ok:

@@ -111,6 +111,7 @@ class TaskDispatcher:
     completed: int = 0
     expired: int = 0
     late: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # expired, by lease id
+    done_ids: dict[str, None] = field(default_factory=dict)  # recently completed lease ids
     _orders: dict[int, list[int]] = field(default_factory=dict)
 
     @property
@@ -171,13 +172,18 @@ class TaskDispatcher:
 
     def apply_complete(self, lease_id: str) -> bool:
         """Done. An expired lease completed late takes back its tasks not yet handed out again."""
+        if lease_id in self.done_ids:
+            return True  # a repeat (the reply was lost, or the master restarted)
         lease = self.leases.pop(lease_id, None)
+        refs = self.late.pop(lease_id, None)
+        if lease is None and refs is None:
+            return False
+        self.done_ids[lease_id] = None
+        while len(self.done_ids) > 4096:
+            self.done_ids.pop(next(iter(self.done_ids)))
         if lease is not None:
             self.completed += len(lease.refs)
             return True
-        refs = self.late.pop(lease_id, None)
-        if refs is None:
-            return False
         for ref in refs:
             if ref in self.returned:
                 self.returned.remove(ref)
