@@ -150,3 +150,35 @@ def test_chat_template_is_used_when_the_tokenizer_has_one(engine):
         tok.chat_template = None
     with pytest.raises(ValueError, match="no chat template"):
         PromptTemplate(tok, chat="always")
+
+
+@pytest.mark.parametrize("where", ["in_process", "service"])
+async def test_single_turn_scores_through_tandem_reward(engine, where, tmp_path):
+    # The same rollout scored by the real math reward, in this process or by the reward
+    # service over RPC; the tiny model's answers are wrong, the named components are there.
+    from tandem.common.config import load_config
+    from tandem.explorer.rewards import create_scorer
+    from tandem.reward import RewardService
+
+    config = load_config(None, ["master.total_steps=1", "reward.functions.math=1.0",
+                                "reward.workers=1", "reward.address=tcp://127.0.0.1:0",
+                                f"reward.service={where == 'service'}"])
+    service = None
+    if where == "service":
+        service = RewardService(config)
+        config.reward.address = await service.start()
+    scorer = create_scorer(config.reward, config.transport)
+    try:
+        wf = create_workflow("single_turn", engine.tokenizer, {})
+        ctx = RolloutContext(engine=engine, sampling=SamplingParams(max_tokens=6, seed=4),
+                             repeat_times=2, explorer="e", scorer=scorer)
+        exps = await wf.run([Task(id="m", payload={"prompt": "2+2=", "answer": "4"})], ctx)
+    finally:
+        await scorer.close()
+        if service is not None:
+            await service.close()
+    assert len(exps) == 2
+    for e in exps:
+        check_experience(e, group_size=2)
+        assert "math" in e.rewards and e.reward == pytest.approx(e.rewards["math"])
+        assert e.info["reward_reason"]

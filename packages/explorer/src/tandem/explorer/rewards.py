@@ -20,33 +20,22 @@ class RewardScorer(Protocol):
 
 
 class InProcessScorer:
-    """Reward functions of `tandem.reward`, run in this process off the event loop."""
+    """The reward functions of `tandem.reward` (its `LocalScorer`), run in this process."""
 
     def __init__(self, reward_config: Any):
         try:
-            import tandem.reward as reward_pkg
+            from tandem.reward import LocalScorer
         except ImportError:
             raise RuntimeError(
                 "reward functions in-process need tandem-reward installed "
                 "(pip install tandem-explorer[reward]); or set reward.service: true") from None
-        factory = getattr(reward_pkg, "Scorer", None) or getattr(reward_pkg, "RewardScorer", None)
-        if factory is None:
-            raise RuntimeError("the installed tandem.reward offers no Scorer; "
-                               "set reward.service: true to score through the service")
-        self._scorer = factory(reward_config)
+        self._scorer = LocalScorer(config=reward_config)
 
     async def score(self, items: list[ScoreItem]) -> list[Score]:
-        result = self._scorer.score(items)
-        if asyncio.iscoroutine(result):
-            return list(await result)
-        return list(result)
+        return list(await self._scorer.score(items))
 
     async def close(self) -> None:
-        close = getattr(self._scorer, "close", None)
-        if close is not None:
-            result = close()
-            if asyncio.iscoroutine(result):
-                await result
+        await self._scorer.close()
 
 
 class ServiceScorer:
