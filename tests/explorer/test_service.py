@@ -1,7 +1,8 @@
 """The explorer service against a real master on loopback: barriers, leases, puts, sync points.
 
 The trainer's side is played by the test over the same protocol a trainer speaks (TrainerGo in,
-TrainerStepDone and WeightsPublished out, weights written by the real WeightPublisher).
+TrainerStepDone and WeightsPublished out, weights by the real WeightPublisher or
+WeightBroadcaster); the buffer is the real one, embedded in the same event loop.
 """
 
 from __future__ import annotations
@@ -11,15 +12,17 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from tandem.common.config import load_config
-from tandem.common.messages.buffer import PutExperiences, PutResult
+from tandem.buffer import Buffer
+from tandem.common.messages.buffer import SampleGroups
 from tandem.common.messages.master import TrainerGo, TrainerStepDone, WeightsPublished
 from tandem.common.pubsub import Subscriber
-from tandem.common.rpc import RpcClient, RpcServer
+from tandem.common.rpc import RpcClient
 from tandem.common.trace import read_trace
-from tandem.common.weights import WeightPublisher
+from tandem.common.weights import WeightBroadcaster, WeightPublisher, engine_member
 from tandem.explorer.sampling import SamplingParams
 from tandem.explorer.service import Explorer
 from tandem.explorer.transformers_engine import TransformersEngine
@@ -48,26 +51,16 @@ def make_config(tmp_path: Path, model_path: Path, *overrides: str):
         *overrides])
 
 
-class StandInBuffer:
-    """Stands in for tandem-buffer until its service lands: stores puts, acks them."""
-
-    def __init__(self, address: str):
-        self.server = RpcServer(address, name="buffer")
-        self.stored: list = []
-        self.server.register(PutExperiences, self.on_put)
-
-    async def on_put(self, msg, ctx):
-        self.stored += msg.experiences
-        return PutResult(stored=len(msg.experiences), duplicates=0)
-
-
 async def play_trainer(config, master_address, publish_address, trained: TransformersEngine,
                        log: list):
-    """Train (nothing) on each TrainerGo, publish the trained weights when told to."""
+    """Train (nothing) on each TrainerGo, publish the trained weights when told to: as files
+    plus a notice, or by announcing a broadcast group and broadcasting into it."""
     rpc = RpcClient(master_address, peer="master", name="trainer")
     snap = RpcClient(master_address, peer="master", name="trainer-s")
-    sub = Subscriber(publish_address, topics=["trainer", "stop"], snapshot=snap, resync_interval=0.2)
+    sub = Subscriber(publish_address, topics=["trainer", "stop"], snapshot=snap,
+                     resync_interval=0.2)
     publisher = WeightPublisher(config.run_dir)
+    sender = WeightBroadcaster(timeout=30) if config.sync.method == "nccl" else None
     try:
         while True:
             ev = (await sub.recv(30, what="trainer go")).body
@@ -76,24 +69,35 @@ async def play_trainer(config, master_address, publish_address, trained: Transfo
             log.append(("go", ev.step))
             await asyncio.sleep(0.5)  # the explorer is now waiting at its sync point
             await rpc.call(TrainerStepDone(step=ev.step, version=ev.step + 1), timeout=5)
-            if ev.publish is not None:
+            if ev.publish is None:
+                continue
+            if sender is None:
                 published = await asyncio.to_thread(
                     publisher.publish, ev.publish, trained.model.named_parameters())
-                log.append(("published", ev.publish))
                 await rpc.call(WeightsPublished(version=ev.publish, method="checkpoint",
                                                 path=str(published.path)), timeout=5)
+            else:
+                group = sender.open_group([engine_member(e) for e in ev.explorers])
+                await rpc.call(WeightsPublished(version=ev.publish, method="nccl",
+                                                rendezvous=group.model_dump()), timeout=5)
+                await asyncio.to_thread(sender.broadcast, ev.publish,
+                                        trained.model.named_parameters())
+            log.append(("published", ev.publish))
     finally:
+        if sender is not None:
+            sender.close()
         await sub.close()
         await snap.close()
         await rpc.close()
 
 
-async def test_two_steps_with_a_sync_point_waiting_for_weights(tmp_path, tiny_model_path):
-    config = make_config(tmp_path, tiny_model_path)
+@pytest.mark.parametrize("method", ["checkpoint", "nccl"])
+async def test_two_steps_with_a_sync_point_waiting_for_weights(tmp_path, tiny_model_path, method):
+    config = make_config(tmp_path, tiny_model_path, f"sync.method={method}")
     master = Master(config)
     await master.start()
-    buffer = StandInBuffer("tcp://127.0.0.1:0")
-    config.buffer.address = await buffer.server.start()
+    buffer = Buffer(config)
+    config.buffer.address = await buffer.start()
     config.master.address = master.address
     trained = TransformersEngine.from_pretrained(tiny_model_path)
     torch.manual_seed(9)
@@ -108,15 +112,18 @@ async def test_two_steps_with_a_sync_point_waiting_for_weights(tmp_path, tiny_mo
     try:
         await asyncio.wait_for(explorer.serve(), 60)
         await asyncio.wait_for(trainer, 10)
+        async with RpcClient(config.buffer.address, peer="buffer") as client:
+            sample = await client.call(SampleGroups(num_groups=4), timeout=5)
     finally:
         trainer.cancel()
-        await buffer.server.close()
+        await buffer.close()
         await master.close()
 
     assert explorer.stop_reason and explorer.stop_reason.startswith("done")
     assert explorer.steps_done == 2 and engine.version == 1
-    exps = buffer.stored
-    assert len(exps) == 2 * 2 * 2
+    exps = sorted(sample.experiences, key=lambda e: (e.info["step"], e.task_id,
+                                                    e.info["repeat_index"]))
+    assert len(exps) == 2 * 2 * 2 and len(sample.group_ids) == 4
     assert [e.policy_version for e in exps] == [0] * 4 + [1] * 4
     assert [e.info["step"] for e in exps] == [0] * 4 + [1] * 4
     assert len({e.group_id for e in exps}) == 4 and all(e.info["group_size"] == 2 for e in exps)
@@ -131,7 +138,7 @@ async def test_two_steps_with_a_sync_point_waiting_for_weights(tmp_path, tiny_mo
     kinds = [(s["kind"], s["step"]) for s in mine]
     assert ("rollout", 0) in kinds and ("rollout", 1) in kinds and ("sync", 1) in kinds
     [sync] = [s for s in mine if s["kind"] == "sync"]
-    assert sync["version"] == 1 and sync["attrs"]["method"] == "checkpoint"
+    assert sync["version"] == 1 and sync["attrs"]["method"] == method
     # the explorer waited at the sync point of step 1 until version 1 was published
     waits = [s for s in mine if s["kind"] == "wait" and s["step"] == 1]
     assert waits and waits[0]["end"] - waits[0]["start"] >= 0.4

@@ -260,7 +260,7 @@ class Explorer:
     async def _put(self, experiences: list[Experience], barrier: Barrier) -> None:
         """Put to the buffer and wait for its ack; a `full` buffer is retried until put_timeout."""
         deadline = time.monotonic() + self.cfg.put_timeout
-        msg = PutExperiences(experiences=experiences)
+        msg = PutExperiences(experiences=experiences, group_size=self.cfg.repeat_times)
         while True:
             try:
                 await self.buffer.call(msg, timeout_key="transport.rpc_timeout")
