@@ -18,6 +18,7 @@ from .reward import RewardConfig
 from .sync import PRESETS, SyncConfig
 from .trainer import TrainerConfig
 from .transport import CurveConfig, TransportConfig
+from .up import UpConfig
 from .weights import WeightsConfig
 
 
@@ -26,7 +27,7 @@ class RunConfig(Section):
 
     name: str = Field(default="tandem", description="run name, used in logs and the run id")
     run_dir: str = Field(default="runs/latest", description="folder every component writes into")
-    seed: int = 0
+    seed: int = Field(default=0, description="seed for task shuffling, sampling and init")
     model: ModelConfig = Field(default_factory=ModelConfig)
     sync: SyncConfig = Field(default_factory=SyncConfig)
     transport: TransportConfig = Field(default_factory=TransportConfig)
@@ -36,6 +37,7 @@ class RunConfig(Section):
     explorers: list[ExplorerConfig] = Field(default_factory=lambda: [ExplorerConfig()])
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
+    up: UpConfig = Field(default_factory=UpConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
 
     @model_validator(mode="after")
@@ -69,6 +71,6 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
 __all__ = [
     "BufferConfig", "CurveConfig", "EngineConfig", "ExplorerConfig", "LoggingConfig",
     "MasterConfig", "ModelConfig", "PRESETS", "RewardConfig", "RunConfig", "SamplingConfig",
-    "Section", "SyncConfig", "TasksetConfig", "TrainerConfig", "TransportConfig", "WeightsConfig",
+    "Section", "SyncConfig", "TasksetConfig", "TrainerConfig", "TransportConfig", "UpConfig", "WeightsConfig",
     "apply_override", "interpolate_env", "load", "load_config", "read_yaml", "validate",
 ]

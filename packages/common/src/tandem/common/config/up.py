@@ -1,0 +1,22 @@
+"""The `up` section: how `tandem up` supervises a run's processes on one machine."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from .base import Section
+
+
+class UpConfig(Section):
+    """Local multi-process mode."""
+
+    restart: Literal["never", "on-failure"] = Field(
+        default="never", description="on-failure: restart a component that dies, as a supervisor would")
+    max_restarts: int = Field(default=3, ge=0, description="restarts per component before giving up")
+    stop_timeout: float = Field(default=5.0, gt=0, description="seconds from SIGTERM to SIGKILL")
+    start_timeout: float = Field(default=120.0, gt=0, description="seconds for every component to register")
+    run_timeout: float | None = Field(default=None, gt=0, description="seconds the whole run may last")
+    reward_service: bool | None = Field(
+        default=None, description="start tandem-reward; default: when reward.service is true")
