@@ -68,6 +68,8 @@ class Trainer:
         self.writer = MetricsWriter(self.run_dir if main else None, self.tc.tensorboard)
         self.last_checkpoint_step = self.learner.step_count if resume_from else None
         self._stopping = False
+        self._stop_event: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._in_use: list[int] = []
         self._publisher = None
         self._broadcaster = None
@@ -78,8 +80,25 @@ class Trainer:
         return self.learner.step_count
 
     def request_stop(self) -> None:
-        """Finish the current step, then stop (safe from a signal handler)."""
+        """Finish the current step, then stop; a wait (for the master, the buffer) ends at once.
+
+        Safe from a signal handler and from another thread.
+        """
         self._stopping = True
+        if self._loop is not None and self._stop_event is not None:
+            self._loop.call_soon_threadsafe(self._stop_event.set)
+
+    async def _unless_stopped(self, coro):
+        """Await `coro`, or cancel it and raise TrainerStopped when a stop is requested."""
+        task = asyncio.ensure_future(coro)
+        stopped = asyncio.ensure_future(self._stop_event.wait())
+        done, _ = await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            stopped.cancel()
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise TrainerStopped("stop requested while waiting")
 
     # -- without sockets -----------------------------------------------------------------------
 
@@ -148,13 +167,18 @@ class Trainer:
 
         cfg = self.config
         transport = cfg.transport
+        self._loop = asyncio.get_running_loop()
+        self._stop_event = asyncio.Event()
+        if self._stopping:
+            self._stop_event.set()
         self._master = RpcClient(cfg.master.address, peer="master", transport=transport)
         self._buffer = RpcClient(cfg.buffer.address, peer="buffer", transport=transport)
         try:
-            registered = await self._master.call(
+            log.info("trainer.connecting", master=cfg.master.address, buffer=cfg.buffer.address)
+            registered = await self._unless_stopped(self._master.call(
                 Register(name="trainer", role="trainer", pid=os.getpid(), host=socket.gethostname(),
                          meta={"world_size": self.dist.world_size, "step": self.step}),
-                timeout_key="transport.rpc_timeout")
+                timeout_key="transport.rpc_timeout"))
             self._sub = Subscriber(registered.publish_address or cfg.master.publish_address,
                                    topics=["trainer", "stop"], transport=transport,
                                    snapshot=self._master)
@@ -166,17 +190,17 @@ class Trainer:
             log.info("trainer.started", run_id=registered.run_id, step=self.step,
                      world_size=self.dist.world_size, device=str(self.learner.device))
             while not self._stopping:
-                event = await self._next_event()
+                event = await self._unless_stopped(self._next_event())
                 if event is None:
                     break
-                try:
-                    await self._run_step(event)
-                except TrainerStopped:
-                    break
+                await self._run_step(event)
+        except TrainerStopped:
+            pass
         finally:
-            if self.last_checkpoint_step != self.step:
+            if self.step > 0 and self.last_checkpoint_step != self.step:
                 await asyncio.to_thread(self.save_checkpoint)
             await self._close_clients()
+            log.info("trainer.stopped", step=self.step, requested=self._stopping)
 
     async def _next_event(self) -> TrainerGo | None:
         """The next TrainerGo not yet trained; None on Stop or request_stop."""
@@ -210,7 +234,7 @@ class Trainer:
                         detail="resumed from an older checkpoint; following the master's count")
         self._in_use = list(go.in_use)
         groups = go.groups or self.tc.groups_per_step
-        sample = await self._sample(groups, go.step)
+        sample = await self._unless_stopped(self._sample(groups, go.step))
         metrics = await asyncio.to_thread(self.train_step, sample.experiences, step=go.step)
         metrics["buffer/dropped_stale"] = float(sample.dropped_stale)
         await self._buffer.call(AckLease(lease_id=sample.lease_id), timeout_key="transport.rpc_timeout")
@@ -228,8 +252,6 @@ class Trainer:
         deadline = time.monotonic() + self.tc.idle_timeout
         start = time.time()
         while True:
-            if self._stopping:
-                raise TrainerStopped("stopped while waiting for experiences")
             try:
                 result = await self._buffer.call(
                     SampleGroups(num_groups=groups, wait=wait),

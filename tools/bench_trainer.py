@@ -1,0 +1,192 @@
+"""Trainer throughput: training tokens/s of `Learner.step` next to a bare PyTorch loop.
+
+For each model and micro-batch token budget, both loops train on the same batch (same
+sequences, the same micro-batch split and padding, same precision, same optimiser), one after
+the other in this process:
+
+- bare:    per micro-batch  model(tokens).logits -> cross-entropy on the action tokens ->
+           backward; then clip_grad_norm_ and AdamW.step. Nothing else.
+- trainer: `Learner.step(experiences)`: batch building, GRPO advantages, logprobs, PPO-clip loss,
+           metrics (entropy included unless --no-entropy-metric), clip, AdamW, schedule.
+
+Models (random init): `tiny` (the test model) and `0.5b-shaped`: Qwen2.5-0.5B's width (hidden
+896, MLP 4864, 14 heads, 2 KV heads, vocab 151936) with only `--layers` decoder layers (default
+2 of 24) and short sequences, so that it runs in about two minutes on a small CPU. Tokens/s
+counts real (unpadded) tokens. Prints a table and writes JSON (`--out`).
+
+    python tools/bench_trainer.py [--models tiny,0.5b-shaped] [--budgets 128,256,512] [--steps 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def build_model(kind: str, path: Path, layers: int):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from tandem.common.tiny import build_tiny_model
+
+    if kind == "tiny":
+        build_tiny_model(path)
+        return
+    config = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                         num_hidden_layers=layers, num_attention_heads=14, num_key_value_heads=2,
+                         max_position_embeddings=4096, tie_word_embeddings=True,
+                         use_sliding_window=False, pad_token_id=0)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(str(path))
+
+
+def make_experiences(vocab: int, seqs: int, prompt_len: int, response_len: int, seed: int = 0):
+    from tandem.common.messages.experience import Experience
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(seqs):
+        # lengths vary a little, as real responses do, so padding is part of the measurement
+        r = int(response_len * (0.75 + 0.25 * rng.random()))
+        tokens = rng.integers(1, vocab, prompt_len + r).astype(np.int32)
+        out.append(Experience(
+            id=f"e{i}", task_id=f"t{i // 4}", group_id=f"t{i // 4}@v0", tokens=tokens,
+            prompt_len=prompt_len, action_mask=np.ones(r, dtype=np.uint8),
+            logprobs=np.full(r, -5.0, dtype=np.float32), reward=float(i % 2), policy_version=0))
+    return out
+
+
+def bare_step(model, optimizer, batch, plan, device, autocast, max_norm):
+    """The yardstick: forward, cross-entropy on action tokens, backward; clip; AdamW."""
+    total = batch.mask.sum()
+    for rows in plan:
+        mb = batch.select(rows).to(device)
+        with autocast():
+            logits = model(input_ids=mb.tokens, attention_mask=mb.attention, use_cache=False).logits
+        targets = mb.tokens[:, 1:].masked_fill(mb.mask == 0, -100)
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
+            ignore_index=-100, reduction="sum") / total
+        loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def bench_one(model_path: Path, budget: int, experiences, steps: int, device: str,
+              entropy_metric: bool) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from tandem.common.config import RunConfig
+    from tandem.trainer.batch import build_batch, plan_micro_batches
+    from tandem.trainer.learner import Learner
+
+    config = RunConfig.model_validate({
+        "model": {"path": str(model_path)},
+        "trainer": {"device": device, "micro_batch_tokens": budget, "lr": 1e-5,
+                    "tensorboard": False, "entropy_metric": entropy_metric}})
+    learner = Learner(config)
+    dev = learner.device
+    batch = build_batch(experiences, learner.pad_id)
+    plan = plan_micro_batches(batch.lengths.tolist(), budget)
+    tokens = int(batch.lengths.sum())
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).to(dev)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+    def timed(fn) -> list[float]:
+        fn()  # warm-up: allocator, kernels, optimiser state
+        out = []
+        for _ in range(steps):
+            sync(dev)
+            start = time.perf_counter()
+            fn()
+            sync(dev)
+            out.append(time.perf_counter() - start)
+        return out
+
+    # alternate the two loops so that load from other processes hits both alike
+    bare_times, trainer_times = [], []
+    bare_times += timed(lambda: bare_step(model, optimizer, batch, plan, dev, learner._autocast,
+                                          config.trainer.max_grad_norm))
+    trainer_times += timed(lambda: learner.step(experiences))
+    bare_times += timed(lambda: bare_step(model, optimizer, batch, plan, dev, learner._autocast,
+                                          config.trainer.max_grad_norm))
+    trainer_times += timed(lambda: learner.step(experiences))
+    bare = tokens / statistics.median(bare_times)
+    trainer = tokens / statistics.median(trainer_times)
+    return {"budget": budget, "micro_batches": len(plan), "tokens": tokens,
+            "bare_tokens_per_s": bare, "trainer_tokens_per_s": trainer, "ratio": trainer / bare,
+            "bare_step_s": statistics.median(bare_times),
+            "trainer_step_s": statistics.median(trainer_times)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="tiny,0.5b-shaped")
+    parser.add_argument("--budgets", default="128,256,512")
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers of 0.5b-shaped")
+    parser.add_argument("--seqs", type=int, default=8, help="sequences per step")
+    parser.add_argument("--prompt", type=int, default=16)
+    parser.add_argument("--response", type=int, default=48)
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per loop and round")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--no-entropy-metric", action="store_true")
+    parser.add_argument("--out", default=".bench/trainer.json")
+    args = parser.parse_args()
+
+    import transformers
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    from tandem.common.logging import configure_logging
+    configure_logging("bench", level="warning")
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind in args.models.split(","):
+            path = Path(tmp) / kind
+            build_model(kind, path, args.layers)
+            from transformers import AutoConfig
+            vocab = AutoConfig.from_pretrained(str(path)).vocab_size
+            experiences = make_experiences(vocab, args.seqs, args.prompt, args.response)
+            for budget in [int(b) for b in args.budgets.split(",")]:
+                row = bench_one(path, budget, experiences, args.steps, args.device,
+                                not args.no_entropy_metric)
+                row["model"] = kind
+                rows.append(row)
+                print(f"{kind:12s} budget {budget:5d}  micro-batches {row['micro_batches']:2d}  "
+                      f"bare {row['bare_tokens_per_s']:9.0f} tok/s  "
+                      f"trainer {row['trainer_tokens_per_s']:9.0f} tok/s  "
+                      f"ratio {row['ratio']:.2f}", flush=True)
+
+    print()
+    print("| model | micro-batch tokens | micro-batches | bare tok/s | trainer tok/s | trainer / bare |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['model']} | {r['budget']} | {r['micro_batches']} | "
+              f"{r['bare_tokens_per_s']:.0f} | {r['trainer_tokens_per_s']:.0f} | {r['ratio']:.2f} |")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "device": args.device, "torch": torch.__version__, "machine": platform.machine(),
+        "threads": torch.get_num_threads(), "layers_0.5b_shaped": args.layers, "seqs": args.seqs,
+        "prompt": args.prompt, "response": args.response,
+        "entropy_metric": not args.no_entropy_metric, "rows": rows}, indent=1))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
