@@ -6,6 +6,10 @@ only then resolves every caller's future. Concurrent puts therefore share one fs
 commit), and every reply describes committed state. An operation that fails rolls back its own
 savepoint and nothing else. Counters (unconsumed, dropped as stale, kept rows) live in a table,
 so they commit and roll back with the rows they count.
+
+Two kinds of upkeep stay off the request path: deleting the rows of consumed groups runs in
+small transactions of its own only while no request is queued, and WAL checkpoints (with
+their fsync of the database file) run on a second connection in a second thread.
 """
 
 from __future__ import annotations
@@ -83,11 +87,27 @@ _ORDER = {
     "priority": "priority DESC, seq ASC",
 }
 _CHUNK = 500  # host parameters per IN (...) list
+_PRUNE_STEP = 8  # finished groups whose rows one idle upkeep transaction deletes
+_IDLE = 0.02  # seconds without requests before upkeep starts (an ack is often followed by a sample)
+_CHECKPOINT_EVERY = 1.0  # seconds between passive WAL checkpoints
 _STOP = object()
 
 
 class StoreClosed(TandemError):
     """The store was closed; no more operations are accepted."""
+
+
+@dataclass(slots=True)
+class PreparedPut:
+    """A put serialised off the writer thread; lists are per experience, repeats removed."""
+
+    rows: list[tuple]
+    sizes: list[int]
+    versions: list[int]
+    task_ids: list[str]
+    rewards: list[float]
+    infos: list[dict]
+    given: int  # experiences in the request, repeats included
 
 
 @dataclass(slots=True)
@@ -129,6 +149,10 @@ class SqliteStore(ExperienceStore):
         self._closed = False
         self._close_lock = threading.Lock()
         self._conn: sqlite3.Connection | None = None
+        self._synced = False  # whether the connection is at synchronous=FULL now
+        self._prune_due = False  # finished groups have rows beyond keep_consumed
+        self._stopping = threading.Event()
+        self._checkpointer: threading.Thread | None = None
         opened: concurrent.futures.Future = concurrent.futures.Future()
         self._thread = threading.Thread(
             target=self._run, args=(opened,), name=f"sqlite-store:{self.path.name}", daemon=True)
@@ -153,22 +177,45 @@ class SqliteStore(ExperienceStore):
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(f"PRAGMA synchronous={self.synchronous.upper()}")
+        self._synced = self.synchronous == "full"
         conn.execute("PRAGMA foreign_keys=OFF")
         conn.execute("PRAGMA cache_size=-65536")  # 64 MiB of page cache
+        conn.execute("PRAGMA wal_autocheckpoint=0")  # the checkpointer thread does it
+        conn.execute("PRAGMA journal_size_limit=67108864")
         conn.executescript(SCHEMA)
+        self._conn = conn
+        self._prune_due = self._counter("kept_done") > self.keep_consumed
         return conn
+
+    def _checkpoint_loop(self) -> None:
+        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        try:
+            while not self._stopping.wait(_CHECKPOINT_EVERY):
+                try:
+                    conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+                except sqlite3.Error as exc:
+                    log.warning("buffer.checkpoint_failed", db=str(self.path), error=str(exc))
+        finally:
+            conn.close()
 
     def _run(self, opened: concurrent.futures.Future) -> None:
         try:
-            self._conn = self._open()
+            self._open()
         except Exception as exc:
             opened.set_exception(TandemError(f"cannot open the buffer database {self.path} "
                                              f"(buffer.db): {exc}"))
             return
+        self._checkpointer = threading.Thread(
+            target=self._checkpoint_loop, name=f"sqlite-checkpoint:{self.path.name}", daemon=True)
+        self._checkpointer.start()
         opened.set_result(None)
         stop = False
         while not stop:
-            batch = [self._queue.get()]
+            try:
+                batch = [self._queue.get(timeout=_IDLE if self._prune_due else None)]
+            except queue.Empty:  # idle: delete some consumed rows, then look again
+                self._prune_step()
+                continue
             while len(batch) < self.commit_batch:
                 try:
                     batch.append(self._queue.get_nowait())
@@ -185,13 +232,41 @@ class SqliteStore(ExperienceStore):
                 break
             if item is not _STOP:
                 item.future.set_exception(StoreClosed(f"buffer store {self.path} is closed"))
+        while self._prune_due:
+            self._prune_step()
+        self._stopping.set()
+        self._checkpointer.join()
+        self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         self._conn.close()
+
+    def _prune_step(self) -> None:
+        conn = self._conn
+        try:
+            if self._synced:
+                conn.execute("PRAGMA synchronous=NORMAL")
+                self._synced = False
+            conn.execute("BEGIN IMMEDIATE")
+            more = self._prune(_PRUNE_STEP)
+            conn.execute("COMMIT")
+        except sqlite3.Error as exc:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            log.warning("buffer.prune_failed", db=str(self.path), error=str(exc))
+            more = False  # tried again when the next group finishes
+        self._prune_due = more
 
     def _execute(self, ops: list[_Op]) -> None:
         conn = self._conn
         now = self.clock()
         results: list[tuple[concurrent.futures.Future, Any]] = []
+        # Only commits that store experiences need an fsync: a lease or ack lost to a power
+        # failure re-serves a group once (at-least-once), while a lost put would lose data the
+        # explorer was told is safe. A process crash loses neither (WAL, even unsynced).
+        durable = self.synchronous == "full" and any(op.fn == self._op_put for op in ops)
         try:
+            if durable != self._synced:
+                conn.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
+                self._synced = durable
             conn.execute("BEGIN IMMEDIATE")
             for op in ops:
                 if not op.future.set_running_or_notify_cancel():
@@ -233,10 +308,6 @@ class SqliteStore(ExperienceStore):
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.wrap_future(self._submit(fn, *args))
 
-    def call_sync(self, name: str, *args: Any, timeout: float | None = None) -> Any:
-        """Run one operation from a plain thread (tools, the crash test); blocks until committed."""
-        return self._submit(getattr(self, f"_op_{name}"), *args).result(timeout)
-
     # ---- counters and small helpers (writer thread only) ----------------------------------
 
     def _counter(self, name: str) -> int:
@@ -256,26 +327,24 @@ class SqliteStore(ExperienceStore):
             "RETURNING count", (state, done, group_id)).fetchone()
         self._bump("unconsumed", -row[0])
         self._bump("kept_done", row[0])
+        self._prune_due = True
 
-    def _prune(self) -> None:
-        """Delete rows of finished groups, oldest first, beyond `keep_consumed` experiences."""
+    def _prune(self, max_groups: int) -> bool:
+        """Delete rows of finished groups, oldest first, while more than `keep_consumed`
+        experiences' rows are kept; at most `max_groups` groups. Returns whether more remain."""
         kept = self._counter("kept_done")
-        if kept <= self.keep_consumed:
-            return
+        rows = self._conn.execute(
+            "SELECT group_id, count FROM groups WHERE done_seq IS NOT NULL AND pruned = 0 "
+            "ORDER BY done_seq LIMIT ?", (max_groups,)).fetchall()
         freed = 0
-        while kept - freed > self.keep_consumed:
-            rows = self._conn.execute(
-                "SELECT group_id, count FROM groups WHERE done_seq IS NOT NULL AND pruned = 0 "
-                "ORDER BY done_seq LIMIT 256").fetchall()
-            if not rows:
+        for group_id, count in rows:
+            if kept - freed <= self.keep_consumed:
                 break
-            for group_id, count in rows:
-                if kept - freed <= self.keep_consumed:
-                    break
-                self._conn.execute("DELETE FROM experiences WHERE group_id = ?", (group_id,))
-                self._conn.execute("UPDATE groups SET pruned = 1 WHERE group_id = ?", (group_id,))
-                freed += count
+            self._conn.execute("DELETE FROM experiences WHERE group_id = ?", (group_id,))
+            self._conn.execute("UPDATE groups SET pruned = 1 WHERE group_id = ?", (group_id,))
+            freed += count
         self._bump("kept_done", -freed)
+        return kept - freed > self.keep_consumed
 
     def _expire(self, now: float) -> None:
         expired = [r[0] for r in self._conn.execute(
@@ -316,10 +385,10 @@ class SqliteStore(ExperienceStore):
 
     # ---- operations (writer thread; `now` is the transaction's clock) ---------------------
 
-    def _op_put(self, now: float, rows: list[tuple], sizes: list[int], versions: list[int],
-                task_ids: list[str], count_given: int) -> PutOutcome:
+    def _op_put(self, now: float, put: PreparedPut) -> PutOutcome:
         conn = self._conn
-        outcome = PutOutcome(duplicates=count_given - len(rows))  # repeats inside the batch
+        rows, sizes, versions, task_ids = put.rows, put.sizes, put.versions, put.task_ids
+        outcome = PutOutcome(duplicates=put.given - len(rows))  # repeats inside the batch
         existing: set[str] = set()
         ids = [r[0] for r in rows]
         for chunk in _chunks(ids):
@@ -328,10 +397,7 @@ class SqliteStore(ExperienceStore):
                 f"SELECT id FROM experiences WHERE id IN ({marks})", chunk))
         per_group: dict[str, list[int]] = defaultdict(list)
         for i, row in enumerate(rows):
-            if row[0] in existing:
-                outcome.duplicates += 1
-            else:
-                per_group[row[1]].append(i)
+            per_group[row[1]].append(i)
         inserts: list[tuple] = []
         plans: list[tuple[str, Any, list[int]]] = []
         for group_id, members in per_group.items():
@@ -353,12 +419,18 @@ class SqliteStore(ExperienceStore):
                         f"group {group_id} holds group_size {g_size}, version {g_version}, task "
                         f"{g_task!r}; this put says group_size {size}, version {version}, task "
                         f"{task_id!r}")
+                # Whether a finished group's rows are still kept must not change the answer.
                 if g_state == "consumed":
                     outcome.duplicates += len(members)  # a consumed group was complete: a retry
                     continue
                 if g_state == "stale":
                     outcome.dropped_stale += len(members)
                     continue
+            outcome.duplicates += sum(rows[i][0] in existing for i in members)
+            members = [i for i in members if rows[i][0] not in existing]
+            if not members:
+                continue
+            if group is not None:
                 if g_count + len(members) > size:
                     raise BadPut(f"group {group_id} would hold {g_count + len(members)} "
                                  f"experiences but its group_size is {size}")
@@ -390,7 +462,10 @@ class SqliteStore(ExperienceStore):
                 size, count = group[0], group[1] + added
                 conn.execute("UPDATE groups SET count = ?, nbytes = nbytes + ? WHERE group_id = ?",
                              (count, nbytes, group_id))
-            if count == size:
+            if count == size and group is None:  # whole group in this put: scores at hand
+                self._complete(group_id, [put.rewards[i] for i in members],
+                               [put.infos[i] for i in members])
+            elif count == size:
                 self._complete(group_id)
         self._bump("unconsumed", len(inserts))
         if outcome.dropped_stale:
@@ -398,13 +473,16 @@ class SqliteStore(ExperienceStore):
         outcome.stored = len(inserts)
         return outcome
 
-    def _complete(self, group_id: str) -> None:
-        rewards, infos = [], []
-        for (meta,) in self._conn.execute(
-                "SELECT meta FROM experiences WHERE group_id = ? ORDER BY seq", (group_id,)):
-            fields = msgpack.unpackb(meta, raw=False, strict_map_key=False)
-            rewards.append(fields["reward"])
-            infos.append(fields["info"])
+    def _complete(self, group_id: str, rewards: list[float] | None = None,
+                  infos: list[dict] | None = None) -> None:
+        """The group holds `size` experiences: ready, with its priority."""
+        if rewards is None or infos is None:
+            rewards, infos = [], []
+            for (meta,) in self._conn.execute(
+                    "SELECT meta FROM experiences WHERE group_id = ? ORDER BY seq", (group_id,)):
+                fields = msgpack.unpackb(meta, raw=False, strict_map_key=False)
+                rewards.append(fields["reward"])
+                infos.append(fields["info"])
         priority = group_priority(self.priority, rewards, infos, self.priority_key)
         self._conn.execute("UPDATE groups SET state = 'ready', priority = ? WHERE group_id = ?",
                            (priority, group_id))
@@ -418,22 +496,20 @@ class SqliteStore(ExperienceStore):
             raise BadPut(f"unknown sampling policy {policy!r}; choose one of {POLICIES}")
         self._expire(now)
         dropped = self._drop_stale(min_version) if min_version is not None else 0
-        if dropped:
-            self._prune()
-        have = self._count_ready(min_version, max_version)
-        if have < num_groups:
-            # returned, not raised: the stale drop above must commit
-            return NotEnoughExperiences(have, num_groups, dropped)
         clause, params = self._version_filter(min_version, max_version)
         chosen: list[str] = []
-        levels = [r[0] for r in conn.execute(
-            "SELECT DISTINCT uses FROM groups WHERE state = 'ready' ORDER BY uses")]
-        for uses in levels:
+        # Groups used fewer times first; each level is one index range, found by min() (a
+        # DISTINCT over all ready groups would cost time linear in the store's size).
+        uses = conn.execute("SELECT min(uses) FROM groups WHERE state = 'ready'").fetchone()[0]
+        while uses is not None and len(chosen) < num_groups:
             chosen.extend(r[0] for r in conn.execute(
                 f"SELECT group_id FROM groups WHERE state = 'ready' AND uses = ?{clause} "
                 f"ORDER BY {_ORDER[policy]} LIMIT ?", (uses, *params, num_groups - len(chosen))))
-            if len(chosen) == num_groups:
-                break
+            uses = conn.execute("SELECT min(uses) FROM groups WHERE state = 'ready' AND uses > ?",
+                                (uses,)).fetchone()[0]
+        if len(chosen) < num_groups:  # every admissible ready group was found: that is all
+            # returned, not raised: the stale drop above must commit
+            return NotEnoughExperiences(len(chosen), num_groups, dropped)
         lease_id = uuid.uuid4().hex
         expires_at = now + (lease_seconds or self.lease_seconds)
         conn.execute("INSERT INTO leases (lease_id, expires_at) VALUES (?, ?)", (lease_id, expires_at))
@@ -447,7 +523,7 @@ class SqliteStore(ExperienceStore):
                 f"SELECT id, group_id, meta, tokens, action_mask, logprobs, seq FROM experiences "
                 f"WHERE group_id IN ({marks})", chunk))
         rows.sort(key=lambda r: (rank[r[1]], r[6]))
-        return lease_id, expires_at, chosen, [r[:6] for r in rows], dropped, have
+        return lease_id, expires_at, chosen, [r[:6] for r in rows], dropped
 
     def _op_ack(self, now: float, lease_id: str) -> None | UnknownLease:
         self._expire(now)
@@ -465,7 +541,6 @@ class SqliteStore(ExperienceStore):
                     "UPDATE groups SET uses = ?, state = 'ready', lease_id = NULL "
                     "WHERE group_id = ?", (uses + 1, group_id))
         self._conn.execute("DELETE FROM leases WHERE lease_id = ?", (lease_id,))
-        self._prune()
         return None
 
     def _op_release(self, now: float, lease_id: str) -> None | UnknownLease:
@@ -509,23 +584,26 @@ class SqliteStore(ExperienceStore):
     # ---- the ExperienceStore interface ------------------------------------------------------
 
     @staticmethod
-    def prepare_put(experiences: list[Experience], group_sizes: list[int]) -> tuple:
-        """Serialise a put off the writer thread: (rows, sizes, versions, task_ids, given)."""
+    def prepare_put(experiences: list[Experience], group_sizes: list[int]) -> PreparedPut:
+        """Serialise a put off the writer thread (the first of repeated ids wins)."""
         if len(group_sizes) != len(experiences):
             raise ValueError(f"{len(experiences)} experiences but {len(group_sizes)} group sizes")
-        rows, sizes, versions, task_ids, seen = [], [], [], [], set()
+        put = PreparedPut([], [], [], [], [], [], len(experiences))
+        seen: set[str] = set()
         for exp, size in zip(experiences, group_sizes):
             if exp.id in seen:
                 continue
             seen.add(exp.id)
-            rows.append(to_row(exp))
-            sizes.append(size)
-            versions.append(exp.policy_version)
-            task_ids.append(exp.task_id)
-        return rows, sizes, versions, task_ids, len(experiences)
+            put.rows.append(to_row(exp))
+            put.sizes.append(size)
+            put.versions.append(exp.policy_version)
+            put.task_ids.append(exp.task_id)
+            put.rewards.append(exp.reward)
+            put.infos.append(exp.info)
+        return put
 
     async def put(self, experiences: list[Experience], group_sizes: list[int]) -> PutOutcome:
-        return await self._call(self._op_put, *self.prepare_put(experiences, group_sizes))
+        return await self._call(self._op_put, self.prepare_put(experiences, group_sizes))
 
     async def sample(self, num_groups: int, *, policy: str | None = None,
                      min_version: int | None = None, max_version: int | None = None,
@@ -541,9 +619,9 @@ class SqliteStore(ExperienceStore):
         """Build the lease (deserialising experiences off the writer thread) or raise."""
         if isinstance(result, RequestFailed):
             raise result
-        lease_id, expires_at, group_ids, rows, dropped, have = result
+        lease_id, expires_at, group_ids, rows, dropped = result
         return Lease(lease_id=lease_id, expires_at=expires_at, group_ids=group_ids,
-                     experiences=[from_row(*row) for row in rows], dropped_stale=dropped, have=have)
+                     experiences=[from_row(*row) for row in rows], dropped_stale=dropped)
 
     async def ack(self, lease_id: str) -> None:
         failure = await self._call(self._op_ack, lease_id)

@@ -85,7 +85,6 @@ class Lease:
     group_ids: list[str]
     experiences: list[Experience]
     dropped_stale: int = 0
-    have: int = 0  # ready groups (within the filter) before this lease was taken
 
 
 class ExperienceStore(ABC):

@@ -39,8 +39,10 @@ class BufferConfig(Section):
                     "first; older ones are deleted, so the database stays bounded")
     synchronous: Literal["full", "normal"] = Field(
         default="full",
-        description="SQLite synchronous mode: full fsyncs every commit (survives power loss), "
-                    "normal survives a process crash only")
+        description="full: every commit that stores experiences is fsynced before the put is "
+                    "answered (survives power loss); lease and ack commits are not (a power loss "
+                    "may serve a group once more, never lose one). normal: nothing is fsynced, "
+                    "everything survives a process crash only")
     commit_batch: int = Field(
         default=256, ge=1, description="requests folded into one commit at most (group commit)")
 
