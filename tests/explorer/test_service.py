@@ -17,7 +17,7 @@ import torch
 
 from tandem.common.config import load_config
 from tandem.buffer import Buffer
-from tandem.common.messages.buffer import SampleGroups
+from tandem.common.messages.buffer import GetBufferStats, SampleGroups
 from tandem.common.messages.master import TrainerGo, TrainerStepDone, WeightsPublished
 from tandem.common.pubsub import Subscriber
 from tandem.common.rpc import RpcClient
@@ -144,3 +144,38 @@ async def test_two_steps_with_a_sync_point_waiting_for_weights(tmp_path, tiny_mo
     assert waits and waits[0]["end"] - waits[0]["start"] >= 0.4
     engine.close()
     trained.close()
+
+
+async def test_two_explorers_with_their_own_engines_and_batch_sizes(tmp_path, tiny_model_path):
+    config = make_config(
+        tmp_path, tiny_model_path, "sync.preset=multi_explorer_async", "sync.method=checkpoint",
+        "sync.offset=null", "master.total_steps=2",
+        "explorers.1.name=explorer-1", "explorers.1.batch_size=1", "explorers.1.repeat_times=3",
+        "explorers.1.workflow=multi_turn", "explorers.1.workflow_args.env=guess_number",
+        "explorers.1.workflow_args.max_turns=3", "explorers.1.sampling.max_tokens=5")
+    master = Master(config)
+    await master.start()
+    buffer = Buffer(config)
+    config.buffer.address = await buffer.start()
+    config.master.address = master.address
+    engines = [TransformersEngine.from_pretrained(tiny_model_path, max_batch=4) for _ in range(2)]
+    explorers = [Explorer(config, f"explorer-{i}", engine=engines[i]) for i in range(2)]
+    trained = TransformersEngine.from_pretrained(tiny_model_path)
+    trainer = asyncio.create_task(play_trainer(config, master.address, master.publish_address,
+                                               trained, []))
+    try:
+        await asyncio.wait_for(asyncio.gather(*(e.serve() for e in explorers)), 60)
+        await asyncio.wait_for(trainer, 10)
+        async with RpcClient(config.buffer.address, peer="buffer") as client:
+            stats = await client.call(GetBufferStats(), timeout=5)
+    finally:
+        trainer.cancel()
+        await buffer.close()
+        await master.close()
+        for e in engines + [trained]:
+            e.close()
+    # batches_per_step = 2 explorers: 4 batches in all, shared between them as they ask
+    assert sum(e.steps_done for e in explorers) == 4
+    assert all(e.steps_done >= 1 for e in explorers)
+    assert all(e.stop_reason and e.stop_reason.startswith("done") for e in explorers)
+    assert stats.groups_waiting == 0

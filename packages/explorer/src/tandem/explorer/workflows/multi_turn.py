@@ -63,6 +63,8 @@ class MultiTurn(Workflow):
             env = self.env_cls(task.payload, **self.args.env_args)
         except TypeError as exc:
             raise ValueError(f"workflow_args.env_args for {self.args.env}: {exc}") from None
+        except ValueError as exc:
+            raise ValueError(f"task {task.id!r}: {exc}") from None
         return _Episode(task, index, env, Trajectory(self.template.render(env.instructions())))
 
     async def run(self, tasks: list[Task], ctx: RolloutContext) -> list[Experience]:
