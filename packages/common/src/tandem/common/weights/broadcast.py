@@ -49,6 +49,7 @@ from .group import (
     local_address_towards,
     run_guarded,
     shutdown_backend,
+    start_broadcast,
     wait_keys,
 )
 from .tensors import WeightsError, dtype_name, plan_buckets, torch_dtype
@@ -118,6 +119,7 @@ class WeightBroadcaster:
         self.session = uuid.uuid4().hex[:12]
         self.epoch = 0
         self._current: _Epoch | None = None
+        self._scratch: dict[tuple[torch.dtype, int], torch.Tensor] = {}
 
     @classmethod
     def from_config(cls, config, *, device: str | torch.device = "cpu") -> "WeightBroadcaster":
@@ -226,20 +228,18 @@ class WeightBroadcaster:
         group.store.set(f"meta/{seq}", encode(meta))
         ranks = range(1, group.rendezvous.world_size)
         total = 0
+        # Pack bucket b+1 while bucket b is on the wire: two scratch buffers per dtype take
+        # turns, so the copy that flattening costs hides behind the transfer.
+        in_flight: tuple[int, Any] | None = None
         for b, bucket in enumerate(buckets):
             members = [tensors[order[i]][1] for i in range(bucket.first, bucket.first + bucket.count)]
-            flat = self._pack(members, bucket.numel, torch_dtype(bucket.dtype), comm)
-            try:
-                broadcast(group.pg, flat, self.timeout)
-            except Exception as exc:
-                lagging = [group.rendezvous.members[r - 1] for r in ranks
-                           if group.store.add(f"progress/{seq}/{r}", 0) <= b]
-                peers = lagging or group.rendezvous.members
-                raise PeerDead(peers[0], (
-                    f"weights broadcast of version {version}: bucket {b + 1}/{len(buckets)} "
-                    f"did not reach {peers} in {self._where(group)}: {_why(exc, self.timeout)}"
-                )) from None
+            flat = self._pack(members, bucket.numel, torch_dtype(bucket.dtype), comm, slot=b % 2)
+            if in_flight is not None:
+                self._finish(group, version, seq, in_flight, len(buckets))
+            in_flight = (b, start_broadcast(group.pg, flat))
             total += flat.numel() * flat.element_size()
+        if in_flight is not None:
+            self._finish(group, version, seq, in_flight, len(buckets))
         done = [f"done/{seq}/{r}" for r in ranks]
         missing = wait_keys(group.store, done, self.timeout)
         if missing:
@@ -251,12 +251,31 @@ class WeightBroadcaster:
         group.seq += 1
         return total, len(buckets)
 
-    @staticmethod
-    def _pack(members: list[torch.Tensor], numel: int, dtype: torch.dtype,
-              device: torch.device) -> torch.Tensor:
+    def _finish(self, group: _Epoch, version: int, seq: int, in_flight: tuple[int, Any],
+                buckets: int) -> None:
+        b, collective = in_flight
+        try:
+            collective.result(self.timeout, lambda: shutdown_backend(group.pg))
+        except Exception as exc:
+            ranks = range(1, group.rendezvous.world_size)
+            lagging = [group.rendezvous.members[r - 1] for r in ranks
+                       if group.store.add(f"progress/{seq}/{r}", 0) <= b]
+            peers = lagging or group.rendezvous.members
+            raise PeerDead(peers[0], (
+                f"weights broadcast of version {version}: bucket {b + 1}/{buckets} did not "
+                f"reach {peers} in {self._where(group)}: {_why(exc, self.timeout)}")) from None
+
+    def _pack(self, members: list[torch.Tensor], numel: int, dtype: torch.dtype,
+              device: torch.device, slot: int) -> torch.Tensor:
         if len(members) == 1 and members[0].device == device and members[0].is_contiguous():
             return members[0].reshape(-1)  # a bucket of one tensor goes without a copy
-        flat = torch.empty(numel, dtype=dtype, device=device)
+        # Scratch buffers (two per dtype) are reused bucket after bucket and version after
+        # version: fresh memory would cost a page fault per 4 KiB on every sync.
+        scratch = self._scratch.get((dtype, slot))
+        if scratch is None or scratch.numel() < numel or scratch.device != device:
+            scratch = torch.empty(numel, dtype=dtype, device=device)
+            self._scratch[(dtype, slot)] = scratch
+        flat = scratch[:numel]
         offset = 0
         for t in members:
             n = t.numel()
@@ -280,6 +299,7 @@ class WeightBroadcaster:
     def close(self) -> None:
         """Abandon the current group and stop serving the store."""
         self._abandon("the trainer closed its broadcaster", failed=False)
+        self._scratch.clear()
         self.store = None  # type: ignore[assignment]
 
 
@@ -289,10 +309,17 @@ class WeightReceiver:
     `join()` once per epoch, then `receive()` per transfer; its iterator goes straight into the
     engine's `load_weights`. Consume it to the end: the group moves in lockstep, and an iterator
     left half-way abandons this member's place in it.
+
+    Each yielded tensor is a view of its bucket. With `reuse_buffers` (what an engine whose
+    `load_weights` copies each tensor as it comes should use: vLLM's and `load_into` do) one
+    buffer per dtype is received into again and again, so a view is only valid until the
+    iterator moves past its bucket; without it every bucket is fresh memory the views keep
+    alive, which costs a page fault per 4 KiB received.
     """
 
     def __init__(self, rendezvous: GroupRendezvous | dict, member: str, *,
-                 device: str | torch.device = "cpu", timeout: float = 600.0):
+                 device: str | torch.device = "cpu", timeout: float = 600.0,
+                 reuse_buffers: bool = False):
         self.rendezvous = (rendezvous if isinstance(rendezvous, GroupRendezvous)
                            else GroupRendezvous.model_validate(rendezvous))
         if member not in self.rendezvous.members:
@@ -307,6 +334,8 @@ class WeightReceiver:
         self._pg: Any = None
         self._seq = 0
         self._broken: str | None = None
+        self.reuse_buffers = reuse_buffers
+        self._scratch: dict[torch.dtype, torch.Tensor] = {}
 
     @property
     def epoch(self) -> int:
@@ -400,7 +429,7 @@ class WeightReceiver:
         finished = False
         try:
             for b, bucket in enumerate(meta.buckets):
-                flat = torch.empty(bucket.numel, dtype=torch_dtype(bucket.dtype), device=comm)
+                flat = self._buffer(bucket.numel, torch_dtype(bucket.dtype), comm)
                 try:
                     broadcast(self._pg, flat, self.timeout, self._abandoned)
                 except GroupAbandoned:
@@ -421,6 +450,14 @@ class WeightReceiver:
         log.info("weights.loaded", version=meta.version, method="broadcast", epoch=self.epoch,
                  buckets=len(meta.buckets), seconds=round(time.perf_counter() - start, 3))
 
+    def _buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if not self.reuse_buffers:
+            return torch.empty(numel, dtype=dtype, device=device)
+        scratch = self._scratch.get(dtype)
+        if scratch is None or scratch.numel() < numel:
+            scratch = self._scratch[dtype] = torch.empty(numel, dtype=dtype, device=device)
+        return scratch[:numel]
+
     def _fail(self, reason: str) -> None:
         self._broken = reason
         if self._pg is not None:
@@ -430,4 +467,5 @@ class WeightReceiver:
     def close(self) -> None:
         """Leave the group (the trainer notices at its next transfer and opens a new epoch)."""
         self._fail("member closed")
+        self._scratch.clear()
         self._store = None

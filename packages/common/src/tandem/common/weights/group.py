@@ -115,7 +115,7 @@ def wait_keys(store: dist.Store, keys: list[str], timeout: float,
         if now >= deadline:
             return missing_keys(store, keys)
         time.sleep(min(pause, max(deadline - now, 0.0)))
-        pause = min(pause * 2, 0.05)
+        pause = min(pause * 2, 0.02)
     return []
 
 
@@ -150,45 +150,54 @@ def shutdown_backend(pg: Any) -> None:
             log.debug("weights.group.shutdown_failed", method=method, error=str(exc))
 
 
-def run_guarded(fn: Callable[[], T], timeout: float, on_hang: Callable[[], None],
-                abandoned: Callable[[], str | None] = lambda: None) -> T:
-    """Run `fn` on a helper thread and wait for it at most `timeout` (plus a grace period).
+class Guarded:
+    """`fn` running on a helper thread, to be waited for with a deadline.
 
     A raw collective cannot be interrupted where it runs, so it runs where the caller can stop
-    waiting for it: on a hang, or as soon as `abandoned()` reports the group given up, call
-    `on_hang` (tear the backend down, which unblocks NCCL; gloo's own timeout ends its thread)
-    and raise TimeoutError or GroupAbandoned.
+    waiting for it: on a hang, or as soon as `abandoned()` reports the group given up, `result`
+    calls `on_hang` (tear the backend down, which unblocks NCCL; gloo's own timeout ends its
+    thread) and raises TimeoutError or GroupAbandoned.
     """
-    result: dict[str, Any] = {}
 
-    def target() -> None:
+    def __init__(self, fn: Callable[[], T]):
+        self._result: dict[str, Any] = {}
+        self._thread = threading.Thread(target=self._run, args=(fn,), daemon=True,
+                                        name="tandem-weights-collective")
+        self._thread.start()
+
+    def _run(self, fn: Callable[[], Any]) -> None:
         try:
-            result["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
-            result["error"] = exc
+            self._result["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            self._result["error"] = exc
 
-    thread = threading.Thread(target=target, name="tandem-weights-collective", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + timeout + GRACE
-    while thread.is_alive():
-        thread.join(min(0.5, max(deadline - time.monotonic(), 0.0)))
-        if not thread.is_alive():
-            break
-        reason = abandoned()
-        if reason is not None:
-            on_hang()
-            raise GroupAbandoned(reason)
-        if time.monotonic() >= deadline:
-            on_hang()
-            raise TimeoutError(f"collective did not finish within {timeout:.1f} s")
-    if "error" in result:
-        raise result["error"]
-    return result["value"]
+    def result(self, timeout: float, on_hang: Callable[[], None],
+               abandoned: Callable[[], str | None] = lambda: None) -> Any:
+        deadline = time.monotonic() + timeout + GRACE
+        while self._thread.is_alive():
+            self._thread.join(min(0.5, max(deadline - time.monotonic(), 0.0)))
+            if not self._thread.is_alive():
+                break
+            reason = abandoned()
+            if reason is not None:
+                on_hang()
+                raise GroupAbandoned(reason)
+            if time.monotonic() >= deadline:
+                on_hang()
+                raise TimeoutError(f"collective did not finish within {timeout:.1f} s")
+        if "error" in self._result:
+            raise self._result["error"]
+        return self._result["value"]
 
 
-def broadcast(pg: Any, tensor: torch.Tensor, timeout: float,
-              abandoned: Callable[[], str | None] = lambda: None) -> None:
-    """One broadcast from rank 0 on a backend object, abandoned after `timeout`."""
+def run_guarded(fn: Callable[[], T], timeout: float, on_hang: Callable[[], None],
+                abandoned: Callable[[], str | None] = lambda: None) -> T:
+    """Run `fn` on a helper thread and wait for it at most `timeout` (see `Guarded`)."""
+    return Guarded(fn).result(timeout, on_hang, abandoned)
+
+
+def start_broadcast(pg: Any, tensor: torch.Tensor) -> Guarded:
+    """Start one broadcast from rank 0 on a backend object; `.result(...)` waits for it."""
     options = dist.BroadcastOptions()
     options.rootRank = 0
     options.rootTensor = 0
@@ -198,5 +207,10 @@ def broadcast(pg: Any, tensor: torch.Tensor, timeout: float,
         if tensor.is_cuda:
             torch.cuda.current_stream(tensor.device).synchronize()
 
-    run_guarded(call, timeout, lambda: shutdown_backend(pg), abandoned)
+    return Guarded(call)
 
+
+def broadcast(pg: Any, tensor: torch.Tensor, timeout: float,
+              abandoned: Callable[[], str | None] = lambda: None) -> None:
+    """One broadcast from rank 0 on a backend object, abandoned after `timeout`."""
+    start_broadcast(pg, tensor).result(timeout, lambda: shutdown_backend(pg), abandoned)

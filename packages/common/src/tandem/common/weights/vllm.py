@@ -53,7 +53,8 @@ class TandemWeightExtension:
         """Join the trainer's group (leaving an older epoch); returns this worker's member name."""
         self.tandem_leave()
         member = engine_member(explorer, self.rank)
-        receiver = WeightReceiver(rendezvous, member, device=self.device, timeout=timeout)
+        receiver = WeightReceiver(rendezvous, member, device=self.device, timeout=timeout,
+                                  reuse_buffers=True)  # load_weights copies each tensor
         receiver.join()
         self._tandem_receiver = receiver
         return member

@@ -1,0 +1,333 @@
+"""Weight sync: checkpoint publish+load and bucketed broadcast, each next to its raw ceiling.
+
+Synthetic tensors with the shapes of Qwen2.5-0.5B (scaled in layers and vocabulary to
+`--params`), in bf16. Measured in the same run, `--repeat` times each, interleaved:
+
+- memcpy: one clone of every tensor (the cost of touching the bytes once);
+- raw safetensors: `save_file` then reading every tensor back into a preallocated copy
+  (what `load_weights` does), with and without fsync of the file;
+- checkpoint: `WeightPublisher.publish` (shards, fsync, checksums, manifest, atomic rename)
+  then `WeightSubscriber.load` (checksum check, mmap) into the same preallocated copy;
+- flat broadcast: one `torch.distributed` gloo broadcast of a single flat tensor of the same
+  size to a second process, until that process has confirmed it through the store;
+- tandem broadcast: `WeightBroadcaster.broadcast` to a `WeightReceiver` in the second process
+  (metadata, per-dtype buckets of `--bucket-mib`, confirmation).
+
+    python tools/bench_weights.py                       # 50M params (100 MB), about a minute
+    python tools/bench_weights.py --params 500000000    # 0.5B params (1 GB)
+    python tools/bench_weights.py --device cuda         # NCCL, where there is a GPU
+
+With `--device cuda` the two processes use cuda:0 and cuda:1 (or both cuda:0 when only one
+GPU exists, which NCCL may refuse; the run then reports CUDA-to-CUDA copies instead and says so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+QWEN05 = dict(vocab=151936, hidden=896, layers=24, intermediate=4864, kv=128)
+QWEN05_PARAMS = 494_032_768
+
+
+def shapes(params: int) -> list[tuple[str, tuple[int, ...]]]:
+    """Qwen2.5-0.5B tensor shapes, layers and vocabulary scaled so the total is near `params`."""
+    scale = params / QWEN05_PARAMS
+    h, f, kv = QWEN05["hidden"], QWEN05["intermediate"], QWEN05["kv"]
+    vocab = max(1024, round(QWEN05["vocab"] * scale))
+    layers = max(1, round(QWEN05["layers"] * scale))
+    out = [("model.embed_tokens.weight", (vocab, h))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out += [(p + "self_attn.q_proj.weight", (h, h)), (p + "self_attn.q_proj.bias", (h,)),
+                (p + "self_attn.k_proj.weight", (kv, h)), (p + "self_attn.k_proj.bias", (kv,)),
+                (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.v_proj.bias", (kv,)),
+                (p + "self_attn.o_proj.weight", (h, h)),
+                (p + "mlp.gate_proj.weight", (f, h)), (p + "mlp.up_proj.weight", (f, h)),
+                (p + "mlp.down_proj.weight", (h, f)),
+                (p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,))]
+    out.append(("model.norm.weight", (h,)))
+    return out
+
+
+def make_tensors(params: int, device: str):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return [(name, torch.randn(shape, generator=g).to(torch.bfloat16).to(device))
+            for name, shape in shapes(params)]
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+# ---------------------------------------------------------------- receiver process
+
+
+def receiver_main(args) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from tandem.common.weights import WeightReceiver
+
+    device = args.receiver_device
+    raw = dist.TCPStore("127.0.0.1", args.flat_port, None, False,
+                        datetime.timedelta(seconds=120), wait_for_workers=False)
+    flat_pg = build_flat_group(raw, 1, device)
+    total = int(raw.get("numel"))
+    flat = torch.empty(total, dtype=torch.bfloat16, device=device)
+    receiver = WeightReceiver(json.loads(args.rendezvous), "bench/w0", device=device,
+                              timeout=120.0, reuse_buffers=True)
+    receiver.join()
+    for i in range(args.repeat + 1):  # round 0 is the sender's untimed warm-up
+        for _ in receiver.receive(i):
+            pass
+        flat_broadcast(flat_pg, flat)
+        raw.set(f"got/{i}", b"1")
+    receiver.close()
+
+
+def build_flat_group(store, rank: int, device: str):
+    """The baseline: a plain torch.distributed group of two, built on its own store."""
+    import datetime
+
+    import torch.distributed as dist
+
+    prefix = dist.PrefixStore("flat/", store)
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.set_device(torch.device(device))
+        return dist.ProcessGroupNCCL(prefix, rank, 2)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = datetime.timedelta(seconds=120)
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    return dist.ProcessGroupGloo(prefix, rank, 2, options)
+
+
+def flat_broadcast(pg, tensor) -> None:
+    import torch
+    import torch.distributed as dist
+
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    options.rootTensor = 0
+    pg.broadcast([tensor], options).wait()
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
+
+
+# ---------------------------------------------------------------- sender side
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def bench_files(tensors, repeat: int, workdir: Path) -> dict[str, list[float]]:
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from tandem.common.weights import WeightPublisher, WeightSubscriber
+
+    cpu = [(n, t.cpu()) for n, t in tensors]
+    dest = {n: torch.empty_like(t) for n, t in cpu}
+    state = dict(cpu)
+    times: dict[str, list[float]] = {"memcpy": [], "raw safetensors write+read": [],
+                                     "raw safetensors write+fsync+read": [],
+                                     "checkpoint publish+load": []}
+
+    def raw(fsync: bool) -> None:
+        path = workdir / "raw.safetensors"
+        save_file(state, str(path))
+        if fsync:
+            fd = os.open(path, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                dest[name].copy_(f.get_tensor(name))
+        path.unlink()
+
+    run_dir = workdir / "run"
+    publisher = WeightPublisher(run_dir, keep=1)
+    subscriber = WeightSubscriber(run_dir)
+
+    for i in range(repeat):
+        times["memcpy"].append(timed(lambda: [t.clone() for _, t in cpu]))
+        times["raw safetensors write+read"].append(timed(lambda: raw(False)))
+        times["raw safetensors write+fsync+read"].append(timed(lambda: raw(True)))
+
+        def checkpoint() -> None:
+            publisher.publish(i, cpu)
+            for name, t in subscriber.load(i):
+                dest[name].copy_(t)
+
+        times["checkpoint publish+load"].append(timed(checkpoint))
+    shutil.rmtree(run_dir)
+    return times
+
+
+def bench_broadcast(tensors, repeat: int, bucket_bytes: int, device: str,
+                    receiver_device: str) -> dict[str, list[float]]:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from tandem.common.weights import WeightBroadcaster
+
+    total = sum(t.numel() for _, t in tensors)
+    raw = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=120),
+                        wait_for_workers=False)
+    raw.set("numel", str(total))
+    sender = WeightBroadcaster(device=device, bucket_bytes=bucket_bytes, timeout=120.0)
+    rendezvous = sender.open_group(["bench/w0"])
+    env = {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"}
+    peer = subprocess.Popen(
+        [sys.executable, __file__, "--role", "receiver", "--flat-port", str(raw.port),
+         "--rendezvous", rendezvous.model_dump_json(), "--repeat", str(repeat),
+         "--receiver-device", receiver_device, "--threads", str(torch.get_num_threads())],
+        env=env, stdout=subprocess.DEVNULL)
+    label = "nccl" if device.startswith("cuda") else "gloo"
+    times: dict[str, list[float]] = {f"flat {label} broadcast (torch.distributed)": [],
+                                     f"tandem broadcast ({label}, buckets)": []}
+    try:
+        flat_pg = build_flat_group(raw, 0, device)
+        flat = torch.cat([t.reshape(-1) for _, t in tensors])
+        for i in range(repeat + 1):  # round 0 warms both paths up and is not counted
+            stats = sender.broadcast(i, tensors)
+
+            def flat_once() -> None:
+                flat_broadcast(flat_pg, flat)
+                raw.wait([f"got/{i}"], datetime.timedelta(seconds=120))
+
+            flat_seconds = timed(flat_once)
+            if i > 0:
+                times[f"tandem broadcast ({label}, buckets)"].append(stats.seconds)
+                times[f"flat {label} broadcast (torch.distributed)"].append(flat_seconds)
+        peer.wait(120)
+    finally:
+        sender.close()
+        if peer.poll() is None:
+            peer.terminate()
+            peer.wait(10)
+    if peer.returncode != 0:
+        raise RuntimeError(f"receiver process exited {peer.returncode}")
+    return times
+
+
+def bench_cuda_copy(tensors, repeat: int) -> dict[str, list[float]]:
+    """Two ranks on one GPU may be refused by NCCL: then the ceiling is a device-to-device copy."""
+    import torch
+
+    flat = torch.cat([t.reshape(-1) for _, t in tensors])
+    other = torch.empty_like(flat, device="cuda:1" if torch.cuda.device_count() > 1 else "cuda:0")
+    out = []
+    for _ in range(repeat):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        other.copy_(flat)
+        torch.cuda.synchronize()
+        out.append(time.perf_counter() - start)
+    return {"CUDA-to-CUDA copy (NCCL refused two ranks on one GPU)": out}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--params", type=int, default=50_000_000,
+                        help="parameters of the synthetic model (bf16: 2 bytes each)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each measurement")
+    parser.add_argument("--bucket-mib", type=int, default=512, help="broadcast bucket size")
+    parser.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (nccl)")
+    parser.add_argument("--out", default=".bench/weights.json", help="JSON results")
+    parser.add_argument("--workdir", default=None, help="where checkpoint files go (a temp dir)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads in both processes (on a small shared machine "
+                             "more threads than free cores makes every copy slower and noisier)")
+    parser.add_argument("--role", default="sender", help=argparse.SUPPRESS)
+    parser.add_argument("--flat-port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--rendezvous", help=argparse.SUPPRESS)
+    parser.add_argument("--receiver-device", default="cpu", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    if args.role == "receiver":
+        receiver_main(args)
+        return
+
+    from tandem.common.logging import configure_logging
+
+    configure_logging("bench", level="warning")
+    receiver_device = args.device
+    if args.device.startswith("cuda"):
+        receiver_device = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
+    tensors = make_tensors(args.params, args.device)
+    count = sum(t.numel() for _, t in tensors)
+    nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
+    print(f"{len(tensors)} tensors, {count / 1e6:.1f}M params, {nbytes / 2**20:.0f} MiB bf16, "
+          f"repeat {args.repeat}, buckets {args.bucket_mib} MiB, device {args.device}, "
+          f"{os.cpu_count()} CPUs, {args.threads} torch threads", flush=True)
+
+    workdir = Path(tempfile.mkdtemp(prefix="bench-weights-", dir=args.workdir))
+    try:
+        times = bench_files(tensors, args.repeat, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    try:
+        times.update(bench_broadcast(tensors, args.repeat, args.bucket_mib * 2**20, args.device,
+                                     receiver_device))
+    except Exception as exc:
+        if not args.device.startswith("cuda"):
+            raise
+        print(f"NCCL broadcast failed ({exc}); measuring CUDA-to-CUDA copies instead")
+        times.update(bench_cuda_copy(tensors, args.repeat))
+
+    rows = {name: {"median_s": median(ts), "min_s": min(ts), "runs_s": ts,
+                   "GB_per_s": nbytes / 1e9 / median(ts)} for name, ts in times.items()}
+    ratios = {}
+    pairs = [("checkpoint publish+load", "raw safetensors write+read"),
+             ("checkpoint publish+load", "raw safetensors write+fsync+read")]
+    flat = next((k for k in times if k.startswith("flat")), None)
+    ours = next((k for k in times if k.startswith("tandem broadcast")), None)
+    if flat and ours:
+        pairs.append((ours, flat))
+    for a, b in pairs:
+        ratios[f"{a} / {b}"] = rows[a]["median_s"] / rows[b]["median_s"]
+
+    width = max(map(len, rows))
+    print(f"\n{'measurement':<{width}}  {'median s':>9}  {'min s':>7}  {'GB/s':>6}")
+    for name, row in rows.items():
+        print(f"{name:<{width}}  {row['median_s']:>9.3f}  {row['min_s']:>7.3f}  "
+              f"{row['GB_per_s']:>6.2f}")
+    print()
+    for name, ratio in ratios.items():
+        print(f"{ratio:5.2f}x  {name}")
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "params": count, "bytes": nbytes, "tensors": len(tensors), "repeat": args.repeat,
+        "bucket_bytes": args.bucket_mib * 2**20, "device": args.device,
+        "cpus": os.cpu_count(), "threads": args.threads, "load_average": os.getloadavg(),
+        "results": rows, "ratios": ratios}, indent=1))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
