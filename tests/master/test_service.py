@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from tandem.common.config import load_config
-from tandem.common.errors import RequestFailed, WaitTimeout
+from tandem.common.errors import ConfigError, RequestFailed, WaitTimeout
 from tandem.common.messages.base import Heartbeat
 from tandem.common.messages.master import (
     CompleteTasks,
@@ -261,6 +261,16 @@ async def test_restarted_master_resumes_cursor_clock_and_sequence(tmp_path, zmq_
         await client.close()
     finally:
         await master2.close()
+
+
+async def test_resuming_with_another_sync_plan_is_refused(tmp_path, zmq_sockets_closed):
+    master = Master(make_config(tmp_path, "sync.preset=synchronous", "master.total_steps=3"))
+    await master.start()
+    await master.close()
+    other = Master(make_config(tmp_path, "sync.preset=fully_async", "master.total_steps=3"))
+    with pytest.raises(ConfigError, match="holds the journal of run .* new run_dir"):
+        await other.start()
+    await other.close()
 
 
 async def test_reports_out_of_turn_are_refused(tmp_path, zmq_sockets_closed):

@@ -158,6 +158,7 @@ class Master:
             try:
                 if kind == "start":
                     self.run_id = rec["run_id"]
+                    self._check_same_run(rec)
                 elif kind == "register":
                     self.registry[rec["name"]] = rec["info"]
                 elif kind == "join":
@@ -194,6 +195,16 @@ class Master:
                 if info.get("alive", True):
                     self.liveness.touch(name, now)  # give everyone a full liveness to reconnect
             log.info("master.resumed", records=records, **self.clock.counters())
+
+    def _check_same_run(self, start: dict[str, Any]) -> None:
+        if start.get("plan") != self.plan.describe():
+            raise ConfigError([
+                f"run_dir: {self.run_dir} holds the journal of run {start['run_id']} with sync "
+                f"plan {start.get('plan')}, not {self.plan.describe()}; resume it with the same "
+                "sync section and explorers, or give this run a new run_dir"])
+        if start.get("total_steps") != self.total_steps:
+            log.warning("master.total_steps_changed", journal=start.get("total_steps"),
+                        now=self.total_steps)
 
     async def _republish(self) -> None:
         """After a restart: continue every topic's sequence and re-send the newest decisions,
