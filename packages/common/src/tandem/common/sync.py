@@ -162,11 +162,6 @@ class SyncPlan:
 
     # -- trainer side --------------------------------------------------------------------------
 
-    def trainer_batches_step(self, trainer_step: int) -> int | None:
-        """Synchronous plans: the explorer step trainer step `t` trains on (`t`); None when
-        asynchronous (the oldest complete batches in the buffer)."""
-        return None if self.asynchronous else trainer_step
-
     def publish_after(self, trainer_step: int, total_steps: int | None = None) -> int | None:
         """The version the trainer publishes after step `t`, or None when no explorer needs it.
 
