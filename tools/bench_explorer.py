@@ -99,7 +99,8 @@ def main() -> None:
                      "generate_tok_s": round(best["generate"], 1),
                      "ratio": round(best["engine"] / best["generate"], 3)})
 
-    print(f"TransformersEngine vs model.generate — {Path(model_path).name}, device {args.device}, "
+    print(f"TransformersEngine vs model.generate — {Path(model_path).name}, "
+          f"device {args.device}, "
           f"{args.max_tokens} tokens per response, best of {args.repeats}")
     print(f"{'batch':>6} {'engine tok/s':>14} {'generate tok/s':>16} {'ratio':>7}")
     for r in rows:

@@ -35,7 +35,8 @@ def test_logprobs_match_a_teacher_forced_pass(engine, params):
     worst = 0.0
     for group in results:
         for c in group:
-            assert len(c.token_ids) == len(c.logprobs) == params.max_tokens or c.finish_reason != "length"
+            assert len(c.token_ids) == len(c.logprobs)
+            assert len(c) == params.max_tokens or c.finish_reason != "length"
             expected = teacher_forced(engine.model, c, params)
             worst = max(worst, (expected - torch.from_numpy(c.logprobs)).abs().max().item())
             assert torch.isfinite(torch.from_numpy(c.logprobs)).all()
@@ -43,7 +44,8 @@ def test_logprobs_match_a_teacher_forced_pass(engine, params):
 
 
 def test_top_k_one_is_greedy_with_logprob_zero(engine):
-    [[c]] = engine.generate_sync(["1+2="], 1, SamplingParams(temperature=1.0, top_k=1, max_tokens=8))
+    [[c]] = engine.generate_sync(["1+2="], 1,
+                                 SamplingParams(temperature=1.0, top_k=1, max_tokens=8))
     [[g]] = engine.generate_sync(["1+2="], 1, SamplingParams(temperature=0.0, max_tokens=8))
     assert list(c.token_ids) == list(g.token_ids)
     assert abs(c.logprobs).max() == 0.0
@@ -87,7 +89,8 @@ def test_batches_larger_than_max_batch_are_chunked_with_the_same_results(tiny_mo
     try:
         a = small.generate_sync(PROMPTS, 2, params)
         b = large.generate_sync(PROMPTS, 2, params)
-        assert [list(c.token_ids) for g in a for c in g] == [list(c.token_ids) for g in b for c in g]
+        assert ([list(c.token_ids) for g in a for c in g]
+                == [list(c.token_ids) for g in b for c in g])
         assert {c.timings["batch"] for g in a for c in g} == {3.0, 2.0}
     finally:
         small.close()

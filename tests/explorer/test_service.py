@@ -179,3 +179,39 @@ async def test_two_explorers_with_their_own_engines_and_batch_sizes(tmp_path, ti
     assert all(e.steps_done >= 1 for e in explorers)
     assert all(e.stop_reason and e.stop_reason.startswith("done") for e in explorers)
     assert stats.groups_waiting == 0
+
+
+@pytest.mark.parametrize("drain", [30.0, 0.0])
+async def test_stop_request_drains_the_running_step_or_abandons_it(tmp_path, tiny_model_path,
+                                                                    drain):
+    config = make_config(tmp_path, tiny_model_path, f"explorers.0.drain_seconds={drain}",
+                         "explorers.0.sampling.max_tokens=40",
+                         "explorers.0.workflow_args.max_turns=4")
+    master = Master(config)
+    await master.start()
+    buffer = Buffer(config)
+    config.buffer.address = await buffer.start()
+    config.master.address = master.address
+    engine = TransformersEngine.from_pretrained(tiny_model_path, max_batch=8)
+    explorer = Explorer(config, "explorer-0", engine=engine)
+    try:
+        serving = asyncio.create_task(explorer.serve())
+        while explorer._step_task is None:  # the first step has started rolling out
+            await asyncio.sleep(0.01)
+        explorer.request_stop()
+        await asyncio.wait_for(serving, 30)
+        async with RpcClient(config.buffer.address, peer="buffer") as client:
+            stats = await client.call(GetBufferStats(), timeout=5)
+        status = master.status()
+    finally:
+        await buffer.close()
+        await master.close()
+        engine.close()
+    if drain:
+        # the step finished: stored, its lease completed, reported to the master
+        assert explorer.steps_done == 1 and stats.groups_ready == 2
+        assert status.counters["batches_done"] == 1 and not status.leases
+    else:
+        # abandoned at once: nothing stored, the lease stays with the master to expire
+        assert explorer.steps_done == 0 and stats.groups_ready == 0
+        assert status.counters["batches_done"] == 0

@@ -86,4 +86,5 @@ def create_engine(config, model_config) -> Engine:
             model_config.path, device=config.device, dtype=model_config.dtype,
             max_batch=config.max_batch, **config.options)
     raise ValueError(
-        f"engine.kind {config.kind!r} is not available in this build; use engine.kind: transformers")
+        f"engine.kind {config.kind!r} is not available in this build; "
+        "use engine.kind: transformers")

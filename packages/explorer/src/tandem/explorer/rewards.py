@@ -57,14 +57,16 @@ class ServiceScorer:
             for i in range(0, len(items), size)))
         scores = [s for reply in replies for s in reply.scores]
         if len(scores) != len(items):
-            raise RuntimeError(f"reward service returned {len(scores)} scores for {len(items)} items")
+            raise RuntimeError(
+                f"reward service returned {len(scores)} scores for {len(items)} items")
         return scores
 
     async def close(self) -> None:
         await self.client.close()
 
 
-def create_scorer(reward_config: Any, transport: Any = None, *, name: str = "explorer") -> RewardScorer:
+def create_scorer(reward_config: Any, transport: Any = None, *,
+                  name: str = "explorer") -> RewardScorer:
     """The service when `reward.service` is set, else the functions in this process."""
     if reward_config.service:
         return ServiceScorer(reward_config, transport, name=name)

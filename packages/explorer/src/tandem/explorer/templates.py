@@ -33,7 +33,7 @@ class PromptTemplate:
         return self.template.format(prompt=prompt, system=system)
 
     def render(self, prompt: str) -> list[int]:
-        """Prompt token ids, with the tokenizer's special tokens where the template calls for them."""
+        """Prompt token ids, with special tokens where the template calls for them."""
         if self.use_chat:
             ids = self.tokenizer.apply_chat_template(
                 self._messages(prompt), tokenize=True, add_generation_prompt=True)

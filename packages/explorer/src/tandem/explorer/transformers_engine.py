@@ -216,8 +216,10 @@ def load_tokenizer(path: str | Path) -> Any:
 
     path = Path(path)
     config_file = path / "tokenizer_config.json"
-    declared = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.is_file() else None
-    if declared in ("TokenizersBackend", "PreTrainedTokenizerFast") and (path / "tokenizer.json").is_file():
+    declared = (json.loads(config_file.read_text()).get("tokenizer_class")
+                if config_file.is_file() else None)
+    generic = declared in ("TokenizersBackend", "PreTrainedTokenizerFast")
+    if generic and (path / "tokenizer.json").is_file():
         return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 

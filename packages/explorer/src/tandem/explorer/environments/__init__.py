@@ -14,7 +14,8 @@ def get_environment(name: str) -> type[Environment]:
     try:
         return ENVIRONMENTS[name]
     except KeyError:
-        raise ValueError(f"unknown environment {name!r}; choose one of {sorted(ENVIRONMENTS)}") from None
+        raise ValueError(
+            f"unknown environment {name!r}; choose one of {sorted(ENVIRONMENTS)}") from None
 
 
 __all__ = ["ENVIRONMENTS", "Calculator", "Environment", "GuessNumber", "Outcome", "Reply",

@@ -84,7 +84,8 @@ class Calculator(Environment):
         elif "expression" in payload:
             truth = float(evaluate(str(payload["expression"])))
         else:
-            raise ValueError(f"calculator task needs `answer` or `expression` (has {sorted(payload)})")
+            raise ValueError(
+                f"calculator task needs `answer` or `expression` (has {sorted(payload)})")
         if truth is None:
             raise ValueError(f"calculator task answer {payload['answer']!r} is not a number")
         self.truth = truth
@@ -124,5 +125,6 @@ class Calculator(Environment):
         reason = "correct" if correct else ("wrong answer" if self.answered else "no answer")
         return Outcome(reward=correct + self.format_weight * fmt,
                        components={"correctness": correct, "format": fmt,
-                                   "tool_calls": float(self.calls), "tool_errors": float(self.errors)},
+                                   "tool_calls": float(self.calls),
+                                   "tool_errors": float(self.errors)},
                        reason=reason)

@@ -22,7 +22,8 @@ class GuessNumber(Environment):
     name = "guess_number"
     stop = ("</guess>",)
 
-    def __init__(self, payload: dict[str, Any], *, max_guesses: int = 8, format_weight: float = 0.1):
+    def __init__(self, payload: dict[str, Any], *, max_guesses: int = 8,
+                 format_weight: float = 0.1):
         super().__init__(payload)
         self.low = int(payload.get("low", 1))
         self.high = int(payload.get("high", 100))
@@ -35,7 +36,8 @@ class GuessNumber(Environment):
         else:
             raise ValueError(f"guess_number task needs `secret` or `seed` (has {sorted(payload)})")
         if not self.low <= self.secret <= self.high:
-            raise ValueError(f"guess_number task: secret {self.secret} outside [{self.low}, {self.high}]")
+            raise ValueError(f"guess_number task: secret {self.secret} outside "
+                             f"[{self.low}, {self.high}]")
         self.max_guesses = max_guesses
         self.format_weight = format_weight
         self.lo, self.hi = self.low, self.high  # what the feedback so far still allows

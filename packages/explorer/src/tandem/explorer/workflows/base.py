@@ -50,8 +50,8 @@ class Workflow(ABC):
         try:
             self.args = self.Args.model_validate(args or {})
         except ValidationError as exc:
-            problems = "; ".join(
-                f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}" for e in exc.errors())
+            problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}"
+                                 for e in exc.errors())
             raise ValueError(f"workflow_args for {type(self).__name__}: {problems}") from None
         self.tokenizer = tokenizer
 

@@ -25,7 +25,8 @@ from .base import RolloutContext, Trajectory, Workflow, WorkflowArgs, make_exper
 
 class MultiTurnArgs(WorkflowArgs):
     env: str = Field(description="environment registry name: calculator, guess_number")
-    env_args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments of the env")
+    env_args: dict[str, Any] = Field(default_factory=dict,
+                                     description="keyword arguments of the environment")
     max_turns: int = Field(default=8, ge=1, description="model turns per episode")
     max_episode_tokens: int = Field(
         default=512, ge=1, description="token budget of the whole response (model + environment)")

@@ -38,8 +38,9 @@ class SingleTurn(Workflow):
         try:
             value = task.payload[self.args.prompt_key]
         except KeyError:
-            raise ValueError(f"task {task.id!r} has no {self.args.prompt_key!r} field "
-                             f"(has {sorted(task.payload)}); set workflow_args.prompt_key") from None
+            raise ValueError(
+                f"task {task.id!r} has no {self.args.prompt_key!r} field "
+                f"(has {sorted(task.payload)}); set workflow_args.prompt_key") from None
         return str(value)
 
     async def run(self, tasks: list[Task], ctx: RolloutContext) -> list[Experience]:
