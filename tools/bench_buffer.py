@@ -6,7 +6,8 @@
    rows serialised beforehand) and against the embedded `SqliteStore` without RPC, all in
    the same run, interleaved, on fresh files, with synchronous=full (every put fsynced).
 2. Sample+ack round trips (8 groups of 4 per sample) against a `tandem-buffer` process whose
-   store holds `--stored` experiences (prefilled through the embedded store).
+   store holds `--stored` experiences (prefilled through the embedded store), and the same
+   calls on the embedded store just before, to tell the store's share from RPC and scheduling.
 
     .venv/bin/python tools/bench_buffer.py [--out .bench/buffer.json] [--stored 100000]
 """
@@ -195,20 +196,33 @@ async def sample_latency(root: Path, args) -> dict:
     template = experiences("fill", GROUP, args.sample_tokens)
     started = time.perf_counter()
     chunk = 1024
-    for first in range(0, args.stored, chunk):
+    # both measurements consume what they sample: fill so that the last one ends at --stored
+    fill = args.stored + 2 * (args.samples + 10) * args.groups * GROUP
+    for first in range(0, fill, chunk):
         batch = []
-        for i in range(first, min(first + chunk, args.stored)):
+        for i in range(first, min(first + chunk, fill)):
             task = f"fill-{i // GROUP}"
             batch.append(template[i % GROUP].model_copy(update=dict(
                 id=experience_id(task, i % GROUP, i // 10_000, "bench"), task_id=task,
                 group_id=group_id(task, i // 10_000), policy_version=i // 10_000)))
         await store.put(batch, [GROUP] * len(batch))
     fill_seconds = time.perf_counter() - started
+    # the same calls on the embedded store, to tell the store's share from RPC and scheduling
+    timings: dict[str, list[float]] = {"store sample": [], "store ack": []}
+    for i in range(args.samples + 10):
+        t0 = time.perf_counter()
+        lease = await store.sample(args.groups, policy=args.policy)
+        t1 = time.perf_counter()
+        await store.ack(lease.lease_id)
+        t2 = time.perf_counter()
+        if i >= 10:
+            timings["store sample"].append(t1 - t0)
+            timings["store ack"].append(t2 - t1)
     await store.close()
 
     process = BufferProcess(run_dir)
     client = RpcClient(process.address, peer="buffer", name="bench")
-    timings: dict[str, list[float]] = {"sample": [], "ack": [], "sample+ack": []}
+    timings.update({"sample": [], "ack": [], "sample+ack": []})
     try:
         before = await client.call(GetBufferStats(), timeout=60, retries=0)
         for i in range(args.samples + 10):
@@ -273,9 +287,12 @@ def main() -> None:
     print(f"\nsample ({args.groups} groups of {GROUP}, {args.policy}) + ack, {args.samples} round "
           f"trips, {sampling['stored_before']} -> {sampling['stored_after']} experiences of "
           f"{args.sample_tokens} tokens stored (filled in {sampling['fill_seconds']:.1f} s)")
-    print(f"{'call':12} {'p50 ms':>8} {'p99 ms':>8} {'mean ms':>8}")
+    print(f"{'call':34} {'p50 ms':>8} {'p99 ms':>8} {'mean ms':>8}")
+    labels = {"store sample": "embedded store.sample (no RPC)", "store ack": "embedded store.ack (no RPC)",
+              "sample": "service sample (RPC)", "ack": "service ack (RPC)",
+              "sample+ack": "service sample+ack (RPC)"}
     for name, row in lat.items():
-        print(f"{name:12} {row['p50']:8.2f} {row['p99']:8.2f} {row['mean']:8.2f}")
+        print(f"{labels[name]:34} {row['p50']:8.2f} {row['p99']:8.2f} {row['mean']:8.2f}")
 
     best_service = max(median["service, 1 put in flight"], median["service, 4 puts in flight"])
     report = {

@@ -49,8 +49,8 @@ class Buffer:
         repeats = {e.name: e.repeat_times for e in config.explorers}
         self._repeat_times = repeats
         self._shared_repeat = next(iter(set(repeats.values()))) if len(set(repeats.values())) == 1 else None
-        self._changed: asyncio.Event | None = None
-        self._stop: asyncio.Event | None = None
+        self._changed = asyncio.Event()  # replaced by a fresh one at every change
+        self._stop = asyncio.Event()
         self._last_fill = 0.0
         self.bound: str | None = None
 
@@ -58,8 +58,6 @@ class Buffer:
         """Open the store and bind; returns the bound address (port 0 resolved)."""
         if self.bound is not None:
             return self.bound
-        self._changed = asyncio.Event()
-        self._stop = asyncio.Event()
         if self.store is None:
             self.store = await asyncio.to_thread(
                 SqliteStore.from_config, self.config.buffer, self.run_dir)
@@ -78,8 +76,7 @@ class Buffer:
 
     def stop(self) -> None:
         """Ask `serve()` to return; safe from a signal handler."""
-        if self._stop is not None:
-            self._stop.set()
+        self._stop.set()
 
     async def close(self) -> None:
         """Stop answering, let the store commit what it has queued, close everything."""
