@@ -1,7 +1,8 @@
 """The run's clock: `SyncPlan` applied to live counters, with no sockets.
 
-Inputs are the five things that happen in a run: an explorer joins, an explorer leaves (or is
-declared dead), an explorer finishes a step, the trainer finishes a step, a version is published.
+Inputs are the six things that happen in a run: an explorer joins, an explorer leaves (or is
+declared dead), the taskset runs dry on an explorer, an explorer finishes a step, the trainer
+finishes a step, a version is published.
 Each input returns the decisions it unlocks, as (topic, message) pairs for the master's PUB
 socket. The clock is deterministic, so the master journals inputs only and a restarted master
 replays them to the same state, decisions and sequence numbers included.
@@ -162,13 +163,6 @@ class RunClock:
     def producing(self) -> list[ExplorerSlot]:
         """Explorers that can still roll out batches."""
         return [s for s in self.explorers.values() if s.alive and not s.finished]
-
-    @property
-    def frontier(self) -> int:
-        """The highest step any explorer was granted (-1 before any)."""
-        steps = [s.last_done[0] for s in self.explorers.values() if s.last_done] + [
-            s.running[0] for s in self.explorers.values() if s.running]
-        return max(steps, default=-1)
 
     def _join_step(self) -> int:
         """A joiner is a member from the oldest step the trainer has not been released on, so
