@@ -1,14 +1,14 @@
 """Benchmark the reward functions: math checks/s and code evaluations/s, in-process vs service.
 
-    .venv/bin/python tools/bench_reward.py [--workers 2] [--math-items 400] [--code-items 40]
+    .venv/bin/python tools/bench_reward.py [--workers 2] [--math-items 320] [--code-items 32] [--rounds 4]
 
 Math: a mix of typical final answers (fractions, decimals, sets, intervals, wrong ones), scored
 (a) on the main thread straight through math-verify (no isolation, the floor of the cost),
 (b) by a LocalScorer, whose worker processes enforce the time limit, and (c) by the
 tandem-reward service in its own process over loopback RPC. Code: a trivial passing program
 with 5 stdin/stdout tests, each test one sandboxed run (fresh network and PID namespaces,
-rlimits), in-process and through the service. The service and the in-process scorer run one
-after the other in the same run, never at once, so they do not share the CPUs.
+rlimits), in-process and through the service. The paths take turns in `--rounds` slices in the
+same run, never at once, so they neither share the CPUs nor see different machine load.
 """
 
 from __future__ import annotations
@@ -102,61 +102,72 @@ async def bench(args) -> dict:
 
     config = RewardConfig(functions={"math": 1.0, "code": 1.0}, workers=args.workers,
                           timeout=30.0)
-    math_items, code_items = _items("math", args.math_items), _items("code", args.code_items)
-    rows = []
-
-    direct = MathReward(config)
-    direct.score(math_items[0])  # math-verify's first call imports sympy
-    start = time.perf_counter()
-    for item in math_items:
-        direct.score(item)
-    rows.append(("math", "main thread, no isolation", len(math_items),
-                 time.perf_counter() - start))
-
-    async with LocalScorer(config=config) as local:
-        await local.start()
-        await local.score(math_items[:args.workers * 2] + code_items[:1])  # warm up
-        for kind, items in (("math", math_items), ("code", code_items)):
-            seconds, scores = await _timed(local, items, args.batch)
-            _check(kind, scores)
-            rows.append((kind, "in-process (LocalScorer)", len(items), seconds))
-
     port = _free_port()
     address = f"tcp://127.0.0.1:{port}"
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = Path(tmp) / "run.yaml"
-        cfg.write_text(json.dumps({"run_dir": str(Path(tmp) / "run"), "logging": {"level": "warning"},
-                                   "reward": {**config.model_dump(mode="json"), "address": address}}))
-        proc = subprocess.Popen([sys.executable, "-m", "tandem.reward.cli", "--config", str(cfg)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
+    tmp = tempfile.TemporaryDirectory()
+    cfg = Path(tmp.name) / "run.yaml"
+    cfg.write_text(json.dumps({"run_dir": str(Path(tmp.name) / "run"),
+                               "logging": {"level": "warning"},
+                               "reward": {**config.model_dump(mode="json"), "address": address}}))
+    proc = subprocess.Popen([sys.executable, "-m", "tandem.reward.cli", "--config", str(cfg)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    direct = MathReward(config)
+    paths = {"math": ["main", "local", "service"], "code": ["local", "service"]}
+    counts = {"math": args.math_items, "code": args.code_items}
+    # Every path gets its own items (so no path finds another's answers in math-verify's
+    # caches), in `rounds` slices taken in turn, so a change in machine load hits all paths.
+    items = {kind: {path: _items(kind, counts[kind] * (i + 1))[counts[kind] * i:]
+                    for i, path in enumerate(paths[kind])} for kind in paths}
+    totals = {(kind, path): 0.0 for kind in paths for path in paths[kind]}
+    try:
+        async with LocalScorer(config=config) as local, \
+                RemoteScorer(address, timeout=300) as remote:
             await _wait_ready(address, proc)
-            async with RemoteScorer(address, timeout=300) as remote:
-                await remote.score(math_items[:args.workers * 2] + code_items[:1])
-                for kind, items in (("math", math_items), ("code", code_items)):
-                    seconds, scores = await _timed(remote, items, args.batch)
-                    _check(kind, scores)
-                    rows.append((kind, "service (tandem-reward, loopback RPC)", len(items), seconds))
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            await local.start()
+            warm = _items("math", args.workers * 2) + _items("code", 1)
+            await local.score(warm)
+            await remote.score(warm)
+            direct.score(warm[0])
+            scorers = {"local": local, "service": remote}
+            for kind in paths:
+                size = -(-counts[kind] // args.rounds)
+                for r in range(args.rounds):
+                    for path in paths[kind]:
+                        chunk = items[kind][path][r * size:(r + 1) * size]
+                        if path == "main":
+                            start = time.perf_counter()
+                            for item in chunk:
+                                direct.score(item)
+                            totals[(kind, path)] += time.perf_counter() - start
+                            continue
+                        seconds, scores = await _timed(scorers[path], chunk, args.batch)
+                        _check(kind, scores)
+                        totals[(kind, path)] += seconds
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        tmp.cleanup()
 
-    results = [{"kind": kind, "path": path, "evaluations": n, "seconds": round(sec, 3),
-                "per_second": round(n / sec, 2),
-                "sandbox_runs_per_second": round(n * 5 / sec, 2) if kind == "code" else None}
-               for kind, path, n, sec in rows]
-    by = {(r["kind"], r["path"].split(" ")[0]): r["per_second"] for r in results}
+    names = {"main": "main thread, no isolation", "local": "in-process (LocalScorer)",
+             "service": "service (tandem-reward, loopback RPC)"}
+    results = []
+    for (kind, path), sec in totals.items():
+        n = counts[kind]
+        results.append({"kind": kind, "path": names[path], "evaluations": n,
+                        "seconds": round(sec, 3), "per_second": round(n / sec, 2),
+                        "sandbox_runs_per_second": round(n * 5 / sec, 2) if kind == "code" else None})
+    rate = {key: counts[key[0]] / sec for key, sec in totals.items()}
     return {
         "machine": {"cpus": os.cpu_count(), "load_1m": os.getloadavg()[0]},
-        "workers": args.workers, "batch": args.batch, "results": results,
+        "workers": args.workers, "batch": args.batch, "rounds": args.rounds, "results": results,
         "ratios": {
-            "math_service_over_in_process": round(by[("math", "service")] / by[("math", "in-process")], 3),
-            "code_service_over_in_process": round(by[("code", "service")] / by[("code", "in-process")], 3),
-            "math_in_process_over_main_thread": round(by[("math", "in-process")] / by[("math", "main")], 3),
+            "math_service_over_in_process": round(rate[("math", "service")] / rate[("math", "local")], 3),
+            "code_service_over_in_process": round(rate[("code", "service")] / rate[("code", "local")], 3),
+            "math_in_process_over_main_thread": round(rate[("math", "local")] / rate[("math", "main")], 3),
         },
     }
 
@@ -164,9 +175,10 @@ async def bench(args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workers", type=int, default=2, help="reward.workers")
-    parser.add_argument("--math-items", type=int, default=400)
-    parser.add_argument("--code-items", type=int, default=40, help="evaluations of 5 tests each")
+    parser.add_argument("--math-items", type=int, default=320)
+    parser.add_argument("--code-items", type=int, default=32, help="evaluations of 5 tests each")
     parser.add_argument("--batch", type=int, default=64, help="items per score() call")
+    parser.add_argument("--rounds", type=int, default=4, help="slices each path takes in turn")
     parser.add_argument("--out", default=".bench/reward.json")
     args = parser.parse_args()
 

@@ -14,7 +14,7 @@ def reward_config() -> RewardConfig:
     """Short limits, so adversarial programs end quickly."""
     return RewardConfig(
         functions={"code": 1.0}, workers=2, timeout=8.0,
-        code=CodeSandboxConfig(cpu_seconds=1, wall_seconds=3, memory_mb=256, nproc=16,
+        code=CodeSandboxConfig(cpu_seconds=1, wall_seconds=2, memory_mb=256, nproc=16,
                                file_size_mb=1, max_output_bytes=64 * 1024))
 
 

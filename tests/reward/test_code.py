@@ -187,3 +187,14 @@ def test_output_comparison():
     assert same_output("a\r\nb", "a\nb")
     assert not same_output("1\n 2", "1\n2")
     assert same_output("1\n 2", "1 2", "tokens")
+
+
+async def test_without_namespaces_the_limits_still_hold(reward_config, processes_mentioning):
+    config = reward_config.model_copy(update={
+        "code": reward_config.code.model_copy(update={"isolation": "none"})})
+    async with running(config, processes_mentioning) as code:
+        assert code.sandbox.namespaces is False
+        ok = await code.score(ScoreItem(response="print(int(input()) + 1)", truth=ADD_ONE))
+        hog = await code.score(ScoreItem(response="x = bytearray(10 * 2**30)", truth=ADD_ONE))
+    assert ok.score == 1.0, ok.reason
+    assert hog.score == 0.0 and "memory" in hog.reason

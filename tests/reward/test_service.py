@@ -47,6 +47,13 @@ async def test_service_scores_like_the_in_process_scorer(zmq_sockets_closed):
         async with RemoteScorer(address, timeout=30) as remote, \
                 LocalScorer(config=config.reward) as local:
             assert isinstance(build_scorer(config.reward), LocalScorer)
+            via_config = build_scorer(config.reward.model_copy(
+                update={"service": True, "address": address}), config.transport)
+            assert isinstance(via_config, RemoteScorer)
+            try:
+                assert len(await via_config.score(ITEMS[2:3])) == 1
+            finally:
+                await via_config.close()
             got = await remote.score(ITEMS)
             want = await local.score(ITEMS)
         assert [g.model_dump() for g in got] == [w.model_dump() for w in want]

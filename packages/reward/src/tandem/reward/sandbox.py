@@ -88,6 +88,7 @@ class Sandbox:
         self.python = config.python or sys.executable
         self.namespaces = False
         self.per_slot_uid = os.geteuid() == 0
+        self.probe_error = ""
         self._slot_queue: asyncio.Queue[int] | None = None
         self._base: Path | None = None
         self._runner: Path | None = None
@@ -109,14 +110,16 @@ class Sandbox:
                 await self.close()
                 raise TandemError(
                     "reward.code.isolation is 'namespaces' but `unshare` cannot create network "
-                    "and PID namespaces here (needs root or unprivileged user namespaces); "
+                    "and PID namespaces here (needs root or unprivileged user namespaces; "
+                    f"probe said: {self.probe_error or 'nothing'}); "
                     "set reward.code.isolation to auto or none")
         log.info("sandbox.ready", namespaces=self.namespaces, per_slot_uid=self.per_slot_uid,
                  slots=self.slots, python=self.python)
         if not self.namespaces:
             log.warning("sandbox.degraded", missing="network and PID namespaces",
                         consequence="candidates can reach the network and may outlive a run "
-                                    "if they leave their process group")
+                                    "if they leave their process group",
+                        probe_error=self.probe_error or None, key="reward.code.isolation")
 
     def _prefix(self, slot: int) -> list[str]:
         """The launcher commands in front of the runner for this slot."""
@@ -137,11 +140,10 @@ class Sandbox:
         try:
             cmd = self._prefix(0) + [self.python, "-I", "-S", "-c", "pass"]
             done = subprocess.run(cmd, capture_output=True, timeout=30)
-            if done.returncode != 0:
-                log.debug("sandbox.probe_failed", stderr=done.stderr.decode(errors="replace"))
+            self.probe_error = done.stderr.decode(errors="replace").strip()[-300:]
             return done.returncode == 0
         except (OSError, subprocess.TimeoutExpired) as exc:
-            log.debug("sandbox.probe_failed", error=str(exc))
+            self.probe_error = str(exc)
             return False
         finally:
             self.namespaces = saved
