@@ -144,8 +144,10 @@ def test_dynamic_sampling_drops_uninformative_groups(tiny_model_path, fixed_batc
     learner = Learner(make_config(tiny_model_path, dynamic_sampling=True))
     m = learner.step(fixed_batch + flat)
     assert m["dynamic_sampling/dropped_groups"] == 1.0 and m["batch/groups"] == 3.0
+    before = params(learner)
     m = learner.step(flat)
-    assert m["train/skipped"] == 1.0 and learner.version == 1
+    assert m["train/skipped"] == 1.0 and learner.version == 2  # counted, without an update
+    assert all(torch.equal(before[k], v) for k, v in params(learner).items())
 
 
 def test_logprobs_follow_the_sampling_temperature():

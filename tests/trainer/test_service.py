@@ -31,7 +31,7 @@ from tandem.common.messages.master import (
 from tandem.common.pubsub import Subscriber
 from tandem.common.rpc import RpcClient
 from tandem.common.trace import read_trace
-from tandem.common.weights import WeightSubscriber
+from tandem.common.weights import WeightReceiver, WeightSubscriber, engine_member
 from tandem.trainer.trainer import Trainer
 
 BIN = Path(sys.executable).parent
@@ -68,25 +68,44 @@ async def wait_ready(client: RpcClient, request, what: str, log: Path) -> None:
                 raise AssertionError(f"{what} did not start:\n{log.read_text()[-2000:]}")
 
 
-async def play_explorer(cfg, tokenizer, puts: list) -> None:
-    """Explorer-0: per barrier, lease tasks, put one scored group per task, report the step."""
+async def play_explorer(cfg, tokenizer, puts: list, received: dict) -> None:
+    """Explorer-0: per barrier, lease tasks, put one scored group per task, report the step.
+
+    At an nccl sync point it joins the trainer's weight group and receives the version.
+    """
     name = "explorer-0"
     rpc = RpcClient(cfg.master.address, peer="master", name=name)
     snap = RpcClient(cfg.master.address, peer="master", name=name + "-s")
     buffer = RpcClient(cfg.buffer.address, peer="buffer", name=name + "-b")
-    sub = Subscriber(cfg.master.publish_address, topics=[barrier_topic(name), "stop"],
+    sub = Subscriber(cfg.master.publish_address, topics=[barrier_topic(name), "weights", "stop"],
                      snapshot=snap, resync_interval=0.2)
     await sub.start()
     await rpc.call(Register(name=name, role="explorer", pid=os.getpid()), timeout=5)
     done = -1
+    announced = {}
+    receiver = None
     try:
         while True:
             msg = (await sub.recv(60, what="barrier")).body
             if msg.TYPE == "master.stop":
                 return
+            if msg.TYPE == "master.weights":
+                announced[msg.version] = msg
+                continue
             if msg.batch <= done:
                 continue
             done = msg.batch
+            if msg.wait and msg.version > 0 and cfg.sync.method == "nccl":
+                while msg.version not in announced:
+                    ev = (await sub.recv(60, what="weights")).body
+                    if ev.TYPE == "master.weights":
+                        announced[ev.version] = ev
+                rendezvous = announced[msg.version].rendezvous
+                if receiver is None or receiver.rendezvous.model_dump() != rendezvous:
+                    receiver = WeightReceiver(rendezvous, engine_member(name), timeout=60)
+                    await asyncio.to_thread(receiver.join)
+                received[msg.version] = await asyncio.to_thread(
+                    lambda: {n: t.clone() for n, t in receiver.receive(msg.version)})
             lease = await rpc.call(LeaseTasks(explorer=name, count=2, step=msg.step), timeout=5)
             experiences = []
             for task in lease.tasks:
@@ -106,14 +125,16 @@ async def play_explorer(cfg, tokenizer, puts: list) -> None:
             await rpc.call(ExplorerStepDone(explorer=name, step=msg.step, batch=msg.batch,
                                             version=msg.version), timeout=5)
     finally:
+        if receiver is not None:
+            receiver.close()
         await sub.close()
         for client in (rpc, snap, buffer):
             await client.close()
 
 
-@pytest.mark.slow
-async def test_trainer_trains_and_publishes_against_real_master_and_buffer(
-        tmp_path, tiny_model_path, tokenizer, zmq_sockets_closed):
+async def run_scenario(tmp_path, tiny_model_path, tokenizer, method: str, check) -> None:
+    """Master and buffer processes, the trainer embedded, the test playing explorer-0:
+    three steps with a synchronous plan (offset 0), so versions 1 and 2 are published."""
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text("".join(json.dumps({"id": f"t{i}", "prompt": f"{i}+1=", "answer": str(i + 1)})
                              + "\n" for i in range(6)))
@@ -122,7 +143,7 @@ async def test_trainer_trains_and_publishes_against_real_master_and_buffer(
     config_file.write_text(yaml.safe_dump({
         "run_dir": str(run_dir),
         "model": {"path": str(tiny_model_path)},
-        "sync": {"method": "checkpoint", "interval": 1, "offset": 0},
+        "sync": {"method": method, "interval": 1, "offset": 0, "timeout": 60},
         "transport": {"liveness": 5.0, "heartbeat_interval": 0.2},
         "master": {"address": f"tcp://127.0.0.1:{free_port()}",
                    "publish_address": f"tcp://127.0.0.1:{free_port()}",
@@ -144,32 +165,26 @@ async def test_trainer_trains_and_publishes_against_real_master_and_buffer(
         await wait_ready(probe_b, GetBufferStats(), "tandem-buffer", tmp_path / "buffer.log")
         trainer = Trainer(cfg)
         puts: list = []
-        await asyncio.wait_for(asyncio.gather(trainer.run(), play_explorer(cfg, tokenizer, puts)),
-                               timeout=120)
+        received: dict = {}
+        await asyncio.wait_for(
+            asyncio.gather(trainer.run(), play_explorer(cfg, tokenizer, puts, received)),
+            timeout=120)
         assert trainer.step == 3
         assert [p[0] for p in puts] == [0, 1, 2]
         assert [p[1] for p in puts] == [0, 1, 2]  # synchronous: batch e rolled out with version e
-
-        weights = WeightSubscriber(run_dir)
-        assert weights.versions() == [1, 2]  # version 3 is needed by no step of this run
-        from transformers import AutoModelForCausalLM
-        base = AutoModelForCausalLM.from_pretrained(str(tiny_model_path)).state_dict()
-        v1, v2 = dict(weights.load(1)), dict(weights.load(2))
-        name = "model.layers.0.mlp.up_proj.weight"
-        assert not torch.equal(base[name], v1[name]) and not torch.equal(v1[name], v2[name])
-        assert "lm_head.weight" not in v1  # tied to the embedding, published once
 
         stats = await probe_b.call(GetBufferStats(), timeout=5)
         assert stats.groups_ready == 0 and stats.by_state["leased"] == 0
         status = await probe_m.call(GetStatus(), timeout=5)
         assert status.counters["trainer_steps_done"] == 3
-
         assert (run_dir / "checkpoints" / "step_00000003" / "model" / "model.safetensors").exists()
         assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
         trainer.tracer.flush()
         spans = [s for s in read_trace(run_dir) if s["component"] == "trainer"]
         assert [s["step"] for s in spans if s["kind"] == "train"] == [0, 1, 2]
-        assert [s["version"] for s in spans if s["kind"] == "sync"] == [1, 2]
+        assert [(s["version"], s["attrs"]["method"]) for s in spans if s["kind"] == "sync"] == [
+            (1, method), (2, method)]
+        check(run_dir, received)
     finally:
         if trainer is not None:
             trainer.close()
@@ -177,3 +192,39 @@ async def test_trainer_trains_and_publishes_against_real_master_and_buffer(
         await probe_b.close()
         stop(master)
         stop(buffer)
+
+
+def base_weights(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path)).state_dict()
+
+
+NAME = "model.layers.0.mlp.up_proj.weight"
+
+
+@pytest.mark.slow
+async def test_trainer_trains_and_publishes_checkpoints_against_real_master_and_buffer(
+        tmp_path, tiny_model_path, tokenizer, zmq_sockets_closed):
+    def check(run_dir, received):
+        weights = WeightSubscriber(run_dir)
+        assert weights.versions() == [1, 2]  # version 3 is needed by no step of this run
+        v1, v2 = dict(weights.load(1)), dict(weights.load(2))
+        assert not torch.equal(base_weights(tiny_model_path)[NAME], v1[NAME])
+        assert not torch.equal(v1[NAME], v2[NAME])
+        assert "lm_head.weight" not in v1  # tied to the embedding, published once
+        assert received == {}
+
+    await run_scenario(tmp_path, tiny_model_path, tokenizer, "checkpoint", check)
+
+
+@pytest.mark.slow
+async def test_trainer_broadcasts_weights_to_the_explorer_at_sync_points(
+        tmp_path, tiny_model_path, tokenizer, zmq_sockets_closed):
+    def check(run_dir, received):
+        assert sorted(received) == [1, 2]
+        assert not (run_dir / "weights").exists() or not any((run_dir / "weights").iterdir())
+        assert not torch.equal(base_weights(tiny_model_path)[NAME], received[1][NAME])
+        assert not torch.equal(received[1][NAME], received[2][NAME])
+
+    await run_scenario(tmp_path, tiny_model_path, tokenizer, "nccl", check)

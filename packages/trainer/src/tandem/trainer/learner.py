@@ -128,8 +128,11 @@ class Learner:
             metrics["dpo/dropped_groups"] = float(dropped)
             unit = 2
         if batch.size == 0:
+            # The step still counts (the master and the schedule count it), with no update.
             metrics["train/skipped"] = 1.0
             log.warning("train.skipped", reason="no informative groups", step=self.step_count)
+            self.scheduler.step()
+            self.step_count += 1
             return metrics
 
         lengths = batch.lengths.tolist()

@@ -282,7 +282,10 @@ class Trainer:
             if self._broadcaster is None:
                 self._broadcaster = WeightBroadcaster.from_config(self.config, device=self.learner.device)
             members = [m for name in go.explorers for m in engine_members(name)]
-            rendezvous = self._broadcaster.open_group(members)
+            rendezvous = self._broadcaster.rendezvous
+            if rendezvous is None or rendezvous.members != members:
+                # a new epoch only when the members change (or the last one failed)
+                rendezvous = self._broadcaster.open_group(members)
             await self._master.call(
                 WeightsPublished(version=version, method="nccl", rendezvous=rendezvous.model_dump()),
                 timeout_key="transport.rpc_timeout")
