@@ -1,0 +1,69 @@
+"""Each sync preset end to end through real processes (`tandem up`), its trace obeying the plan.
+
+The trace says which weight version each explorer step rolled out with; the SyncPlan of the
+preset says which it must be (synchronous presets) or how old it may be (asynchronous ones).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tandem.common.config import RunConfig
+from tandem.common.sync import SyncPlan
+from tandem.common.trace import read_trace
+from tandem.master.quickstart import reversal_tasks, write_jsonl
+from tandem.master.up import run_up
+
+pytestmark = pytest.mark.slow
+STEPS = 3
+
+
+def preset_config(tmp_path: Path, model_dir: Path, preset: str) -> RunConfig:
+    train, _ = reversal_tasks(0)
+    taskset = write_jsonl(train[:64], tmp_path / "train.jsonl")
+    explorers = 2 if preset == "multi_explorer_async" else 1
+    return RunConfig.model_validate({
+        "name": preset, "run_dir": str(tmp_path / "run"),
+        "model": {"path": str(model_dir)},
+        "sync": {"preset": preset, "timeout": 60},
+        "master": {"total_steps": STEPS, "taskset": {"path": str(taskset), "epochs": 10}},
+        "explorers": [{"name": f"explorer-{i}", "batch_size": 2, "repeat_times": 2,
+                       "workflow_args": {"reward_fn": "k12", "answer_key": "truth"},
+                       "sampling": {"max_tokens": 3}} for i in range(explorers)],
+        "trainer": {"groups_per_step": 2 * explorers, "lr": 1e-3},
+        "reward": {"functions": {"k12": 1.0}},
+        "transport": {"liveness": 30.0},
+        "logging": {"level": "warning"},
+        "up": {"run_timeout": 150},
+    })
+
+
+@pytest.mark.parametrize("preset", ["synchronous", "one_step_off_policy", "fully_async",
+                                    "multi_explorer_async"])
+def test_preset_runs_and_its_trace_obeys_the_plan(tmp_path, tiny_model_dir, preset):
+    config = preset_config(tmp_path, tiny_model_dir, preset)
+    assert run_up(config, live=False) == 0
+    spans = read_trace(config.run_dir)
+    plan = SyncPlan.from_config(config.sync, batches_per_step=len(config.explorers))
+    rollouts = [s for s in spans if s["kind"] == "rollout"]
+    trains = [s for s in spans if s["kind"] == "train"]
+    assert sorted(s["step"] for s in trains) == list(range(STEPS))
+    assert rollouts, "no rollout spans"
+    for span in rollouts:
+        step, version = span["step"], span["version"]
+        if plan.asynchronous:
+            assert step - version <= plan.max_staleness, span
+        else:
+            assert version == plan.version_for_step(step), span
+    syncs = Counter((s["component"], (s.get("attrs") or {}).get("method")) for s in spans
+                    if s["kind"] == "sync")
+    method = config.sync.method
+    assert syncs[("trainer", method)] >= 1, syncs
+    if not plan.asynchronous:
+        # every sync point the explorer reached loaded its weights by the preset's method
+        reached = {s["step"] for s in rollouts if plan.is_sync_point(s["step"])}
+        assert syncs[("explorer-0", method)] >= len(reached), syncs
+    assert (Path(config.run_dir) / "timeline.png").exists()
