@@ -224,7 +224,14 @@ class SqliteStore(ExperienceStore):
             stop = any(item is _STOP for item in batch)
             ops = [item for item in batch if item is not _STOP]
             if ops:
-                self._execute(ops)
+                try:
+                    self._execute(ops)
+                except Exception as exc:  # never leave a caller waiting on a dead thread
+                    log.exception("buffer.store_failed", db=str(self.path))
+                    for op in ops:
+                        if not op.future.done():
+                            op.future.set_exception(TandemError(
+                                f"buffer database {self.path}: {type(exc).__name__}: {exc}"))
         while True:  # anything enqueued after the stop marker
             try:
                 item = self._queue.get_nowait()
@@ -236,7 +243,10 @@ class SqliteStore(ExperienceStore):
             self._prune_step()
         self._stopping.set()
         self._checkpointer.join()
-        self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        try:
+            self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        except sqlite3.Error as exc:  # the WAL stays; the next open recovers from it
+            log.warning("buffer.checkpoint_failed", db=str(self.path), error=str(exc))
         self._conn.close()
 
     def _prune_step(self) -> None:
