@@ -2,9 +2,12 @@
 
 Same model, same prompts (mixed lengths, so both left-pad), same sampling (temperature 1, every
 response exactly `--max-tokens` long so both generate the same number of tokens), measured side
-by side in one process, alternating the two for `--repeats` rounds and keeping each one's best.
+by side in one process for `--repeats` paired rounds (alternating which goes first). The table
+gives medians; the ratio is the median of each round's engine/generate ratio, which is robust to
+a shared machine whose load drifts between rounds.
 
-    .venv/bin/python tools/bench_explorer.py [--batches 1,8,64] [--max-tokens 64] [--out PATH]
+    .venv/bin/python tools/bench_explorer.py [--batches 1,8,64] [--max-tokens 64] [--threads 1]
+                                             [--repeats 7] [--model DIR --device cuda] [--out PATH]
 
 Without `--model` it builds the tiny test model (tandem.common.tiny) in a temporary folder.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -58,11 +62,15 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batches", default="1,8,64")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads for both (1 is steadiest on a shared box)")
     parser.add_argument("--out", default=".bench/explorer.json")
     args = parser.parse_args()
 
     import torch
+
+    torch.set_num_threads(args.threads)
 
     from tandem.explorer.transformers_engine import TransformersEngine
 
@@ -86,26 +94,33 @@ def main() -> None:
     rows = []
     for batch in batches:
         prompts = make_prompts(batch)
-        best = {"engine": 0.0, "generate": 0.0}
-        for _ in range(args.repeats):
-            for name, fn in (("generate", lambda: bare_generate(model, tokenizer, prompts,
-                                                                 args.max_tokens, args.device)),
-                             ("engine", lambda: engine_generate(engine, prompts, args.max_tokens))):
-                tokens, seconds = timed(fn)
+        runs = {
+            "generate": lambda: bare_generate(model, tokenizer, prompts, args.max_tokens,
+                                              args.device),
+            "engine": lambda: engine_generate(engine, prompts, args.max_tokens),
+        }
+        rates: dict[str, list[float]] = {"engine": [], "generate": []}
+        for r in range(args.repeats):
+            # alternate which goes first, so drift in the machine's load hits both alike
+            for name in (("generate", "engine") if r % 2 == 0 else ("engine", "generate")):
+                tokens, seconds = timed(runs[name])
                 assert tokens == batch * args.max_tokens, (name, tokens)
-                best[name] = max(best[name], tokens / seconds)
+                rates[name].append(tokens / seconds)
+        ratios = sorted(e / g for e, g in zip(rates["engine"], rates["generate"]))
         rows.append({"batch": batch, "max_tokens": args.max_tokens,
-                     "engine_tok_s": round(best["engine"], 1),
-                     "generate_tok_s": round(best["generate"], 1),
-                     "ratio": round(best["engine"] / best["generate"], 3)})
+                     "engine_tok_s": round(statistics.median(rates["engine"]), 1),
+                     "generate_tok_s": round(statistics.median(rates["generate"]), 1),
+                     "ratio": round(statistics.median(ratios), 3),
+                     "ratio_min": round(ratios[0], 3), "ratio_max": round(ratios[-1], 3)})
 
     print(f"TransformersEngine vs model.generate — {Path(model_path).name}, "
-          f"device {args.device}, "
-          f"{args.max_tokens} tokens per response, best of {args.repeats}")
-    print(f"{'batch':>6} {'engine tok/s':>14} {'generate tok/s':>16} {'ratio':>7}")
+          f"device {args.device}, {args.threads} thread(s), "
+          f"{args.max_tokens} tokens per response, median of {args.repeats} paired rounds")
+    print(f"{'batch':>6} {'engine tok/s':>14} {'generate tok/s':>16} {'ratio':>7} "
+          f"{'ratio range':>13}")
     for r in rows:
         print(f"{r['batch']:>6} {r['engine_tok_s']:>14.1f} {r['generate_tok_s']:>16.1f} "
-              f"{r['ratio']:>7.3f}")
+              f"{r['ratio']:>7.3f} {r['ratio_min']:>6.2f}-{r['ratio_max']:<6.2f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
