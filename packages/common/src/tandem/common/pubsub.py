@@ -53,6 +53,12 @@ class Publisher:
             self._sock, self.bound = self.factory.pub(self.address)
         return self.bound
 
+    def continue_sequences(self, last: dict[str, int]) -> None:
+        """After a restart: number each topic's next event after `last[topic]`, so subscribers
+        see a continuation instead of a restart (and drop nothing as already seen)."""
+        for topic, seq in last.items():
+            self._seq[topic] = max(self._seq.get(topic, 0), seq)
+
     async def publish(self, topic: str, msg: Message) -> int:
         """Send `msg` on `topic`; returns its sequence number."""
         seq = self._seq.get(topic, 0) + 1

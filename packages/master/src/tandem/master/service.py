@@ -213,8 +213,8 @@ class Master:
             return
         # The publisher numbers topics from 1; a restarted master continues where it stopped
         # so subscribers do not mistake new events for ones they have seen.
-        self.publisher._seq.update(self.clock.published_count)
-        self.publisher._seq["weights"] = self._weights_events
+        self.publisher.continue_sequences(
+            {**self.clock.published_count, "weights": self._weights_events})
         if self._last_weights is not None:
             await self.publisher.publish("weights", self._last_weights)
         for slot in self.clock.alive:

@@ -45,6 +45,7 @@ from .master import (
     TrainerGo,
     TrainerStepDone,
     WeightsPublished,
+    barrier_topic,
 )
 from .reward import Score, ScoreBatch, ScoreItem, Scores
 
