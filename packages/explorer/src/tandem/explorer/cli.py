@@ -59,7 +59,7 @@ def run_explorer(config, name: str) -> int:
 
     try:
         asyncio.run(serve())
-    except (TandemError, FileNotFoundError, ValueError) as exc:
+    except (TandemError, FileNotFoundError, ValueError, RuntimeError) as exc:
         click.echo(f"tandem-explorer {name}: {exc}", err=True)
         return 1
     return 0
