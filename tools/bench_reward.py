@@ -1,6 +1,7 @@
 """Benchmark the reward functions: math checks/s and code evaluations/s, in-process vs service.
 
-    .venv/bin/python tools/bench_reward.py [--workers 2] [--math-items 320] [--code-items 32] [--rounds 4]
+    .venv/bin/python tools/bench_reward.py [--workers 2] [--math-items 320] [--code-items 32]
+                                           [--rounds 4] [--out .bench/reward.json]
 
 Math: a mix of typical final answers (fractions, decimals, sets, intervals, wrong ones), scored
 (a) on the main thread straight through math-verify (no isolation, the floor of the cost),
@@ -159,15 +160,20 @@ async def bench(args) -> dict:
         n = counts[kind]
         results.append({"kind": kind, "path": names[path], "evaluations": n,
                         "seconds": round(sec, 3), "per_second": round(n / sec, 2),
-                        "sandbox_runs_per_second": round(n * 5 / sec, 2) if kind == "code" else None})
+                        "sandbox_runs_per_second": round(n * 5 / sec, 2) if kind == "code"
+                        else None})
     rate = {key: counts[key[0]] / sec for key, sec in totals.items()}
+
+    def ratio(kind: str, a: str, b: str) -> float:
+        return round(rate[(kind, a)] / rate[(kind, b)], 3)
+
     return {
         "machine": {"cpus": os.cpu_count(), "load_1m": os.getloadavg()[0]},
         "workers": args.workers, "batch": args.batch, "rounds": args.rounds, "results": results,
         "ratios": {
-            "math_service_over_in_process": round(rate[("math", "service")] / rate[("math", "local")], 3),
-            "code_service_over_in_process": round(rate[("code", "service")] / rate[("code", "local")], 3),
-            "math_in_process_over_main_thread": round(rate[("math", "local")] / rate[("math", "main")], 3),
+            "math_service_over_in_process": ratio("math", "service", "local"),
+            "code_service_over_in_process": ratio("code", "service", "local"),
+            "math_in_process_over_main_thread": ratio("math", "local", "main"),
         },
     }
 

@@ -57,7 +57,8 @@ PASSING = [
     ("```python\ndef area(r):\n    return math.pi * r * r\n```",
      {"test_list": ["assert abs(area(1) - 3.14159) < 1e-4"], "setup": "import math"}, 1.0, "1/1"),
     ("```python\nprint(input()[::-1])\n```",
-     {"inputs": ["héllo wörld", "日本語"], "outputs": ["dlröw olléh", "語本日"]}, 1.0, "2/2"),
+     {"inputs": ["héllo wörld", "日本語"], "outputs": ["dlröw olléh", "語本日"]},
+     1.0, "2/2"),
     ("```python\nprint('1  2\\n3')\n```", {"tests": [{"input": "", "output": "1 2 3"}]}, 0.0,
      "wrong_answer"),
     ("```python\ndef f(:\n```", ADD_ONE, 0.0, "syntax_error"),
@@ -85,7 +86,8 @@ ADVERSARIAL = [
     ("fork bomb", "import os\nwhile True:\n    os.fork()", ("runtime_error",)),
     ("allocates 10 GB", "x = bytearray(10 * 2**30)\nprint(len(x))", ("memory",)),
     ("writes a huge file",
-     "with open('big', 'wb') as f:\n    while True:\n        f.write(b'0' * 2**20)", ("file_size",)),
+     "with open('big', 'wb') as f:\n    while True:\n        f.write(b'0' * 2**20)",
+     ("file_size",)),
     ("floods stdout", "while True:\n    print('x' * 4096)", ("output_limit",)),
     ("exits before the asserts", "import sys\nsys.exit(0)", ("not_reached",)),
     ("os._exit before the asserts", "import os\nos._exit(0)", ("not_reached",)),
@@ -122,10 +124,11 @@ async def test_cannot_reach_a_port_on_loopback(reward_config, processes_mentioni
             listener.bind(("127.0.0.1", 0))
             listener.listen(1)
             port = listener.getsockname()[1]
-            program = (f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+            program = ("import socket\n"
+                       f"s = socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
                        "print('connected')")
-            got = await code.score(ScoreItem(response=program,
-                                             truth={"tests": [{"input": "", "output": "connected"}]}))
+            truth = {"tests": [{"input": "", "output": "connected"}]}
+            got = await code.score(ScoreItem(response=program, truth=truth))
         assert got.score == 0.0
         assert "runtime_error" in got.reason and "unreachable" in got.reason.lower(), got.reason
 
@@ -149,8 +152,9 @@ async def test_runs_after_a_timeout_are_skipped(reward_config, processes_mention
 async def test_cancelling_an_evaluation_kills_the_run(reward_config, processes_mentioning):
     async with running(reward_config, processes_mentioning) as code:
         base = str(code.sandbox._base)
-        task = asyncio.create_task(code.score(ScoreItem(
-            response="import time\ntime.sleep(3600)", truth={"tests": [{"input": "", "output": ""}]})))
+        sleeper = ScoreItem(response="import time\ntime.sleep(3600)",
+                            truth={"tests": [{"input": "", "output": ""}]})
+        task = asyncio.create_task(code.score(sleeper))
         while not processes_mentioning(base):
             await asyncio.sleep(0.02)
         task.cancel()

@@ -82,3 +82,23 @@ async def test_pathological_parse_is_killed_and_the_pool_recovers():
         # the killed worker is replaced: the next item is scored normally
         [good] = await scorer.score([ScoreItem(response="\\boxed{1}", truth="1")])
         assert good.score == 1.0 and good.reason == "correct"
+
+
+async def test_a_worker_that_dies_mid_evaluation_is_an_error_and_is_replaced():
+    import asyncio
+    import os
+    import signal
+
+    config = RewardConfig(functions={"math": 1.0}, workers=1, timeout=30.0)
+    async with LocalScorer(config=config) as scorer:
+        await scorer.start()
+        [worker] = list(scorer._pool._all)
+        evil = ScoreItem(response="\\boxed{" + "(" * 3000 + "}", truth="1")
+        pending = asyncio.create_task(scorer.score([evil]))
+        await asyncio.sleep(0.3)
+        os.kill(worker.proc.pid, signal.SIGKILL)
+        [died] = await pending
+        assert died.score == 0.0 and "died with exit code -9" in died.reason
+        assert scorer.stats["math"]["errors"] == 1
+        [good] = await scorer.score([ScoreItem(response="\\boxed{2}", truth="2")])
+        assert good.score == 1.0

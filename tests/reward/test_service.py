@@ -3,8 +3,6 @@ per-evaluation timeouts counted in metrics, errors, and the CLI as a real proces
 
 from __future__ import annotations
 
-import asyncio
-import os
 import signal
 import socket
 import subprocess

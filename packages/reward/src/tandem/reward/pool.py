@@ -30,6 +30,10 @@ class EvaluationTimeout(Exception):
     """The evaluation overran its limit; the worker that ran it was killed."""
 
 
+class WorkerDied(Exception):
+    """The worker process ended while it held an evaluation; a fresh one replaces it."""
+
+
 class _Worker:
     def __init__(self, proc: asyncio.subprocess.Process):
         self.proc = proc
@@ -133,13 +137,18 @@ class WorkerPool:
             reply = await asyncio.wait_for(worker.recv(), timeout)
         except asyncio.TimeoutError:
             self.killed += 1
-            log.warning("reward.evaluation_killed", fn=fn, seconds=round(time.monotonic() - start, 3),
-                        limit=timeout, key="reward.timeout")
+            log.warning("reward.evaluation_killed", fn=fn, limit=timeout, key="reward.timeout",
+                        seconds=round(time.monotonic() - start, 3))
             await worker.kill()
             self._replace(worker)
             raise EvaluationTimeout() from None
+        except (asyncio.IncompleteReadError, ConnectionError) as exc:
+            await worker.kill()
+            self._replace(worker)
+            raise WorkerDied(f"reward worker (pid {worker.proc.pid}) died with exit code "
+                             f"{worker.proc.returncode} while scoring with {fn}") from exc
         except BaseException:
-            # Cancelled mid-evaluation, or the worker died: its state is unknown, replace it.
+            # Cancelled mid-evaluation: the worker's state is unknown, replace it.
             await asyncio.shield(worker.kill())
             self._replace(worker)
             raise

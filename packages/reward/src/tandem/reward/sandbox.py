@@ -73,8 +73,8 @@ def _status(code: int) -> str:
         return "ok"
     if code in _RESERVED:
         return _RESERVED[code]
-    if code > 128:
-        sig = code - 128
+    if code > 128 or code < 0:  # the runner's 128 + signal, or the launcher's own signal
+        sig = code - 128 if code > 128 else -code
         return "cpu" if sig in (signal.SIGXCPU, signal.SIGKILL) else "signal"
     return "exit"
 

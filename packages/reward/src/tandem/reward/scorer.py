@@ -45,8 +45,8 @@ class Scorer(Protocol):
 def _compose(parts: list[tuple[str, float, Score]]) -> Score:
     if len(parts) == 1 and parts[0][1] == 1.0:
         name, _, s = parts[0]
-        return Score(score=s.score, reason=s.reason,
-                     components={name: s.score, **{f"{name}.{k}": v for k, v in s.components.items()}})
+        parts = {f"{name}.{k}": v for k, v in s.components.items()}
+        return Score(score=s.score, reason=s.reason, components={name: s.score, **parts})
     components: dict[str, float] = {}
     for name, _, s in parts:
         components[name] = s.score
@@ -67,7 +67,8 @@ class LocalScorer:
                  config: RewardConfig | None = None):
         config = config or RewardConfig()
         if functions is not None:
-            weights = dict(functions) if isinstance(functions, dict) else {n: 1.0 for n in functions}
+            weights = (dict(functions) if isinstance(functions, dict)
+                       else {n: 1.0 for n in functions})
             config = config.model_copy(update={"functions": weights})
             config = RewardConfig.model_validate(config.model_dump())
         self.config = config

@@ -27,7 +27,7 @@ REPLY_MARGIN = 0.05  # of the caller's time-to-live, kept for the reply's way ba
 
 
 class RewardService:
-    """`RewardService(config)`; `await start()` (returns the bound address), `serve()`, `close()`."""
+    """`RewardService(config)`; `await start()` (the bound address), `serve()`, `close()`."""
 
     def __init__(self, config: RunConfig, *, address: str | None = None):
         self.config = config
@@ -58,8 +58,8 @@ class RewardService:
 
     async def _on_score(self, msg: ScoreBatch, ctx: CallContext) -> Scores:
         if len(msg.items) > self.reward.max_batch:
-            raise RequestFailed("too_large", f"{len(msg.items)} items in one request; the "
-                                             f"service takes reward.max_batch={self.reward.max_batch}")
+            raise RequestFailed("too_large", f"{len(msg.items)} items in one request; the service "
+                                             f"takes reward.max_batch={self.reward.max_batch}")
         self.requests += 1
         self.items += len(msg.items)
         deadline = ctx.deadline - max(REPLY_MARGIN * ctx.remaining(), 0.01)

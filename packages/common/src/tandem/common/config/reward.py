@@ -19,7 +19,8 @@ class CodeSandboxConfig(Section):
                                         "tree is killed")
     memory_mb: int = Field(default=512, ge=64, description="address space (RLIMIT_AS), MiB")
     nproc: int = Field(default=16, ge=1, description="processes and threads (RLIMIT_NPROC)")
-    file_size_mb: float = Field(default=16.0, gt=0, description="largest file written (RLIMIT_FSIZE), MiB")
+    file_size_mb: float = Field(
+        default=16.0, gt=0, description="largest file written (RLIMIT_FSIZE), MiB")
     open_files: int = Field(default=64, ge=16, description="file descriptors (RLIMIT_NOFILE)")
     max_output_bytes: int = Field(
         default=1 << 20, ge=1024, description="stdout or stderr bytes read before the run is "
@@ -80,7 +81,8 @@ class RewardConfig(Section):
     @model_validator(mode="after")
     def _consistent(self) -> "RewardConfig":
         if not self.functions:
-            raise ValueError("reward.functions: name at least one reward function, e.g. {math: 1.0}")
+            raise ValueError(
+                "reward.functions: name at least one reward function, e.g. {math: 1.0}")
         for name, weight in self.functions.items():
             if not math.isfinite(weight):
                 raise ValueError(f"reward.functions.{name}: weight must be a finite number")

@@ -85,7 +85,9 @@ class CodeReward(AsyncReward):
         mode, tests, setup = parse_tests(item.truth)
         if not tests:
             raise ValueError("code truth has no tests")
-        program = extract_program(item.response) if item.args.get("extract", True) else item.response
+        program = item.response
+        if item.args.get("extract", True):
+            program = extract_program(program)
         compare = item.args.get("compare", "lines")
         passed, first_failure = 0, ""
         for index, test in enumerate(tests):

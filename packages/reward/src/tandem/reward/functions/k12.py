@@ -64,8 +64,8 @@ def parse_number(text: str) -> tuple[float, str] | None:
 
 def _choice(text: str) -> str | None:
     text = fold_width(text).strip()
-    text = re.sub(r"^(?:(?:the\s+)?(?:correct\s+)?(?:answer|option|choice)\s*(?:is)?|答案(?:是|为)?|选)"
-                  r"\s*[:：]?\s*", "", text, flags=re.I)
+    text = re.sub(r"^(?:(?:the\s+)?(?:correct\s+)?(?:answer|option|choice)\s*(?:is)?"
+                  r"|答案(?:是|为)?|选)\s*[:：]?\s*", "", text, flags=re.I)
     match = _CHOICE.match(text)
     return match.group(1).upper() if match else None
 
@@ -86,7 +86,8 @@ class K12Reward(PureReward):
     def score(self, item: ScoreItem) -> Score:
         truth = item.truth if isinstance(item.truth, dict) else {"answer": item.truth}
         if truth.get("answer") is None:
-            raise ValueError(f"k12 needs truth as an answer or {{'answer': ...}}, got {item.truth!r}")
+            raise ValueError(
+                f"k12 needs truth as an answer or {{'answer': ...}}, got {item.truth!r}")
         spec = {**item.args, **truth}
         kind = spec.get("type") or _kind(spec["answer"])
         said = final_answer(item.response)

@@ -90,7 +90,9 @@ class RewardModelReward(AsyncReward):
             self.batches += 1
             for (_, fut), logit in zip(batch, logits):
                 if not fut.done():
-                    value = 1 / (1 + math.exp(-logit)) if self.settings.normalize == "sigmoid" else logit
+                    value = logit
+                    if self.settings.normalize == "sigmoid":
+                        value = 1 / (1 + math.exp(-logit))
                     fut.set_result(result(value, f"logit {logit:.4f}", logit=logit))
 
     def _forward(self, texts: list[str]) -> list[float]:

@@ -103,7 +103,8 @@ class VisionReward(PureReward):
             ok = got == want
             return result(ok, "correct" if ok else f"counted {got}, want {want}", correct=ok,
                           error=abs(got - want))
-        raise ValueError(f"vision truth must hold box, boxes, point_in or count; got {item.truth!r}")
+        raise ValueError(
+            f"vision truth must hold box, boxes, point_in or count; got {item.truth!r}")
 
     def _one_box(self, item: ScoreItem, gold: Box) -> Score:
         boxes, malformed = parse_boxes(item.response)
