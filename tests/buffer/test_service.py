@@ -116,3 +116,12 @@ async def test_group_size_from_the_explorers_config(tmp_path):
         with pytest.raises(RequestFailed) as info:
             await b.call(PutExperiences(experiences=make_group("c", 2, explorer="other")))
         assert info.value.code == "bad_request" and "send group_size" in info.value.message
+
+
+async def test_waiting_sample_gets_groups_back_from_an_expired_lease(tmp_path):
+    async with Running(config_for(tmp_path)) as b:
+        await b.call(PutExperiences(experiences=make_group("a", 2), group_size=2))
+        first = await b.call(SampleGroups(num_groups=1, lease_seconds=0.3))
+        second = await b.call(SampleGroups(num_groups=1, wait=5.0))
+        assert second.group_ids == first.group_ids and second.lease_id != first.lease_id
+        assert second.expires_at > first.expires_at

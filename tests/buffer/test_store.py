@@ -255,3 +255,27 @@ def test_closed_store_refuses_work(open_store):
     store.close_sync()
     with pytest.raises(Exception, match="closed"):
         run(store.stats())
+
+
+def test_unstorable_info_is_a_clear_error(open_store):
+    store = open_store()
+    exps = make_group("t", 2)
+    exps[1].info = {"tensor": object()}
+    with pytest.raises(BadPut, match=f"experience {exps[1].id}: info or rewards cannot be stored"):
+        run(put(store, exps, 2))
+    assert run(store.stats()).by_state["waiting"] == 0
+
+
+def test_stats_by_version_and_bytes(open_store):
+    store = open_store()
+
+    async def go():
+        await put(store, make_group("a", 2, version=1, tokens=40, prompt_len=8), 2)
+        await put(store, make_group("b", 3, version=5, tokens=40, prompt_len=8)[:2], 3)
+        return await store.stats()
+
+    stats = run(go())
+    assert stats.by_version == {1: 2, 5: 2}
+    assert (stats.oldest_version, stats.newest_version) == (1, 5)
+    assert stats.groups_waiting == 1 and stats.groups_ready == 1
+    assert stats.bytes == 4 * (40 * 4 + 32 + 32 * 4)
