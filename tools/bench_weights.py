@@ -251,7 +251,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--params", type=int, default=50_000_000,
                         help="parameters of the synthetic model (bf16: 2 bytes each)")
-    parser.add_argument("--repeat", type=int, default=3, help="runs of each measurement")
+    parser.add_argument("--repeat", type=int, default=5, help="runs of each measurement")
     parser.add_argument("--bucket-mib", type=int, default=512, help="broadcast bucket size")
     parser.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (nccl)")
     parser.add_argument("--out", default=".bench/weights.json", help="JSON results")

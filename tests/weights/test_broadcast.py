@@ -159,6 +159,10 @@ def test_a_late_joiner_with_an_old_rendezvous_is_told_to_take_the_new_one(broadc
     sender.open_group(["a/w0"])
     with pytest.raises(GroupAbandoned, match="epoch 1 was replaced by epoch 2.*announced last"):
         WeightReceiver(old, "a/w0", timeout=2.0).join()
+    restarted = broadcaster(timeout=5.0).open_group(["a/w0"])  # a new trainer counts from 1
+    assert restarted.epoch == old.epoch
+    receiver = WeightReceiver(old, "a/w0")
+    assert receiver.matches(old.model_dump()) and not receiver.matches(restarted)
 
 
 def test_bucket_plan_groups_dtypes_and_respects_the_size():

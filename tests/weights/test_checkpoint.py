@@ -121,3 +121,13 @@ def test_load_into_names_a_mismatch(tiny_model):
         load_into(tiny_model, [(name, torch.zeros(1))])
     with pytest.raises(WeightsError, match="no weights for"):
         load_into(tiny_model, [(name, param.detach().clone())])
+
+
+def test_a_version_being_loaded_survives_its_deletion(tmp_path):
+    publisher = WeightPublisher(tmp_path, keep=1, shard_bytes=2**20)
+    publisher.publish(0, [("a", torch.arange(4.0)), ("b", torch.ones(2**19))])  # two shards
+    tensors = WeightSubscriber(tmp_path).load(0)
+    publisher.publish(1, [("a", torch.zeros(4)), ("b", torch.zeros(2**19))])  # prunes v0
+    assert WeightSubscriber(tmp_path).versions() == [1]
+    loaded = {name: t.clone() for name, t in tensors}
+    assert torch.equal(loaded["a"], torch.arange(4.0)) and torch.equal(loaded["b"], torch.ones(2**19))

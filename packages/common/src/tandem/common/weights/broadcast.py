@@ -345,6 +345,13 @@ class WeightReceiver:
     def healthy(self) -> bool:
         return self._pg is not None and self._broken is None
 
+    def matches(self, rendezvous: GroupRendezvous | dict) -> bool:
+        """Whether `rendezvous` is the group this receiver is for (same trainer, same epoch):
+        compare with this, not the epoch alone, since a restarted trainer counts from 1 again."""
+        if isinstance(rendezvous, dict):
+            rendezvous = GroupRendezvous.model_validate(rendezvous)
+        return rendezvous == self.rendezvous
+
     def _trainer(self) -> str:
         r = self.rendezvous
         return f"trainer (rank 0, store {r.host}:{r.port}, group epoch {r.epoch})"

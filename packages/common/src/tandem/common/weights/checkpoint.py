@@ -257,6 +257,11 @@ class WeightSubscriber:
         self.run_dir = Path(run_dir)
         self.verify = verify
 
+    @classmethod
+    def from_config(cls, run_dir: str | Path, weights) -> "WeightSubscriber":
+        """Build from a `WeightsConfig` section (`verify_checksums`)."""
+        return cls(run_dir, verify=weights.verify_checksums)
+
     def latest_version(self) -> int | None:
         """The newest complete version, or None when nothing has been published yet."""
         versions = list_versions(self.run_dir)
@@ -312,37 +317,39 @@ class WeightSubscriber:
     def load(self, version: int) -> Iterator[tuple[str, torch.Tensor]]:
         """Check `version`, then yield its (name, tensor) in published order, memory-mapped.
 
-        The check runs before this returns, so a bad version fails here, not half-way through
-        the engine's `load_weights`. Tensors are views of the mapped files: copy them (as
-        `load_weights` does) before the version may be deleted.
+        The check runs, and every shard is opened, before this returns: a bad version fails
+        here, not half-way through the engine's `load_weights`, and a version that retention
+        deletes afterwards stays readable through the open mappings until the iterator is done.
         """
-        manifest = self.check(version)
-        return self._iterate(version, manifest)
-
-    def _iterate(self, version: int, manifest: Manifest) -> Iterator[tuple[str, torch.Tensor]]:
         from safetensors import safe_open
 
+        manifest = self.check(version)
         folder = version_dir(self.run_dir, version)
-        by_shard: dict[int, list[ManifestTensor]] = {}
-        for t in manifest.tensors:
-            by_shard.setdefault(t.shard, []).append(t)
+        handles = {}
+        for index, shard in enumerate(manifest.shards):
+            path = folder / shard.file
+            try:
+                handles[index] = (path, safe_open(str(path), framework="pt", device="cpu"))
+            except Exception as exc:  # safetensors raises its own error types
+                raise WeightsError(f"weights version {version}: shard {path} cannot be "
+                                   f"opened as safetensors: {exc}") from None
+        return self._iterate(version, manifest, handles)
+
+    def _iterate(self, version: int, manifest: Manifest, handles: dict
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
         start = time.perf_counter()
-        for index, entries in sorted(by_shard.items()):
-            path = folder / manifest.shards[index].file
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                for entry in entries:
-                    try:
-                        tensor = f.get_tensor(entry.name)
-                    except Exception as exc:  # safetensors raises its own error types
-                        raise WeightsError(f"weights version {version}: {path} has no readable "
-                                           f"tensor {entry.name!r}: {exc}") from None
-                    if (tensor.dtype != torch_dtype(entry.dtype)
-                            or list(tensor.shape) != entry.shape):
-                        raise WeightsError(
-                            f"weights version {version}: {path}: tensor {entry.name!r} is "
-                            f"{dtype_name(tensor.dtype)}{list(tensor.shape)}, the manifest says "
-                            f"{entry.dtype}{entry.shape}")
-                    yield entry.name, tensor
+        for entry in manifest.tensors:
+            path, f = handles[entry.shard]
+            try:
+                tensor = f.get_tensor(entry.name)
+            except Exception as exc:  # safetensors raises its own error types
+                raise WeightsError(f"weights version {version}: {path} has no readable "
+                                   f"tensor {entry.name!r}: {exc}") from None
+            if tensor.dtype != torch_dtype(entry.dtype) or list(tensor.shape) != entry.shape:
+                raise WeightsError(
+                    f"weights version {version}: {path}: tensor {entry.name!r} is "
+                    f"{dtype_name(tensor.dtype)}{list(tensor.shape)}, the manifest says "
+                    f"{entry.dtype}{entry.shape}")
+            yield entry.name, tensor
         log.info("weights.loaded", version=version, method="checkpoint",
                  seconds=round(time.perf_counter() - start, 3))
-
