@@ -74,7 +74,8 @@ class BufferProcess:
         self.proc = subprocess.Popen([sys.executable, "-m", "tandem.buffer.cli", *args],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         lines: queue.Queue = queue.Queue()
-        threading.Thread(target=lambda: [lines.put(l) for l in self.proc.stderr], daemon=True).start()
+        threading.Thread(target=lambda: [lines.put(line) for line in self.proc.stderr],
+                         daemon=True).start()
         deadline = time.monotonic() + 60
         while True:
             line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
@@ -248,8 +249,8 @@ async def sample_latency(root: Path, args) -> dict:
         "fill_seconds": fill_seconds,
         "stored_before": sum(before.by_state[s] for s in ("ready", "leased", "waiting")),
         "stored_after": sum(after.by_state[s] for s in ("ready", "leased", "waiting")),
-        "latency_ms": {name: {"p50": pct(v, 50), "p99": pct(v, 99), "mean": statistics.fmean(v) * 1e3}
-                       for name, v in timings.items()},
+        "latency_ms": {name: {"p50": pct(v, 50), "p99": pct(v, 99),
+                              "mean": statistics.fmean(v) * 1e3} for name, v in timings.items()},
     }
 
 
@@ -261,8 +262,10 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=8, help="puts per path per round")
     parser.add_argument("--repeat", type=int, default=10,
                         help="interleaved rounds; the median round is reported")
-    parser.add_argument("--stored", type=int, default=100_000, help="experiences stored while sampling")
-    parser.add_argument("--sample-tokens", type=int, default=1024, help="tokens per stored experience")
+    parser.add_argument("--stored", type=int, default=100_000,
+                        help="experiences stored while sampling")
+    parser.add_argument("--sample-tokens", type=int, default=1024,
+                        help="tokens per stored experience")
     parser.add_argument("--samples", type=int, default=300, help="sample+ack round trips timed")
     parser.add_argument("--groups", type=int, default=8, help="groups per sample")
     parser.add_argument("--policy", default="fifo", choices=["fifo", "newest", "priority"])
@@ -288,7 +291,8 @@ def main() -> None:
           f"trips, {sampling['stored_before']} -> {sampling['stored_after']} experiences of "
           f"{args.sample_tokens} tokens stored (filled in {sampling['fill_seconds']:.1f} s)")
     print(f"{'call':34} {'p50 ms':>8} {'p99 ms':>8} {'mean ms':>8}")
-    labels = {"store sample": "embedded store.sample (no RPC)", "store ack": "embedded store.ack (no RPC)",
+    labels = {"store sample": "embedded store.sample (no RPC)",
+              "store ack": "embedded store.ack (no RPC)",
               "sample": "service sample (RPC)", "ack": "service ack (RPC)",
               "sample+ack": "service sample+ack (RPC)"}
     for name, row in lat.items():

@@ -1,4 +1,4 @@
-"""Experience factories for the buffer tests (imported by name; conftest puts this folder on sys.path)."""
+"""Experience factories for the buffer tests (conftest puts this folder on sys.path)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""SqliteStore semantics on a real SQLite file: put, groups, leases, policies, capacity, retention."""
+"""SqliteStore on a real SQLite file: put, groups, leases, policies, capacity, retention."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from tandem.buffer import (
     BadPut, BufferFull, NotEnoughExperiences, SqliteStore, UnknownLease, group_priority,
 )
 
-from buffer_helpers import make_experience, make_group
+from buffer_helpers import make_group
 
 
 def run(coro):

@@ -107,7 +107,8 @@ class BufferModel(RuleBasedStateMachine):
         duplicates, dropped, new_per_group = len(experiences) - len(order), 0, {}
         for exp in order:
             group = self.groups.get(exp.group_id)
-            if group is not None and exp.id in group.members and group.state not in ("consumed", "stale"):
+            finished = group is not None and group.state in ("consumed", "stale")
+            if group is not None and exp.id in group.members and not finished:
                 duplicates += 1
             else:
                 new_per_group.setdefault(exp.group_id, []).append(exp)
@@ -135,7 +136,8 @@ class BufferModel(RuleBasedStateMachine):
             assert type(exc) is expect_error, (exc, expect_error)
             return
         assert expect_error is None, f"expected {expect_error.__name__}, got {outcome}"
-        assert (outcome.stored, outcome.duplicates, outcome.dropped_stale) == (total, duplicates, dropped)
+        got = (outcome.stored, outcome.duplicates, outcome.dropped_stale)
+        assert got == (total, duplicates, dropped)
         self.dropped_stale += dropped
         for gid, members in inserts:
             group = self.groups.get(gid)

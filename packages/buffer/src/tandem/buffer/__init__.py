@@ -13,6 +13,6 @@ from .store import (
 )
 
 __all__ = [
-    "BadPut", "Buffer", "BufferFull", "ExperienceStore", "Lease", "NotEnoughExperiences", "PutOutcome",
-    "SqliteStore", "StoreClosed", "UnknownLease", "group_priority",
+    "BadPut", "Buffer", "BufferFull", "ExperienceStore", "Lease", "NotEnoughExperiences",
+    "PutOutcome", "SqliteStore", "StoreClosed", "UnknownLease", "group_priority",
 ]

@@ -46,9 +46,9 @@ class Buffer:
         self.server.register(ReleaseLease, self.on_release)
         self.server.register(GetBufferStats, self.on_stats)
         self.tracer = Tracer(self.run_dir if config.logging.trace else None, "buffer")
-        repeats = {e.name: e.repeat_times for e in config.explorers}
-        self._repeat_times = repeats
-        self._shared_repeat = next(iter(set(repeats.values()))) if len(set(repeats.values())) == 1 else None
+        self._repeat_times = {e.name: e.repeat_times for e in config.explorers}
+        distinct = set(self._repeat_times.values())
+        self._shared_repeat = distinct.pop() if len(distinct) == 1 else None
         self._changed = asyncio.Event()  # replaced by a fresh one at every change
         self._stop = asyncio.Event()
         self._last_fill = 0.0

@@ -74,7 +74,8 @@ CREATE INDEX IF NOT EXISTS groups_order ON groups(state, uses, version, seq);
 CREATE INDEX IF NOT EXISTS groups_priority ON groups(state, uses, priority DESC, seq);
 CREATE INDEX IF NOT EXISTS groups_version ON groups(state, version);
 CREATE INDEX IF NOT EXISTS groups_lease ON groups(lease_id) WHERE lease_id IS NOT NULL;
-CREATE INDEX IF NOT EXISTS groups_done ON groups(done_seq) WHERE done_seq IS NOT NULL AND pruned = 0;
+CREATE INDEX IF NOT EXISTS groups_done ON groups(done_seq)
+    WHERE done_seq IS NOT NULL AND pruned = 0;
 CREATE TABLE IF NOT EXISTS leases (lease_id TEXT PRIMARY KEY, expires_at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 INSERT OR IGNORE INTO counters VALUES
@@ -298,7 +299,9 @@ class SqliteStore(ExperienceStore):
             failure = TandemError(f"buffer database {self.path} failed to commit: {exc}")
             for op in ops:
                 future = op.future
-                if not future.done() and (future.running() or future.set_running_or_notify_cancel()):
+                if future.done():
+                    continue
+                if future.running() or future.set_running_or_notify_cancel():
                     future.set_exception(failure)
             return
         for future, value in results:
@@ -321,7 +324,8 @@ class SqliteStore(ExperienceStore):
     # ---- counters and small helpers (writer thread only) ----------------------------------
 
     def _counter(self, name: str) -> int:
-        return self._conn.execute("SELECT value FROM counters WHERE name = ?", (name,)).fetchone()[0]
+        row = self._conn.execute("SELECT value FROM counters WHERE name = ?", (name,)).fetchone()
+        return row[0]
 
     def _bump(self, name: str, delta: int) -> int:
         row = self._conn.execute(
@@ -361,15 +365,16 @@ class SqliteStore(ExperienceStore):
             "SELECT lease_id FROM leases WHERE expires_at <= ?", (now,))]
         for lease_id in expired:
             self._conn.execute(
-                "UPDATE groups SET state = 'ready', lease_id = NULL WHERE lease_id = ?", (lease_id,))
+                "UPDATE groups SET state = 'ready', lease_id = NULL WHERE lease_id = ?",
+                (lease_id,))
             self._conn.execute("DELETE FROM leases WHERE lease_id = ?", (lease_id,))
         if expired:
             log.warning("buffer.leases_expired", leases=len(expired))
 
     def _drop_stale(self, min_version: int) -> int:
         rows = self._conn.execute(
-            "SELECT group_id, count FROM groups WHERE state IN ('waiting', 'ready') AND version < ?",
-            (min_version,)).fetchall()
+            "SELECT group_id, count FROM groups "
+            "WHERE state IN ('waiting', 'ready') AND version < ?", (min_version,)).fetchall()
         for group_id, _ in rows:
             self._finish_group(group_id, "stale")
         dropped = sum(count for _, count in rows)
@@ -378,6 +383,10 @@ class SqliteStore(ExperienceStore):
             log.info("buffer.dropped_stale", experiences=dropped, groups=len(rows),
                      min_version=min_version)
         return dropped
+
+    def _lease_exists(self, lease_id: str) -> bool:
+        return self._conn.execute(
+            "SELECT 1 FROM leases WHERE lease_id = ?", (lease_id,)).fetchone() is not None
 
     def _version_filter(self, min_version: int | None, max_version: int | None
                         ) -> tuple[str, tuple]:
@@ -522,7 +531,8 @@ class SqliteStore(ExperienceStore):
             return NotEnoughExperiences(len(chosen), num_groups, dropped)
         lease_id = uuid.uuid4().hex
         expires_at = now + (lease_seconds or self.lease_seconds)
-        conn.execute("INSERT INTO leases (lease_id, expires_at) VALUES (?, ?)", (lease_id, expires_at))
+        conn.execute("INSERT INTO leases (lease_id, expires_at) VALUES (?, ?)",
+                     (lease_id, expires_at))
         rank = {g: i for i, g in enumerate(chosen)}
         rows = []
         for chunk in _chunks(chosen):
@@ -537,7 +547,7 @@ class SqliteStore(ExperienceStore):
 
     def _op_ack(self, now: float, lease_id: str) -> None | UnknownLease:
         self._expire(now)
-        if self._conn.execute("SELECT 1 FROM leases WHERE lease_id = ?", (lease_id,)).fetchone() is None:
+        if not self._lease_exists(lease_id):
             return UnknownLease(lease_id)
         groups = self._conn.execute(
             "SELECT group_id, uses FROM groups WHERE lease_id = ?", (lease_id,)).fetchall()
@@ -555,7 +565,7 @@ class SqliteStore(ExperienceStore):
 
     def _op_release(self, now: float, lease_id: str) -> None | UnknownLease:
         self._expire(now)
-        if self._conn.execute("SELECT 1 FROM leases WHERE lease_id = ?", (lease_id,)).fetchone() is None:
+        if not self._lease_exists(lease_id):
             return UnknownLease(lease_id)
         self._conn.execute("UPDATE groups SET state = 'ready', lease_id = NULL WHERE lease_id = ?",
                            (lease_id,))

@@ -17,7 +17,8 @@ class PutResult(Message):
     stored: int = Field(description="experiences newly stored")
     duplicates: int = Field(description="experiences whose id was already stored (idempotent put)")
     dropped_stale: int = Field(
-        default=0, description="experiences for a group already dropped as stale, counted not stored")
+        default=0,
+        description="experiences for a group already dropped as stale, counted not stored")
 
 
 @wire("buffer.put", reply=PutResult)
