@@ -253,8 +253,10 @@ class Trainer:
         start = time.time()
         while True:
             try:
+                lag = self.tc.drop_older_than
                 result = await self._buffer.call(
-                    SampleGroups(num_groups=groups, wait=wait),
+                    SampleGroups(num_groups=groups, wait=wait,
+                                 min_version=None if lag is None else max(0, step - lag)),
                     timeout=wait + self.config.transport.rpc_timeout, timeout_key="trainer.sample_wait")
                 break
             except RequestFailed as exc:

@@ -107,6 +107,9 @@ class TrainerConfig(Section):
     groups_per_step: int = Field(default=8, ge=1, description="groups sampled per trainer step")
     micro_batch_tokens: int = Field(
         default=8192, ge=1, description="padded tokens per micro-batch (gradient accumulation)")
+    drop_older_than: int | None = Field(
+        default=None, ge=0,
+        description="sample only experiences at most this many versions older than the weights")
     sample_wait: float = Field(
         default=5.0, gt=0, description="seconds one buffer.sample request waits for groups")
     idle_timeout: float = Field(
