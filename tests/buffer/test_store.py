@@ -279,3 +279,25 @@ def test_stats_by_version_and_bytes(open_store):
     assert (stats.oldest_version, stats.newest_version) == (1, 5)
     assert stats.groups_waiting == 1 and stats.groups_ready == 1
     assert stats.bytes == 4 * (40 * 4 + 32 + 32 * 4)
+
+
+def test_rows_of_consumed_groups_go_even_when_never_idle(open_store, tmp_path):
+    store = open_store()
+
+    async def go():
+        await put(store, make_group("a", 2) + make_group("b", 2), 2)
+        lease = await store.sample(2)
+        await store.ack(lease.lease_id)
+        started = asyncio.get_running_loop().time()
+        while asyncio.get_running_loop().time() - started < 1.6:
+            await store.stats()  # back to back: the store never sits idle for 20 ms
+
+    def rows() -> int:
+        db = sqlite3.connect(tmp_path / "buffer.sqlite")
+        try:
+            return db.execute("SELECT count(*) FROM experiences").fetchone()[0]
+        finally:
+            db.close()
+
+    run(go())
+    assert rows() == 0

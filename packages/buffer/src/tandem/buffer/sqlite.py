@@ -8,8 +8,9 @@ savepoint and nothing else. Counters (unconsumed, dropped as stale, kept rows) l
 so they commit and roll back with the rows they count.
 
 Two kinds of upkeep stay off the request path: deleting the rows of consumed groups runs in
-small transactions of its own only while no request is queued, and WAL checkpoints (with
-their fsync of the database file) run on a second connection in a second thread.
+small transactions of its own once no request has come for 20 ms (or, in a store that is never
+idle, in a larger one each second), and WAL checkpoints (with their fsync of the database file)
+run on a second connection in a second thread.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ _ORDER = {
 _CHUNK = 500  # host parameters per IN (...) list
 _PRUNE_STEP = 8  # finished groups whose rows one idle upkeep transaction deletes
 _IDLE = 0.02  # seconds without requests before upkeep starts (an ack is often followed by a sample)
+_PRUNE_AT_LEAST_EVERY = 1.0  # seconds; a store never idle still deletes (a larger step) this often
 _CHECKPOINT_EVERY = 1.0  # seconds between passive WAL checkpoints
 _STOP = object()
 
@@ -151,7 +153,8 @@ class SqliteStore(ExperienceStore):
         self._close_lock = threading.Lock()
         self._conn: sqlite3.Connection | None = None
         self._synced = False  # whether the connection is at synchronous=FULL now
-        self._prune_due = False  # finished groups have rows beyond keep_consumed
+        # monotonic time since which finished groups have rows beyond keep_consumed, or None
+        self._prune_due: float | None = None
         self._stopping = threading.Event()
         self._checkpointer: threading.Thread | None = None
         opened: concurrent.futures.Future = concurrent.futures.Future()
@@ -185,7 +188,8 @@ class SqliteStore(ExperienceStore):
         conn.execute("PRAGMA journal_size_limit=67108864")
         conn.executescript(SCHEMA)
         self._conn = conn
-        self._prune_due = self._counter("kept_done") > self.keep_consumed
+        if self._counter("kept_done") > self.keep_consumed:
+            self._prune_due = time.monotonic()
         return conn
 
     def _checkpoint_loop(self) -> None:
@@ -212,10 +216,13 @@ class SqliteStore(ExperienceStore):
         opened.set_result(None)
         stop = False
         while not stop:
+            due = self._prune_due
+            if due is not None and time.monotonic() - due > _PRUNE_AT_LEAST_EVERY:
+                self._prune_step(8 * _PRUNE_STEP)  # busy without pause: catch up anyway
             try:
-                batch = [self._queue.get(timeout=_IDLE if self._prune_due else None)]
+                batch = [self._queue.get(timeout=None if due is None else _IDLE)]
             except queue.Empty:  # idle: delete some consumed rows, then look again
-                self._prune_step()
+                self._prune_step(_PRUNE_STEP)
                 continue
             while len(batch) < self.commit_batch:
                 try:
@@ -240,8 +247,8 @@ class SqliteStore(ExperienceStore):
                 break
             if item is not _STOP:
                 item.future.set_exception(StoreClosed(f"buffer store {self.path} is closed"))
-        while self._prune_due:
-            self._prune_step()
+        while self._prune_due is not None:
+            self._prune_step(8 * _PRUNE_STEP)
         self._stopping.set()
         self._checkpointer.join()
         try:
@@ -250,21 +257,21 @@ class SqliteStore(ExperienceStore):
             log.warning("buffer.checkpoint_failed", db=str(self.path), error=str(exc))
         self._conn.close()
 
-    def _prune_step(self) -> None:
+    def _prune_step(self, max_groups: int) -> None:
         conn = self._conn
         try:
             if self._synced:
                 conn.execute("PRAGMA synchronous=NORMAL")
                 self._synced = False
             conn.execute("BEGIN IMMEDIATE")
-            more = self._prune(_PRUNE_STEP)
+            more = self._prune(max_groups)
             conn.execute("COMMIT")
         except sqlite3.Error as exc:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
             log.warning("buffer.prune_failed", db=str(self.path), error=str(exc))
             more = False  # tried again when the next group finishes
-        self._prune_due = more
+        self._prune_due = time.monotonic() if more else None
 
     def _execute(self, ops: list[_Op]) -> None:
         conn = self._conn
@@ -341,7 +348,8 @@ class SqliteStore(ExperienceStore):
             "RETURNING count", (state, done, group_id)).fetchone()
         self._bump("unconsumed", -row[0])
         self._bump("kept_done", row[0])
-        self._prune_due = True
+        if self._prune_due is None:
+            self._prune_due = time.monotonic()
 
     def _prune(self, max_groups: int) -> bool:
         """Delete rows of finished groups, oldest first, while more than `keep_consumed`
