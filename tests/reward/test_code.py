@@ -202,3 +202,14 @@ async def test_without_namespaces_the_limits_still_hold(reward_config, processes
         hog = await code.score(ScoreItem(response="x = bytearray(10 * 2**30)", truth=ADD_ONE))
     assert ok.score == 1.0, ok.reason
     assert hog.score == 0.0 and "memory" in hog.reason
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the sweep needs the per-slot uid used as root")
+async def test_files_left_in_shared_tmp_are_removed(reward_config, processes_mentioning):
+    name = f"/tmp/tandem-leak-{os.getpid()}"
+    program = f"open('{name}', 'w').write('x')\nprint('wrote')"
+    async with running(reward_config, processes_mentioning) as code:
+        got = await code.score(ScoreItem(response=program,
+                                         truth={"tests": [{"input": "", "output": "wrote"}]}))
+    assert got.score == 1.0, got.reason
+    assert not os.path.exists(name)

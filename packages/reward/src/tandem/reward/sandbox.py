@@ -3,7 +3,8 @@
 Each run gets:
 - resource limits (CPU seconds, address space, processes, file size, open files), set by the
   runner on itself before the candidate starts;
-- an empty temporary directory as its working directory and HOME, removed afterwards;
+- an empty temporary directory as its working directory, HOME and TMPDIR, removed afterwards
+  (under a slot uid, so is whatever the run left in /tmp, /var/tmp and /dev/shm);
 - a scrubbed environment (PATH, HOME, TMPDIR, LANG only);
 - where the OS allows (`unshare`): a fresh network namespace (only a downed loopback: no
   network, none of the project's ports) and a fresh PID namespace whose first process is the
@@ -157,8 +158,10 @@ class Sandbox:
         try:
             return await self._run(slot, run_dir, program, stdin, test)
         finally:
+            # Clean before the slot (and so its uid) is handed to the next run.
+            uid = self.config.uid_base + slot if self.per_slot_uid else None
+            await asyncio.shield(asyncio.to_thread(_clean, run_dir, uid))
             self._slot_queue.put_nowait(slot)
-            await asyncio.to_thread(shutil.rmtree, run_dir, True)
 
     async def _run(self, slot: int, run_dir: Path, program: str, stdin: bytes,
                    test: str | None) -> Run:
@@ -285,6 +288,32 @@ class Sandbox:
             await asyncio.to_thread(shutil.rmtree, self._base, True)
             self._base = None
         self._slot_queue = None
+
+
+SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm")
+
+
+def _clean(run_dir: Path, uid: int | None) -> None:
+    """Remove the run's folder and, under a slot uid, whatever it left in the world-writable
+    temporary folders (the candidate's own TMPDIR is inside its run folder)."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    if uid is None:
+        return
+    for shared in SHARED_TMP:
+        try:
+            entries = list(os.scandir(shared))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if entry.stat(follow_symlinks=False).st_uid != uid:
+                    continue
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                else:
+                    os.unlink(entry.path)
+            except OSError:
+                pass
 
 
 def _children(pid: int) -> list[int]:
