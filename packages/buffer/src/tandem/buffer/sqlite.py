@@ -9,7 +9,7 @@ so they commit and roll back with the rows they count.
 
 Two kinds of upkeep stay off the request path: deleting the rows of consumed groups runs in
 small transactions of its own once no request has come for 20 ms (or, in a store that is never
-idle, in a larger one each second), and WAL checkpoints (with their fsync of the database file)
+idle, in a larger one every 5 s), and WAL checkpoints (with their fsync of the database file)
 run on a second connection in a second thread.
 """
 
@@ -91,7 +91,7 @@ _ORDER = {
 _CHUNK = 500  # host parameters per IN (...) list
 _PRUNE_STEP = 8  # finished groups whose rows one idle upkeep transaction deletes
 _IDLE = 0.02  # seconds without requests before upkeep starts (an ack is often followed by a sample)
-_PRUNE_AT_LEAST_EVERY = 1.0  # seconds; a store never idle still deletes (a larger step) this often
+_PRUNE_AT_LEAST_EVERY = 5.0  # seconds; a store never idle still deletes (a larger step) this often
 _CHECKPOINT_EVERY = 1.0  # seconds between passive WAL checkpoints
 _STOP = object()
 
