@@ -144,8 +144,11 @@ def test_chat_template_is_used_when_the_tokenizer_has_one(engine):
     try:
         t = PromptTemplate(tok, system="be brief")
         assert tok.decode(t.render("hi")) == "[system] be brief\n[user] hi\n[assistant] "
+        # an environment's reply closes the model's turn and opens the next one
+        assert tok.decode(t.render_reply("5", "tool")) == "\n[tool] 5\n[assistant] "
         plain = PromptTemplate(tok, chat="never", template="{system}Q: {prompt}", system="sys")
         assert tok.decode(plain.render("hi")) == "sys\nQ: hi"
+        assert tok.decode(plain.render_reply("<r>5</r>\n")) == "<r>5</r>\n"
     finally:
         tok.chat_template = None
     with pytest.raises(ValueError, match="no chat template"):
@@ -182,3 +185,23 @@ async def test_single_turn_scores_through_tandem_reward(engine, where, tmp_path)
         check_experience(e, group_size=2)
         assert "math" in e.rewards and e.reward == pytest.approx(e.rewards["math"])
         assert e.info["reward_reason"]
+
+
+def test_multi_turn_with_a_chat_template_renders_replies_as_messages(engine):
+    tok = engine.tokenizer
+    # (no "\n" after a message: the tiny character tokenizer cannot encode "\n\n")
+    tok.chat_template = ("{% for m in messages %}[{{ m.role }}] {{ m.content }}|{% endfor %}"
+                         "{% if add_generation_prompt %}[assistant] {% endif %}")
+    try:
+        wf = create_workflow("multi_turn", tok, {"env": "guess_number", "max_turns": 2})
+        ctx = RolloutContext(engine=engine, sampling=SamplingParams(max_tokens=5, seed=3),
+                             repeat_times=1, explorer="e")
+        [e] = asyncio.run(wf.run([Task(id="g", payload={"secret": 3})], ctx))
+    finally:
+        tok.chat_template = None
+    prompt = tok.decode(e.tokens[:e.prompt_len])
+    assert prompt.startswith("[user] I am thinking") and prompt.endswith("|[assistant] ")
+    mask = e.action_mask.tolist()
+    reply = tok.decode(e.tokens[e.prompt_len:][5:mask.index(1, 5)])
+    assert mask[:5] == [1] * 5 and mask[-5:] == [1] * 5
+    assert reply == "|[user] <feedback>invalid: write <guess>N</guess></feedback>\n|[assistant] "

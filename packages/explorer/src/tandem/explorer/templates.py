@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+_SENTINEL = "\x00tandem-model-turn\x00"
+
 
 class PromptTemplate:
     """Renders a user message (plus an optional system prompt) into prompt token ids.
@@ -43,8 +45,27 @@ class PromptTemplate:
         return list(self.tokenizer(self.render_text(prompt)).input_ids)
 
     def encode_continuation(self, text: str) -> list[int]:
-        """Tokens of text appended mid-sequence (an environment's reply): no special tokens."""
+        """Tokens of text appended mid-sequence, without adding special tokens."""
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def render_reply(self, text: str, role: str = "user") -> list[int]:
+        """Tokens that follow a model turn for an environment's reply, up to the next turn.
+
+        With a chat template: what the template writes between the end of an assistant
+        message's content and the start of the next assistant message, with `text` as a message
+        of `role` in between (the turn's closing marker, the reply, the generation prompt).
+        The model's own tokens are never re-tokenized. Without one: `text` as it is.
+        """
+        if not self.use_chat:
+            return self.encode_continuation(text)
+        messages = self._messages("...") + [{"role": "assistant", "content": _SENTINEL},
+                                            {"role": role, "content": text}]
+        full = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=True)
+        cut = full.find(_SENTINEL)
+        if cut < 0:  # a template that rewrites assistant content: fall back to plain text
+            return self.encode_continuation(text)
+        return self.encode_continuation(full[cut + len(_SENTINEL):])
 
     def _messages(self, prompt: str) -> list[dict[str, str]]:
         messages = [{"role": "system", "content": self.system}] if self.system else []

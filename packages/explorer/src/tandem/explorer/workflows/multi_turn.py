@@ -2,7 +2,8 @@
 
 An episode starts from the environment's instructions rendered as the prompt. Each round, every
 unfinished episode gets one model turn (ending at the environment's stop strings, eos, or the
-per-turn token limit); the environment's reply is appended with action_mask 0 and logprob 0.
+per-turn token limit); the environment's reply is appended with action_mask 0 and logprob 0 (as a chat message of `reply_role` when the
+tokenizer has a chat template, as plain text otherwise).
 An episode ends when the environment says so, the model emits eos, it has taken `max_turns`
 turns, or its response (model and environment tokens) would pass `max_episode_tokens`.
 """
@@ -33,6 +34,7 @@ class MultiTurnArgs(WorkflowArgs):
     system: str | None = None
     chat: Literal["auto", "always", "never"] = "auto"
     template: str = "{system}{prompt}"
+    reply_role: str = Field(default="user", description="chat role of the environment's replies")
 
 
 @dataclass
@@ -95,7 +97,7 @@ class MultiTurn(Workflow):
                     elif ep.turns >= self.args.max_turns:
                         self._finish(ep, "max_turns")
                     else:
-                        ids = self.template.encode_continuation(reply.text)
+                        ids = self.template.render_reply(reply.text, self.args.reply_role)
                         if len(ids) >= budget - len(ep.traj.response_ids):
                             self._finish(ep, "budget")  # end on a model turn, not a cut reply
                         else:
