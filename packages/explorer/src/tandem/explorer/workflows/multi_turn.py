@@ -2,9 +2,9 @@
 
 An episode starts from the environment's instructions rendered as the prompt. Each round, every
 unfinished episode gets one model turn (ending at the environment's stop strings, eos, or the
-per-turn token limit); the environment's reply is appended with action_mask 0 and logprob 0 (as a chat message of `reply_role` when the
-tokenizer has a chat template, as plain text otherwise).
-An episode ends when the environment says so, the model emits eos, it has taken `max_turns`
+per-turn token limit); the environment's reply is appended with action_mask 0 and logprob 0
+(as a chat message of `reply_role` when the tokenizer has a chat template, as plain text
+otherwise). An episode ends when the environment says so, the model emits eos, it has taken `max_turns`
 turns, or its response (model and environment tokens) would pass `max_episode_tokens`.
 """
 
