@@ -50,8 +50,9 @@ class SingleTurn(Workflow):
         t0 = time.time()
         completions = await ctx.engine.generate(prompts, ctx.repeat_times, ctx.sampling)
         t1 = time.time()
-        items = [ScoreItem(fn=self.args.reward_fn, prompt=self.tokenizer.decode(prompts[i]),
-                           response=c.text, truth=task.payload.get(self.args.answer_key),
+        texts = [self.prompt_of(t) for t in tasks]
+        items = [ScoreItem(fn=self.args.reward_fn, prompt=texts[i], response=c.text,
+                           truth=task.payload.get(self.args.answer_key),
                            args=task.payload.get("reward_args", {}))
                  for i, task in enumerate(tasks) for c in completions[i]]
         scores = await ctx.scorer.score(items)
