@@ -1,4 +1,4 @@
-"""Checkpoint method: atomic versions, a second process loads them bit-identical, bad files refused."""
+"""Checkpoint method: atomic versions, loaded bit-identical elsewhere; bad files refused."""
 
 from __future__ import annotations
 
@@ -130,4 +130,5 @@ def test_a_version_being_loaded_survives_its_deletion(tmp_path):
     publisher.publish(1, [("a", torch.zeros(4)), ("b", torch.zeros(2**19))])  # prunes v0
     assert WeightSubscriber(tmp_path).versions() == [1]
     loaded = {name: t.clone() for name, t in tensors}
-    assert torch.equal(loaded["a"], torch.arange(4.0)) and torch.equal(loaded["b"], torch.ones(2**19))
+    assert torch.equal(loaded["a"], torch.arange(4.0))
+    assert torch.equal(loaded["b"], torch.ones(2**19))

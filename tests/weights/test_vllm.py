@@ -51,8 +51,8 @@ def test_real_vllm_engine_receives_a_broadcast_and_a_checkpoint(tmp_path, tiny_m
     sender = WeightBroadcaster(timeout=120.0, device="cuda")
     try:
         rendezvous = sender.open_group(engine_members("explorer-0"))
-        sent = threading.Thread(target=sender.broadcast,
-                                args=(1, [(n, p.detach().cuda()) for n, p in model.named_parameters()]))
+        weights = [(n, p.detach().cuda()) for n, p in model.named_parameters()]
+        sent = threading.Thread(target=sender.broadcast, args=(1, weights))
         sent.start()
         llm.collective_rpc("tandem_join", args=(rendezvous.model_dump(), "explorer-0", 120.0))
         counts = llm.collective_rpc("tandem_receive", args=(1,))

@@ -20,7 +20,8 @@ class WeightsConfig(Section):
         description="newest weights/v{N} folders kept on disk; older ones are deleted once no "
                     "explorer is using them")
     shard_bytes: int = Field(
-        default=2 * 2**30, ge=2**20, description="largest safetensors shard of a checkpoint version")
+        default=2 * 2**30, ge=2**20,
+        description="largest safetensors shard of a checkpoint version")
     verify_checksums: bool = Field(
         default=True,
         description="check every shard's xxh3 checksum before loading a version (one pass over "
@@ -28,7 +29,8 @@ class WeightsConfig(Section):
     bucket_bytes: int = Field(
         default=512 * 2**20, ge=2**16,
         description="broadcast bucket size: tensors of one dtype are flattened into buckets of "
-                    "at most this many bytes, one collective per bucket (a larger tensor goes alone)")
+                    "at most this many bytes, one collective per bucket (a larger tensor goes "
+                    "alone)")
     backend: Literal["auto", "gloo", "nccl"] = Field(
         default="auto",
         description="auto: nccl when the trainer and every member are on CUDA, gloo otherwise")

@@ -11,6 +11,7 @@ Two methods, one ending: both produce an iterator of (name, tensor) for the engi
 - `tandem.common.weights.vllm.TandemWeightExtension`: the same receiver inside vLLM workers.
 """
 
+from ..messages.weights import GroupRendezvous
 from .broadcast import BroadcastStats, WeightBroadcaster, WeightReceiver
 from .checkpoint import (
     Manifest,
@@ -24,7 +25,7 @@ from .group import GroupAbandoned, engine_member, engine_members
 from .tensors import WeightsError, load_into, plan_buckets
 
 __all__ = [
-    "BroadcastStats", "GroupAbandoned", "Manifest", "PublishedVersion", "WeightBroadcaster",
+    "BroadcastStats", "GroupAbandoned", "GroupRendezvous", "Manifest", "PublishedVersion", "WeightBroadcaster",
     "WeightPublisher", "WeightReceiver", "WeightSubscriber", "WeightsError", "engine_member",
     "engine_members",
     "list_versions", "load_into", "plan_buckets", "version_dir",

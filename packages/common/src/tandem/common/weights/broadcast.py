@@ -71,7 +71,8 @@ class BroadcastStats:
     seconds: float
 
 
-def _bucket_views(flat: torch.Tensor, specs: list[TensorSpec]) -> Iterator[tuple[str, torch.Tensor]]:
+def _bucket_views(flat: torch.Tensor, specs: list[TensorSpec]
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
     offset = 0
     for spec in specs:
         numel = 1
@@ -105,8 +106,9 @@ class WeightBroadcaster:
     (members joining, each bucket, the final acknowledgements) and is `sync.timeout` in a run.
     """
 
-    def __init__(self, *, host: str = "127.0.0.1", port: int = 0, device: str | torch.device = "cpu",
-                 backend: str = "auto", bucket_bytes: int = 512 * 2**20, timeout: float = 600.0):
+    def __init__(self, *, host: str = "127.0.0.1", port: int = 0,
+                 device: str | torch.device = "cpu", backend: str = "auto",
+                 bucket_bytes: int = 512 * 2**20, timeout: float = 600.0):
         if backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"weights.backend must be auto, gloo or nccl, got {backend!r}")
         self.host = host
@@ -232,7 +234,8 @@ class WeightBroadcaster:
         # turns, so the copy that flattening costs hides behind the transfer.
         in_flight: tuple[int, Any] | None = None
         for b, bucket in enumerate(buckets):
-            members = [tensors[order[i]][1] for i in range(bucket.first, bucket.first + bucket.count)]
+            members = [tensors[order[i]][1]
+                       for i in range(bucket.first, bucket.first + bucket.count)]
             flat = self._pack(members, bucket.numel, torch_dtype(bucket.dtype), comm, slot=b % 2)
             if in_flight is not None:
                 self._finish(group, version, seq, in_flight, len(buckets))
@@ -447,7 +450,8 @@ class WeightReceiver:
                         f"{meta.version} did not arrive from the {self._trainer()}: "
                         f"{_why(exc, self.timeout)}")) from None
                 self._store.add(f"progress/{meta.seq}/{self.rank}", 1)
-                yield from _bucket_views(flat, meta.tensors[bucket.first:bucket.first + bucket.count])
+                specs = meta.tensors[bucket.first:bucket.first + bucket.count]
+                yield from _bucket_views(flat, specs)
             self._store.set(f"done/{meta.seq}/{self.rank}", b"1")
             finished = True
         finally:

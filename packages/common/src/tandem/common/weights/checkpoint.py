@@ -2,7 +2,7 @@
 
 Layout of one version, `run_dir/weights/v{N}/`:
 
-    manifest.json                       version, every tensor's name/dtype/shape/shard, shard checksums
+    manifest.json                       version; each tensor's name/dtype/shape/shard; checksums
     shard-00000-of-00002.safetensors    tensors in the caller's order, split at `shard_bytes`
 
 A version is written into `weights/.tmp-v{N}-<pid>-<rand>/`, each file and the folder fsynced,

@@ -3,12 +3,11 @@
 The trainer's rank 0 hosts a TCPStore; each group gets an epoch, and everything of epoch N
 (member sign-ins, the backend choice, transfer metadata, progress, and the backend's own keys)
 lives under the prefix `tandem/weights/<session>/<N>/`, `session` being random per trainer
-process. The backend object (`ProcessGroupGloo` or
-`ProcessGroupNCCL`) is built directly on a PrefixStore, so it never touches, and is never
-touched by, a default group the trainer may use for FSDP: no `init_process_group`, no global
-registry. Every blocking step runs under a deadline; a collective runs on a helper thread so a
-hang turns into an error naming the peer, after which the group is abandoned and rebuilt under
-a new epoch.
+process. The backend object (`ProcessGroupGloo` or `ProcessGroupNCCL`) is built directly on a
+PrefixStore, so it never touches, and is never touched by, a default group the trainer may use
+for FSDP: no `init_process_group`, no global registry. Every blocking step runs under a
+deadline; a collective runs on a helper thread so a hang turns into an error naming the peer,
+after which the group is abandoned and rebuilt under a new epoch.
 """
 
 from __future__ import annotations
@@ -132,7 +131,8 @@ def build_backend(backend: str, store: dist.Store, rank: int, world_size: int, *
         # communicator and name the peer) fires first instead of NCCL's watchdog.
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timedelta(timeout + 2 * GRACE)
-        torch.cuda.set_device(device)
+        if device.index is not None:
+            torch.cuda.set_device(device)
         return dist.ProcessGroupNCCL(store, rank, world_size, options)
     raise ValueError(f"unknown weight-sync backend {backend!r} (weights.backend: gloo or nccl)")
 
