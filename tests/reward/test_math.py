@@ -102,3 +102,16 @@ async def test_a_worker_that_dies_mid_evaluation_is_an_error_and_is_replaced():
         assert scorer.stats["math"]["errors"] == 1
         [good] = await scorer.score([ScoreItem(response="\\boxed{2}", truth="2")])
         assert good.score == 1.0
+
+
+async def test_a_pool_that_cannot_start_fails_every_item_quickly(monkeypatch):
+    from tandem.reward import pool
+
+    monkeypatch.setattr(pool, "STARTUP_TIMEOUT", 0.01)  # no worker can import that fast
+    config = RewardConfig(functions={"math": 1.0}, workers=2, timeout=5.0)
+    async with LocalScorer(config=config) as scorer:
+        start = time.monotonic()
+        scores = await scorer.score([ScoreItem(response="\\boxed{1}", truth="1")] * 3)
+        assert time.monotonic() - start < 5.0
+    assert all(s.score == 0.0 and "did not start within" in s.reason for s in scores), scores
+    assert scorer.stats["math"]["errors"] == 3

@@ -62,18 +62,26 @@ class WorkerPool:
         self._idle: asyncio.Queue[_Worker] = asyncio.Queue()
         self._all: set[_Worker] = set()
         self._spawning: set[asyncio.Task] = set()
-        self._started = False
+        self._starting: asyncio.Future | None = None
         self._closed = False
         self.killed = 0
 
     async def start(self) -> None:
-        """Start the workers and wait until they are ready (their imports take a second)."""
-        if self._started:
-            return
-        self._started = True
-        workers = await asyncio.gather(*(self._spawn() for _ in range(self.size)))
-        for worker in workers:
-            self._idle.put_nowait(worker)
+        """Start the workers and wait until they are ready (their imports take a second).
+        Concurrent callers share one start; a failed start fails every caller alike."""
+        if self._starting is None:
+            self._starting = asyncio.ensure_future(self._start_all())
+        await asyncio.shield(self._starting)
+
+    async def _start_all(self) -> None:
+        results = await asyncio.gather(*(self._spawn() for _ in range(self.size)),
+                                       return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        for worker in results:
+            if not isinstance(worker, BaseException):
+                self._idle.put_nowait(worker)
+        if failed:
+            raise failed[0]
         log.info("reward.pool_ready", workers=self.size)
 
     async def _spawn(self) -> _Worker:
@@ -119,8 +127,7 @@ class WorkerPool:
         """Score `item` with `fn` in a worker; EvaluationTimeout after `timeout` seconds of
         running or at `deadline` (time.monotonic()), whichever is first. The wait for a free
         worker counts against the deadline only (without one: STARTUP_TIMEOUT at most)."""
-        if not self._started:
-            await self.start()
+        await self.start()
         wait = STARTUP_TIMEOUT if deadline is None else max(0.0, deadline - time.monotonic())
         try:
             worker = await asyncio.wait_for(self._idle.get(), wait)
@@ -159,6 +166,9 @@ class WorkerPool:
 
     async def close(self) -> None:
         self._closed = True
+        if self._starting is not None:
+            self._starting.cancel()
+            await asyncio.gather(self._starting, return_exceptions=True)
         for task in list(self._spawning):
             task.cancel()
         await asyncio.gather(*self._spawning, return_exceptions=True)
