@@ -10,17 +10,19 @@ the other in this process:
            metrics (entropy included unless --no-entropy-metric), clip, AdamW, schedule.
 
 Models (random init): `tiny` (the test model) and `0.5b-shaped`: Qwen2.5-0.5B's width (hidden
-896, MLP 4864, 14 heads, 2 KV heads, vocab 151936) with only `--layers` decoder layers (default
-2 of 24) and short sequences, so that it runs in about two minutes on a small CPU. Tokens/s
-counts real (unpadded) tokens. Prints a table and writes JSON (`--out`).
+896, MLP 4864, 14 heads, 2 KV heads, full 151936 vocabulary, tied embeddings) with only
+`--layers` decoder layers (default 2 of 24) and a few short sequences, so that the default run
+takes about two minutes on a small CPU; on a GPU pass `--layers 24 --scale 8` for the real depth
+and more tokens. Tokens/s counts real (unpadded) tokens. Prints a table and writes JSON (`--out`).
 
-    python tools/bench_trainer.py [--models tiny,0.5b-shaped] [--budgets 128,256,512] [--steps 2]
+    python tools/bench_trainer.py [--models tiny,0.5b-shaped] [--steps N] [--rounds N]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import tempfile
@@ -85,7 +87,7 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def bench_one(model_path: Path, budget: int, experiences, steps: int, device: str,
+def bench_one(model_path: Path, budget: int, experiences, steps: int, rounds: int, device: str,
               entropy_metric: bool) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -120,12 +122,10 @@ def bench_one(model_path: Path, budget: int, experiences, steps: int, device: st
 
     # alternate the two loops so that load from other processes hits both alike
     bare_times, trainer_times = [], []
-    bare_times += timed(lambda: bare_step(model, optimizer, batch, plan, dev, learner._autocast,
-                                          config.trainer.max_grad_norm))
-    trainer_times += timed(lambda: learner.step(experiences))
-    bare_times += timed(lambda: bare_step(model, optimizer, batch, plan, dev, learner._autocast,
-                                          config.trainer.max_grad_norm))
-    trainer_times += timed(lambda: learner.step(experiences))
+    for _ in range(rounds):
+        bare_times += timed(lambda: bare_step(model, optimizer, batch, plan, dev,
+                                              learner._autocast, config.trainer.max_grad_norm))
+        trainer_times += timed(lambda: learner.step(experiences))
     bare = tokens / statistics.median(bare_times)
     trainer = tokens / statistics.median(trainer_times)
     return {"budget": budget, "micro_batches": len(plan), "tokens": tokens,
@@ -134,15 +134,23 @@ def bench_one(model_path: Path, budget: int, experiences, steps: int, device: st
             "trainer_step_s": statistics.median(trainer_times)}
 
 
+# per model: sequences per step, prompt and response lengths, micro-batch token budgets
+PRESETS = {
+    "tiny": dict(seqs=16, prompt=16, response=48, budgets=[128, 512, 2048], steps=3, rounds=2),
+    "0.5b-shaped": dict(seqs=4, prompt=8, response=32, budgets=[48, 192], steps=1, rounds=1),
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="tiny,0.5b-shaped")
-    parser.add_argument("--budgets", default="128,256,512")
     parser.add_argument("--layers", type=int, default=2, help="decoder layers of 0.5b-shaped")
-    parser.add_argument("--seqs", type=int, default=8, help="sequences per step")
-    parser.add_argument("--prompt", type=int, default=16)
-    parser.add_argument("--response", type=int, default=48)
-    parser.add_argument("--steps", type=int, default=2, help="timed steps per loop and round")
+    parser.add_argument("--scale", type=int, default=1,
+                        help="multiply sequences per step and the token budgets")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="timed steps per loop and round (default: per model)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="bare/trainer alternations (default: per model)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-entropy-metric", action="store_true")
     parser.add_argument("--out", default=".bench/trainer.json")
@@ -161,10 +169,13 @@ def main() -> None:
             build_model(kind, path, args.layers)
             from transformers import AutoConfig
             vocab = AutoConfig.from_pretrained(str(path)).vocab_size
-            experiences = make_experiences(vocab, args.seqs, args.prompt, args.response)
-            for budget in [int(b) for b in args.budgets.split(",")]:
-                row = bench_one(path, budget, experiences, args.steps, args.device,
-                                not args.no_entropy_metric)
+            preset = PRESETS[kind]
+            experiences = make_experiences(vocab, preset["seqs"] * args.scale, preset["prompt"],
+                                           preset["response"])
+            for budget in preset["budgets"]:
+                row = bench_one(path, budget * args.scale, experiences,
+                                args.steps or preset["steps"], args.rounds or preset["rounds"],
+                                args.device, not args.no_entropy_metric)
                 row["model"] = kind
                 rows.append(row)
                 print(f"{kind:12s} budget {budget:5d}  micro-batches {row['micro_batches']:2d}  "
@@ -182,8 +193,8 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "device": args.device, "torch": torch.__version__, "machine": platform.machine(),
-        "threads": torch.get_num_threads(), "layers_0.5b_shaped": args.layers, "seqs": args.seqs,
-        "prompt": args.prompt, "response": args.response,
+        "threads": torch.get_num_threads(), "load_average": os.getloadavg(),
+        "layers_0.5b_shaped": args.layers, "scale": args.scale, "presets": PRESETS,
         "entropy_metric": not args.no_entropy_metric, "rows": rows}, indent=1))
     print(f"\nwrote {out}")
 

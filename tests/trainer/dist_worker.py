@@ -1,7 +1,8 @@
-"""Run by test_distributed under torchrun: two steps with DDP, then two with FSDP2 (gloo, CPU).
+"""Run by test_distributed under torchrun: a `Trainer` on 2 gloo ranks, DDP then FSDP2.
 
-argv: model path, experiences JSON, output folder. Rank 0 writes the policy weights after
-each mode's steps and a checkpoint of the FSDP2 run.
+Rank 0 drives (train_step twice, policy_weights, save_checkpoint for FSDP2, close); rank 1
+follows its commands, receiving each batch as tensors. argv: model path, experiences JSON,
+output folder; rank 0 writes the published weights and the metrics of each mode.
 """
 
 import json
@@ -14,7 +15,7 @@ import torch
 from tandem.common.config import RunConfig
 from tandem.common.messages.experience import Experience
 from tandem.trainer import distributed
-from tandem.trainer.learner import Learner
+from tandem.trainer.trainer import Trainer
 
 model_path, batch_file, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 rows = json.loads(Path(batch_file).read_text())
@@ -25,16 +26,19 @@ info = distributed.from_env()
 distributed.init(info, torch.device("cpu"), timeout=60)
 for mode in ("ddp", "fsdp"):
     config = RunConfig.model_validate({
-        "model": {"path": model_path},
+        "model": {"path": model_path}, "run_dir": str(out / mode),
         "trainer": {"parallel": mode, "micro_batch_tokens": 24, "lr": 1e-3, "tensorboard": False,
                     "off_policy": {"proximal": True}},
     })
-    learner = Learner(config, dist_info=info)
-    metrics = [learner.step(batch) for _ in range(2)]
-    state = learner.policy_state_dict()
+    trainer = Trainer(config, dist_info=info)
+    if not info.is_main:
+        trainer.follow()
+        continue
+    metrics = [trainer.train_step(batch) for _ in range(2)]
+    weights = dict(trainer.policy_weights())
     if mode == "fsdp":
-        learner.save_checkpoint(out / "checkpoints")
-    if info.is_main:
-        torch.save(state, out / f"{mode}.pt")
-        (out / f"{mode}.json").write_text(json.dumps(metrics))
+        trainer.save_checkpoint()
+    trainer.close()
+    torch.save(weights, out / f"{mode}.pt")
+    (out / f"{mode}.json").write_text(json.dumps(metrics))
 distributed.shutdown()
