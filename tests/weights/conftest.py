@@ -24,7 +24,7 @@ def tiny_model(tiny_model_dir):
 
 @pytest.fixture
 def spawn():
-    """Start `peer.py` receiver processes; each is stopped (SIGTERM, then kill) at teardown."""
+    """Start `weights_peer.py` receivers; each is stopped (SIGTERM, then kill) at teardown."""
     procs: list[subprocess.Popen] = []
 
     def start(*args: str) -> subprocess.Popen:

@@ -6,7 +6,7 @@ import pytest
 
 from tandem.common.config import load_config
 from tandem.common.errors import ConfigError
-from tandem.common.weights import WeightBroadcaster, WeightPublisher
+from tandem.common.weights import WeightBroadcaster, WeightPublisher, WeightsError
 
 
 def test_defaults_follow_the_design():
@@ -35,3 +35,12 @@ def test_components_build_from_the_config(tmp_path):
         broadcaster.close()
     publisher = WeightPublisher.from_config(tmp_path, config.weights)
     assert publisher.keep == 2
+
+
+def test_a_taken_rendezvous_port_names_the_keys():
+    first = WeightBroadcaster(timeout=5.0)
+    try:
+        with pytest.raises(WeightsError, match=f"127.0.0.1:{first.port} .*rendezvous_port"):
+            WeightBroadcaster(port=first.port, timeout=5.0)
+    finally:
+        first.close()

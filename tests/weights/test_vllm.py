@@ -20,8 +20,8 @@ def test_extension_is_importable_by_the_name_vllm_is_given():
 
 
 def test_extension_in_a_stand_in_worker_loads_a_broadcast(tmp_path, tiny_model, spawn):
-    # The worker is FakeVllmWorker (peer.py): vLLM cannot run on this machine. Everything the
-    # extension does past `model_runner.model.load_weights` is real.
+    # The worker is FakeVllmWorker (weights_peer.py): vLLM cannot run on this machine.
+    # Everything the extension does past `model_runner.model.load_weights` is real.
     sender = WeightBroadcaster(timeout=30.0, bucket_bytes=100_000)
     try:
         rendezvous = sender.open_group(engine_members("explorer-0"))
@@ -34,6 +34,20 @@ def test_extension_in_a_stand_in_worker_loads_a_broadcast(tmp_path, tiny_model, 
     assert_bit_identical(tiny_model, tmp_path / "v3.safetensors")
     loaded = json.loads((tmp_path / "count.json").read_text())["tensors"]
     assert loaded == len(list(tiny_model.named_parameters()))
+
+
+def test_extension_in_a_stand_in_worker_loads_a_checkpoint(tmp_path, tiny_model):
+    from weights_peer import DictEngine, FakeVllmWorker  # stand-in for vLLM's worker
+
+    train_step(tiny_model, seed=5)
+    WeightPublisher(tmp_path).publish(2, tiny_model.named_parameters())
+    engine = DictEngine()
+    worker = type("Worker", (TandemWeightExtension, FakeVllmWorker), {})(engine)
+    assert worker.tandem_load_checkpoint(str(tmp_path), 2) == len(engine.state)
+    for name, param in tiny_model.named_parameters():
+        assert torch.equal(engine.state[name], param), name
+    with pytest.raises(RuntimeError, match="before tandem_join"):
+        worker.tandem_receive(3)
 
 
 @pytest.mark.gpu

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-PEER = Path(__file__).with_name("peer.py")
+PEER = Path(__file__).with_name("weights_peer.py")
 
 
 def train_step(model, seed: int) -> None:

@@ -111,12 +111,19 @@ class WeightBroadcaster:
                  bucket_bytes: int = 512 * 2**20, timeout: float = 600.0):
         if backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"weights.backend must be auto, gloo or nccl, got {backend!r}")
+        if backend == "nccl" and not dist.is_nccl_available():
+            raise WeightsError("weights.backend: nccl, but this torch build has no NCCL; use "
+                               "auto (gloo without CUDA) or install a CUDA build of torch")
         self.host = host
         self.device = torch.device(device)
         self.backend = backend
         self.bucket_bytes = bucket_bytes
         self.timeout = timeout
-        self.store = connect_store(host, port, timeout, serve=True)
+        try:
+            self.store = connect_store(host, port, timeout, serve=True)
+        except dist.DistNetworkError as exc:
+            raise WeightsError(f"cannot serve the weight group's rendezvous on {host}:{port} "
+                               f"(weights.rendezvous_host/rendezvous_port): {exc}") from None
         self.port = self.store.port
         self.session = uuid.uuid4().hex[:12]
         self.epoch = 0

@@ -1,9 +1,9 @@
 """The receiving process of the weight-sync tests: an explorer worker, as a real OS process.
 
-    python peer.py broadcast  RENDEZVOUS_JSON MEMBER OUT_DIR VERSIONS TIMEOUT [MODEL_DIR]
-    python peer.py checkpoint RUN_DIR OUT_DIR VERSION [MODEL_DIR]
-    python peer.py fake-vllm  RENDEZVOUS_JSON EXPLORER OUT_DIR VERSION TIMEOUT
-    python peer.py stall      RENDEZVOUS_JSON MEMBER TIMEOUT     (joins, then never receives)
+    python weights_peer.py broadcast  RENDEZVOUS_JSON MEMBER OUT_DIR VERSIONS TIMEOUT [MODEL_DIR]
+    python weights_peer.py checkpoint RUN_DIR OUT_DIR VERSION [MODEL_DIR]
+    python weights_peer.py fake-vllm  RENDEZVOUS_JSON EXPLORER OUT_DIR VERSION TIMEOUT
+    python weights_peer.py stall      RENDEZVOUS_JSON MEMBER TIMEOUT   (joins, never receives)
 
 VERSIONS is a comma-separated list, received one after the other in the same group. With a
 MODEL_DIR, each version is loaded into a fresh copy of that Hugging Face model (`load_into`);
