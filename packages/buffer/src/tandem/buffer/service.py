@@ -52,6 +52,7 @@ class Buffer:
         self._changed = asyncio.Event()  # replaced by a fresh one at every change
         self._stop = asyncio.Event()
         self._last_fill = 0.0
+        self._background: set[asyncio.Task] = set()
         self.bound: str | None = None
 
     async def start(self) -> str:
@@ -82,6 +83,9 @@ class Buffer:
         """Stop answering, let the store commit what it has queued, close everything."""
         self.stop()
         await self.server.close()
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
         if self.store is not None:
             await self.store.close()
         self.tracer.close()
@@ -114,11 +118,16 @@ class Buffer:
             now = time.time()
             if self.tracer.enabled and now - self._last_fill >= FILL_EVERY:
                 self._last_fill = now
-                self.tracer.event("buffer_fill", ready=await self.store.ready_groups())
+                task = asyncio.create_task(self._trace_fill())  # not on this put's reply path
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
         log.debug("buffer.put", peer=ctx.peer, stored=outcome.stored,
                   duplicates=outcome.duplicates, dropped_stale=outcome.dropped_stale)
         return PutResult(stored=outcome.stored, duplicates=outcome.duplicates,
                          dropped_stale=outcome.dropped_stale)
+
+    async def _trace_fill(self) -> None:
+        self.tracer.event("buffer_fill", ready=await self.store.ready_groups())
 
     async def on_sample(self, msg: SampleGroups, ctx: CallContext) -> SampleResult:
         loop = asyncio.get_running_loop()
@@ -136,9 +145,8 @@ class Buffer:
                 dropped += exc.dropped
                 remaining = deadline - loop.time()
                 if remaining <= 0:
-                    if msg.wait:
-                        exc.message += f" after waiting {msg.wait:g} s"
-                    raise
+                    raise NotEnoughExperiences(exc.have, exc.need, dropped,
+                                               time.time() - started if waited else 0.0) from None
                 waited += 1
                 try:
                     await asyncio.wait_for(changed.wait(), min(remaining, RECHECK))

@@ -43,11 +43,13 @@ class BufferFull(RequestFailed):
 class NotEnoughExperiences(RequestFailed):
     """Fewer ready groups than asked for (after the staleness filter)."""
 
-    def __init__(self, have: int, need: int, dropped: int = 0):
+    def __init__(self, have: int, need: int, dropped: int = 0, waited: float = 0.0):
         self.have = have
         self.need = need
-        self.dropped = dropped  # experiences this attempt dropped as stale
+        self.dropped = dropped  # experiences dropped as stale while trying
         detail = f", dropped {dropped} stale experiences" if dropped else ""
+        if waited:
+            detail += f", after waiting {waited:.1f} s"
         super().__init__(
             "not_enough", f"not enough experiences (have {have} ready groups, need {need}){detail}")
 
