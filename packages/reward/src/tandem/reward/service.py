@@ -3,7 +3,7 @@
 Each `reward.score` request is one batch, scored concurrently by the scorer's worker pool
 (`reward.workers` processes for isolated pure functions, as many concurrent code sandboxes).
 Every evaluation is bounded by `reward.timeout` and by the request's own deadline (the
-caller's time-to-live, less a margin for the reply to travel), so an explorer always gets an
+caller's time-to-live, less a margin to stop the evaluations and send the reply), so an explorer always gets an
 answer in time: overrun evaluations score 0 with reason `timeout` and are counted.
 """
 
@@ -23,7 +23,7 @@ from .scorer import LocalScorer
 
 log = structlog.get_logger(__name__)
 
-REPLY_MARGIN = 0.05  # of the caller's time-to-live, kept for the reply's way back
+REPLY_MARGIN = 0.1  # of the caller's time-to-live (0.05 to 1 s) kept for stopping and replying
 
 
 class RewardService:
@@ -62,7 +62,7 @@ class RewardService:
                                              f"takes reward.max_batch={self.reward.max_batch}")
         self.requests += 1
         self.items += len(msg.items)
-        deadline = ctx.deadline - max(REPLY_MARGIN * ctx.remaining(), 0.01)
+        deadline = ctx.deadline - min(max(REPLY_MARGIN * ctx.remaining(), 0.05), 1.0)
         start = time.monotonic()
         scores = await self.scorer.score(msg.items, deadline=deadline)
         log.debug("reward.scored", peer=ctx.peer, items=len(msg.items),
