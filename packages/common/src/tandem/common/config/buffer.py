@@ -32,8 +32,7 @@ class BufferConfig(Section):
     priority_key: str | None = Field(
         default=None, description="info key averaged over the group when priority is 'key'")
     lease_seconds: float = Field(
-        default=120.0, gt=0,
-        description="before a lease returns its groups; longer than a trainer step")
+        default=120.0, gt=0, description="before a lease returns its groups")
     reuse: int = Field(default=1, ge=1, description="times a group may be trained on (replay)")
     keep_consumed: int = Field(
         default=0, ge=0,
