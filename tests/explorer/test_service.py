@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tandem.common.config import load_config
+from tandem.common.errors import WaitTimeout
 from tandem.buffer import Buffer
 from tandem.common.messages.buffer import GetBufferStats, SampleGroups
 from tandem.common.messages.master import TrainerGo, TrainerStepDone, WeightsPublished
@@ -215,3 +216,24 @@ async def test_stop_request_drains_the_running_step_or_abandons_it(tmp_path, tin
         # abandoned at once: nothing stored, the lease stays with the master to expire
         assert explorer.steps_done == 0 and stats.groups_ready == 0
         assert status.counters["batches_done"] == 0
+
+
+async def test_a_stalled_sync_point_fails_after_sync_timeout_naming_the_key(tmp_path,
+                                                                            tiny_model_path):
+    # No trainer: step 0 rolls out with the base weights, step 1 waits for version 1 in vain.
+    config = make_config(tmp_path, tiny_model_path, "sync.timeout=1.5")
+    master = Master(config)
+    await master.start()
+    buffer = Buffer(config)
+    config.buffer.address = await buffer.start()
+    config.master.address = master.address
+    engine = TransformersEngine.from_pretrained(tiny_model_path, max_batch=8)
+    explorer = Explorer(config, "explorer-0", engine=engine)
+    try:
+        with pytest.raises(WaitTimeout, match="sync.timeout") as info:
+            await asyncio.wait_for(explorer.serve(), 30)
+    finally:
+        await buffer.close()
+        await master.close()
+        engine.close()
+    assert explorer.steps_done == 1 and "after step 1" in str(info.value)

@@ -32,6 +32,7 @@ from tandem.common.messages.master import (
     LeaseTasks,
     Register,
     Stop,
+    TrainerGo,
     WeightsPublished,
 )
 from tandem.common.pubsub import Subscriber
@@ -104,8 +105,9 @@ class Explorer:
             timeout_key="transport.rpc_timeout")
         self.run_id = reply.run_id
         publish = reply.publish_address or self.config.master.publish_address
-        self.subscriber = Subscriber(publish, topics=[f"barrier.{self.name}", "weights", "stop"],
-                                     transport=self.config.transport, snapshot=self.master)
+        self.subscriber = Subscriber(
+            publish, topics=[f"barrier.{self.name}", "weights", "trainer", "stop"],
+            transport=self.config.transport, snapshot=self.master)
         await self.subscriber.start()
         t = self.config.transport
         self.heartbeater = Heartbeater(self.master, name=self.name, role="explorer",
@@ -178,7 +180,13 @@ class Explorer:
     # -- one step ------------------------------------------------------------------------------
 
     async def _next_barrier(self) -> Barrier | None:
-        """The barrier of this explorer's next step, or None when the run stops."""
+        """The barrier of this explorer's next step, or None when the run stops.
+
+        The wait fails after `sync.timeout` without anything that moves the run forward: its
+        barrier, a trainer step released (`trainer` topic) or a weights version published.
+        A long run of trainer steps (an explorer far ahead, or done and waiting for `Stop`) is
+        progress, so only a stalled run fails.
+        """
         timeout = self.config.sync.timeout
         deadline = time.monotonic() + timeout
         start = time.time()
@@ -190,19 +198,21 @@ class Explorer:
                     timeout_key="sync.timeout")
             except WaitTimeout:
                 raise WaitTimeout(
-                    f"{self.name}: no barrier from the master at {self.subscriber.address} "
-                    f"within {timeout:g}s after step {self.steps_done}; is the master (or the "
-                    "trainer it waits for) running? raise sync.timeout if it is only slow"
-                ) from None
+                    f"{self.name}: no barrier and no trainer progress from the master at "
+                    f"{self.subscriber.address} for {timeout:g}s after step {self.steps_done}; "
+                    "are the master and the trainer running? raise sync.timeout if they are "
+                    "only slow") from None
             msg = event.body
             if isinstance(msg, Stop):
                 self.stop_reason = msg.reason
                 log.info("explorer.stop_received", explorer=self.name, reason=msg.reason, ok=msg.ok)
                 return None
-            if isinstance(msg, WeightsPublished):
-                self._latest_weights = msg
-                if msg.method == "nccl":
-                    self.loader.offer_group(msg.rendezvous)
+            if isinstance(msg, (TrainerGo, WeightsPublished)):
+                deadline = time.monotonic() + timeout
+                if isinstance(msg, WeightsPublished):
+                    self._latest_weights = msg
+                    if msg.method == "nccl":
+                        self.loader.offer_group(msg.rendezvous)
                 continue
             if isinstance(msg, Barrier) and msg.explorer == self.name:
                 if msg.batch in self._done_batches:
