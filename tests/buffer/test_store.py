@@ -11,6 +11,7 @@ import pytest
 from tandem.buffer import (
     BadPut, BufferFull, NotEnoughExperiences, SqliteStore, UnknownLease, group_priority,
 )
+from tandem.common.errors import TandemError
 
 from buffer_helpers import make_group
 
@@ -302,3 +303,9 @@ def test_rows_of_consumed_groups_go_even_when_never_idle(open_store, tmp_path, m
 
     run(go())
     assert rows() == 0
+
+
+def test_a_second_store_on_the_same_file_is_refused(open_store, tmp_path):
+    open_store()
+    with pytest.raises(TandemError, match="another buffer is using .*buffer.sqlite"):
+        SqliteStore(tmp_path / "buffer.sqlite")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import fcntl
 import os
 import queue
 import sqlite3
@@ -178,6 +179,15 @@ class SqliteStore(ExperienceStore):
 
     def _open(self) -> sqlite3.Connection:
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        # One store per database: a second buffer on the same file would only fail later, one
+        # "database is locked" at a time. The kernel drops the lock when the process dies.
+        self._lock = open(f"{self.path}.lock", "w")
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise TandemError(f"another buffer is using {self.path} (it holds {self.path}.lock); "
+                              "stop it, or point buffer.db or run_dir elsewhere") from None
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(f"PRAGMA synchronous={self.synchronous.upper()}")
@@ -207,8 +217,9 @@ class SqliteStore(ExperienceStore):
         try:
             self._open()
         except Exception as exc:
-            opened.set_exception(TandemError(f"cannot open the buffer database {self.path} "
-                                             f"(buffer.db): {exc}"))
+            if not isinstance(exc, TandemError):
+                exc = TandemError(f"cannot open the buffer database {self.path} (buffer.db): {exc}")
+            opened.set_exception(exc)
             return
         self._checkpointer = threading.Thread(
             target=self._checkpoint_loop, name=f"sqlite-checkpoint:{self.path.name}", daemon=True)
@@ -256,6 +267,7 @@ class SqliteStore(ExperienceStore):
         except sqlite3.Error as exc:  # the WAL stays; the next open recovers from it
             log.warning("buffer.checkpoint_failed", db=str(self.path), error=str(exc))
         self._conn.close()
+        self._lock.close()
 
     def _prune_step(self, max_groups: int) -> None:
         conn = self._conn
