@@ -13,7 +13,10 @@ Models (random init): `tiny` (the test model) and `0.5b-shaped`: Qwen2.5-0.5B's 
 896, MLP 4864, 14 heads, 2 KV heads, full 151936 vocabulary, tied embeddings) with only
 `--layers` decoder layers (default 2 of 24) and a few short sequences, so that the default run
 takes about two minutes on a small CPU; on a GPU pass `--layers 24 --scale 8` for the real depth
-and more tokens. Tokens/s counts real (unpadded) tokens. Prints a table and writes JSON (`--out`).
+and more tokens. Tokens/s counts real (unpadded) tokens. Besides wall-clock ratios, the ratio
+of CPU seconds per step is reported: on a machine shared with other work it is the steadier
+measure of what each loop costs (use `--threads 1` so that idle OpenMP spinning is not counted).
+Prints a table and writes JSON (`--out`).
 
     python tools/bench_trainer.py [--models tiny,0.5b-shaped] [--steps N] [--rounds N]
 """
@@ -109,29 +112,32 @@ def bench_one(model_path: Path, budget: int, experiences, steps: int, rounds: in
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
 
-    def timed(fn) -> list[float]:
+    def timed(fn) -> list[tuple[float, float]]:
+        """(wall seconds, CPU seconds of this process) per step, after one warm-up step."""
         fn()  # warm-up: allocator, kernels, optimiser state
         out = []
         for _ in range(steps):
             sync(dev)
-            start = time.perf_counter()
+            wall, cpu = time.perf_counter(), time.process_time()
             fn()
             sync(dev)
-            out.append(time.perf_counter() - start)
+            out.append((time.perf_counter() - wall, time.process_time() - cpu))
         return out
 
     # alternate the two loops so that load from other processes hits both alike
-    bare_times, trainer_times = [], []
+    bare_t, trainer_t = [], []
     for _ in range(rounds):
-        bare_times += timed(lambda: bare_step(model, optimizer, batch, plan, dev,
-                                              learner._autocast, config.trainer.max_grad_norm))
-        trainer_times += timed(lambda: learner.step(experiences))
-    bare = tokens / statistics.median(bare_times)
-    trainer = tokens / statistics.median(trainer_times)
+        bare_t += timed(lambda: bare_step(model, optimizer, batch, plan, dev,
+                                          learner._autocast, config.trainer.max_grad_norm))
+        trainer_t += timed(lambda: learner.step(experiences))
+    med = lambda xs, i: statistics.median(x[i] for x in xs)  # noqa: E731
     return {"budget": budget, "micro_batches": len(plan), "tokens": tokens,
-            "bare_tokens_per_s": bare, "trainer_tokens_per_s": trainer, "ratio": trainer / bare,
-            "bare_step_s": statistics.median(bare_times),
-            "trainer_step_s": statistics.median(trainer_times)}
+            "bare_tokens_per_s": tokens / med(bare_t, 0),
+            "trainer_tokens_per_s": tokens / med(trainer_t, 0),
+            "ratio": med(bare_t, 0) / med(trainer_t, 0),
+            # CPU seconds per step: what the loop costs, whatever else the machine runs
+            "bare_cpu_s": med(bare_t, 1), "trainer_cpu_s": med(trainer_t, 1),
+            "cpu_ratio": med(bare_t, 1) / med(trainer_t, 1)}
 
 
 # per model: sequences per step, prompt and response lengths, micro-batch token budgets
@@ -153,9 +159,12 @@ def main() -> None:
                         help="bare/trainer alternations (default: per model)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-entropy-metric", action="store_true")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--out", default=".bench/trainer.json")
     args = parser.parse_args()
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     import transformers
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
@@ -179,16 +188,18 @@ def main() -> None:
                 row["model"] = kind
                 rows.append(row)
                 print(f"{kind:12s} budget {budget:5d}  micro-batches {row['micro_batches']:2d}  "
-                      f"bare {row['bare_tokens_per_s']:9.0f} tok/s  "
-                      f"trainer {row['trainer_tokens_per_s']:9.0f} tok/s  "
-                      f"ratio {row['ratio']:.2f}", flush=True)
+                      f"bare {row['bare_tokens_per_s']:9.1f} tok/s  "
+                      f"trainer {row['trainer_tokens_per_s']:9.1f} tok/s  "
+                      f"ratio {row['ratio']:.2f}  cpu-time ratio {row['cpu_ratio']:.2f}", flush=True)
 
     print()
-    print("| model | micro-batch tokens | micro-batches | bare tok/s | trainer tok/s | trainer / bare |")
-    print("|---|---|---|---|---|---|")
+    print("| model | micro-batch tokens | micro-batches | bare tok/s | trainer tok/s | "
+          "trainer / bare (wall) | trainer / bare (CPU time) |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['model']} | {r['budget']} | {r['micro_batches']} | "
-              f"{r['bare_tokens_per_s']:.0f} | {r['trainer_tokens_per_s']:.0f} | {r['ratio']:.2f} |")
+              f"{r['bare_tokens_per_s']:.1f} | {r['trainer_tokens_per_s']:.1f} | {r['ratio']:.2f} | "
+              f"{r['cpu_ratio']:.2f} |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({

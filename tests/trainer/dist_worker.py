@@ -31,6 +31,15 @@ for mode in ("ddp", "fsdp"):
                     "off_policy": {"proximal": True}},
     })
     trainer = Trainer(config, dist_info=info)
+    reduces = []
+    if mode == "ddp":  # count gradient all-reduces: one per bucket per step, not per micro-batch
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        def counting_hook(state, bucket):
+            reduces.append(1)
+            return allreduce_hook(state, bucket)
+
+        trainer.learner.wrapped.register_comm_hook(None, counting_hook)
     if not info.is_main:
         trainer.follow()
         continue
@@ -40,5 +49,5 @@ for mode in ("ddp", "fsdp"):
         trainer.save_checkpoint()
     trainer.close()
     torch.save(weights, out / f"{mode}.pt")
-    (out / f"{mode}.json").write_text(json.dumps(metrics))
+    (out / f"{mode}.json").write_text(json.dumps({"metrics": metrics, "reduces": len(reduces)}))
 distributed.shutdown()

@@ -153,14 +153,17 @@ class Learner:
         self.wrapped.train()
         for i in range(n_micro):
             last = i == n_micro - 1
-            with gradient_sync(self.wrapped, self.mode, last), self._autocast():
-                if i < len(mine):
-                    mb = batch.select(mine[i]).to(self.device)
-                    loss, m = self._micro_loss(mb, agg)
-                    acc.add(m, weight=float(mb.mask.sum()))
-                else:  # this rank has fewer micro-batches: keep collectives in step
-                    loss = self._dummy_loss()
-            (loss * self.dist.world_size).backward()
+            # the gradient all-reduce runs in the last micro-batch's backward only
+            with gradient_sync(self.wrapped, self.mode, last):
+                with self._autocast():
+                    if i < len(mine):
+                        mb = batch.select(mine[i]).to(self.device)
+                        loss, m = self._micro_loss(mb, agg)
+                        acc.add(m, weight=float(mb.mask.sum()))
+                    else:  # this rank has fewer micro-batches: keep collectives in step
+                        loss = self._dummy_loss()
+                # data parallelism averages gradients; the loss is already a share of the sum
+                (loss * self.dist.world_size).backward()
 
         grad_norm = torch.nn.utils.clip_grad_norm_(self.wrapped.parameters(), tc.max_grad_norm)
         if hasattr(grad_norm, "full_tensor"):
