@@ -177,3 +177,35 @@ def test_bucket_plan_groups_dtypes_and_respects_the_size():
     assert [(b.dtype, b.numel, b.first, b.count) for b in buckets] == [
         ("float32", 30, 0, 2), ("float32", 100, 2, 1), ("float32", 5, 3, 1),
         ("bfloat16", 16, 4, 2)]
+
+
+def test_a_member_expecting_another_version_refuses_and_the_sender_names_it(broadcaster):
+    # Both ends in this process (threads, real gloo sockets): a disagreement about the sync
+    # plan must surface on both sides, not hang either.
+    import threading
+
+    sender = broadcaster(timeout=3.0)
+    rendezvous = sender.open_group(["explorer-0/w0"])
+    receiver = WeightReceiver(rendezvous, "explorer-0/w0", timeout=10.0)
+    joined = threading.Thread(target=receiver.join)
+    joined.start()
+    outcome: dict[str, BaseException] = {}
+
+    def send() -> None:
+        try:
+            sender.broadcast(5, [("w", torch.ones(2**20))])
+        except BaseException as exc:  # noqa: BLE001 - inspected below
+            outcome["error"] = exc
+
+    sending = threading.Thread(target=send)
+    sending.start()
+    joined.join(30)
+    with pytest.raises(Exception, match="expects version 4, the trainer broadcasts 5"):
+        receiver.receive(4)
+    sending.join(30)
+    assert not sending.is_alive()
+    assert isinstance(outcome.get("error"), PeerDead)
+    assert outcome["error"].peer == "explorer-0/w0"
+    assert not receiver.healthy
+    with pytest.raises(GroupAbandoned, match="unusable"):
+        receiver.receive(5)
