@@ -7,6 +7,7 @@ weights from a transformers config. Tests, benchmarks and the quickstart all sta
 
 from __future__ import annotations
 
+import json
 import string
 from pathlib import Path
 
@@ -23,13 +24,19 @@ def build_tokenizer(path: str | Path | None = None):
     for ch in ALPHABET:
         vocab.setdefault(ch, len(vocab))
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")  # every character, newlines too
     tok.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
         unk_token="<unk>", clean_up_tokenization_spaces=False)
     if path is not None:
         fast.save_pretrained(str(path))
+        # Name the class explicitly: left to guess, AutoTokenizer picks a Qwen2 tokenizer for a
+        # Qwen2 folder, whose normaliser drops whitespace this tokenizer treats as characters.
+        config_path = Path(path) / "tokenizer_config.json"
+        config = json.loads(config_path.read_text())
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        config_path.write_text(json.dumps(config, indent=2))
     return fast
 
 

@@ -20,6 +20,8 @@ import numpy as np
 import structlog
 import torch
 
+from tandem.common.hf import load_tokenizer
+
 from .engine import Completion, Engine, Prompt
 from .sampling import SamplingParams, sample_tokens
 
@@ -201,27 +203,6 @@ class TransformersEngine(Engine):
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
-
-
-def load_tokenizer(path: str | Path) -> Any:
-    """The folder's tokenizer, exactly as saved when it was saved as a plain `tokenizer.json`.
-
-    transformers 5 maps a generic fast tokenizer (`TokenizersBackend`) to the model type's own
-    class (Qwen2Tokenizer for a Qwen2), which rebuilds the pre-tokenizer and, for a character
-    vocabulary, silently drops whitespace; loading it as `PreTrainedTokenizerFast` keeps it intact.
-    """
-    import json
-
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    path = Path(path)
-    config_file = path / "tokenizer_config.json"
-    declared = (json.loads(config_file.read_text()).get("tokenizer_class")
-                if config_file.is_file() else None)
-    generic = declared in ("TokenizersBackend", "PreTrainedTokenizerFast")
-    if generic and (path / "tokenizer.json").is_file():
-        return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
 def load_named_tensors(model: Any, weights: Iterable[tuple[str, Any]]) -> int:

@@ -52,11 +52,13 @@ def warm_start(model_dir: Path, out_dir: Path, rows: list[dict], *, steps: int, 
     """Supervised fine-tuning on prompt -> answer; returns the last loss."""
     import torch
     import torch.nn.functional as F
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    from tandem.common.hf import load_tokenizer
 
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    tok = load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     loss = torch.tensor(float("nan"))
@@ -80,16 +82,18 @@ def warm_start(model_dir: Path, out_dir: Path, rows: list[dict], *, steps: int, 
         opt.step()
     model.save_pretrained(str(out_dir))
     tok.save_pretrained(str(out_dir))
-    return float(loss)
+    return float(loss.detach())
 
 
 def accuracy(model_dir: Path, rows: list[dict], *, samples: int = 4, seed: int = 0,
              max_new_tokens: int = 8) -> dict[str, float]:
     """Held-out accuracy: sampled at temperature 1 (`samples` per prompt) and greedy."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    from tandem.common.hf import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
     tok.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     batch = tok([r["prompt"] for r in rows], return_tensors="pt", padding=True,
