@@ -67,6 +67,7 @@ class Trainer:
         self.tracer = Tracer(self.run_dir if (main and config.logging.trace) else None, "trainer")
         self.writer = MetricsWriter(self.run_dir if main else None, self.tc.tensorboard)
         self.last_checkpoint_step = self.learner.step_count if resume_from else None
+        self._trained_through = self.learner.step_count - 1  # the master's step count
         self._stopping = False
         self._stop_event: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -221,7 +222,7 @@ class Trainer:
                 log.info("trainer.stop", reason=event.body.reason)
                 return None
             go = event.body
-            if not isinstance(go, TrainerGo) or go.step < self.step:
+            if not isinstance(go, TrainerGo) or go.step <= self._trained_through:
                 continue  # a repeat (snapshot after a gap or a restart): already trained
             if time.time() - waited_from > 0.01:
                 self.tracer.record("wait", waited_from, time.time(), step=go.step, what="trainer_go")
@@ -236,6 +237,7 @@ class Trainer:
         groups = go.groups or self.tc.groups_per_step
         sample = await self._unless_stopped(self._sample(groups, go.step))
         metrics = await asyncio.to_thread(self.train_step, sample.experiences, step=go.step)
+        self._trained_through = go.step
         metrics["buffer/dropped_stale"] = float(sample.dropped_stale)
         await self._buffer.call(AckLease(lease_id=sample.lease_id), timeout_key="transport.rpc_timeout")
         await self._master.call(TrainerStepDone(step=go.step, version=go.step + 1, metrics=metrics),
