@@ -244,8 +244,12 @@ class Explorer:
         with self.tracer.span("rollout", step=barrier.step, version=barrier.version,
                               tasks=len(lease.tasks)) as attrs:
             experiences = await self.workflow.run(lease.tasks, ctx)
-            attrs["experiences"] = len(experiences)
-        rollout_s = time.time() - t0
+            rollout_s = time.time() - t0
+            metrics = step_metrics(experiences, rollout_s)
+            # the timeline and `tandem up` read the step's reward and size from its span
+            attrs.update(experiences=len(experiences), groups=len(lease.tasks),
+                         reward_mean=round(metrics["reward_mean"], 6),
+                         tokens=int(metrics["generated_tokens"]))
         await self._put(experiences, barrier)
         try:
             await self.master.call(CompleteTasks(lease_id=lease.lease_id),
@@ -255,7 +259,6 @@ class Explorer:
             # deterministic, so a re-roll of the same tasks is stored once) and the step counts.
             log.warning("explorer.lease_lost", explorer=self.name, lease=lease.lease_id,
                         error=str(exc), hint="raise master.task_lease_seconds")
-        metrics = step_metrics(experiences, rollout_s)
         await self.master.call(
             ExplorerStepDone(explorer=self.name, step=barrier.step, version=barrier.version,
                              batch=barrier.batch, experiences=len(experiences), metrics=metrics),
