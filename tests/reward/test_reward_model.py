@@ -32,11 +32,14 @@ def tiny_reward_model(tmp_path_factory):
 
 
 def _reference(path, texts):
-    """One text at a time (no padding), straight through transformers, from the same folder."""
+    """One text at a time (no padding), straight through transformers, from the same folder,
+    with the character tokenizer as it was built (spaces are tokens)."""
     import torch
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoModelForSequenceClassification
 
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    from tandem.common.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
     model = AutoModelForSequenceClassification.from_pretrained(str(path)).eval()
     with torch.inference_mode():
         return [model(**tokenizer([t], return_tensors="pt")).logits[0, 0].item() for t in texts]

@@ -45,15 +45,17 @@ class RewardModelReward(AsyncReward):
 
     def _load(self) -> None:
         import torch
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        from transformers import AutoModelForSequenceClassification
 
-        tokenizer = AutoTokenizer.from_pretrained(self.settings.path)
+        from tandem.common.hf import load_tokenizer
+
+        tokenizer = load_tokenizer(self.settings.path)
         tokenizer.truncation_side = "left"
         tokenizer.padding_side = "right"
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         model = AutoModelForSequenceClassification.from_pretrained(
-            self.settings.path, dtype=torch.float32).to(self.settings.device).eval()
+            self.settings.path, dtype=torch.float32, local_files_only=True).to(self.settings.device).eval()
         if model.config.pad_token_id is None:
             model.config.pad_token_id = tokenizer.pad_token_id
         if self.settings.label >= model.config.num_labels:
