@@ -179,11 +179,21 @@ def test_extract_program_prefers_the_last_python_block():
     assert extract_program("print(3)") == "print(3)"
 
 
+def test_dataset_shapes_of_stdio_tests():
+    want = ("stdio", [("1", "2"), ("3", "4")], "")
+    assert parse_tests({"inputs": ["1", "3"], "outputs": ["2", "4"]}) == want
+    assert parse_tests('{"inputs": ["1", "3"], "outputs": ["2", "4"]}') == want
+    assert parse_tests({"input": ["1", "3"], "output": ["2", "4"]}) == want
+    assert parse_tests([{"input": "1", "output": "2"}, {"input": "3", "output": "4"}]) == want
+
+
 def test_bad_truth_is_a_clear_error():
     with pytest.raises(ValueError, match="2 inputs but 1 outputs"):
         parse_tests({"inputs": ["1", "2"], "outputs": ["1"]})
     with pytest.raises(ValueError, match="needs tests"):
         parse_tests({"cases": []})
+    with pytest.raises(ValueError, match="not JSON"):
+        parse_tests("print(1)")
 
 
 def test_output_comparison():

@@ -1,8 +1,9 @@
 """`code`: run the response's program against test cases in the sandbox; partial credit.
 
 `truth` holds the tests, in any of the common dataset shapes:
-- `{"tests": [{"input": "...", "output": "..."}, ...]}` or a bare list of such dicts, or
-  `{"inputs": [...], "outputs": [...]}`: stdin/stdout tests; the program reads the input and
+- `{"tests": [{"input": "...", "output": "..."}, ...]}` or a bare list of such dicts,
+  `{"inputs": [...], "outputs": [...]}` (APPS; also as a JSON string) or
+  `{"input": [...], "output": [...]}` (CodeContests): stdin/stdout tests; the program reads the input and
   its stdout must equal the output (trailing whitespace of each line and trailing blank lines
   ignored; `args.compare: tokens` compares whitespace-separated tokens instead);
 - `{"asserts": ["assert f(1) == 2", ...]}` (alias `test_list`, with optional `setup` code run
@@ -17,6 +18,7 @@ and count as failed.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -40,6 +42,13 @@ def extract_program(response: str) -> str:
 
 def parse_tests(truth: Any) -> tuple[str, list[Any], str]:
     """(mode, tests, setup): mode `stdio` with (input, output) pairs or `assert` with code."""
+    if isinstance(truth, str):  # APPS keeps its tests as a JSON string
+        try:
+            truth = json.loads(truth)
+        except ValueError as exc:
+            raise ValueError(f"code truth is a string but not JSON: {exc}") from None
+    if isinstance(truth, dict) and isinstance(truth.get("input"), list):
+        truth = {"inputs": truth["input"], "outputs": truth.get("output", [])}  # CodeContests
     if isinstance(truth, list):
         truth = {"tests": truth}
     if not isinstance(truth, dict):
