@@ -194,6 +194,8 @@ def test_bad_truth_is_a_clear_error():
         parse_tests({"cases": []})
     with pytest.raises(ValueError, match="not JSON"):
         parse_tests("print(1)")
+    with pytest.raises(ValueError, match="give those tests as asserts"):
+        parse_tests({"fn_name": "solve", "inputs": [[1]], "outputs": [2]})
 
 
 def test_output_comparison():

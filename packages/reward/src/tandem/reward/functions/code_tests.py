@@ -47,6 +47,9 @@ def parse_tests(truth: Any) -> tuple[str, list[Any], str]:
             truth = json.loads(truth)
         except ValueError as exc:
             raise ValueError(f"code truth is a string but not JSON: {exc}") from None
+    if isinstance(truth, dict) and truth.get("fn_name"):
+        raise ValueError(f"code truth calls function {truth['fn_name']!r} (APPS call-based); "
+                         "give those tests as asserts instead")
     if isinstance(truth, dict) and isinstance(truth.get("input"), list):
         truth = {"inputs": truth["input"], "outputs": truth.get("output", [])}  # CodeContests
     if isinstance(truth, list):
