@@ -17,8 +17,8 @@ from tandem.reward.functions.k12 import K12Reward
 from tandem.reward.functions.vision import VisionReward, iou, parse_boxes
 from tandem.reward.text import final_answer, fold_width, last_boxed
 
-TEXT = st.text(alphabet=st.sampled_from(list("\\boxed{}()[],. 0123456789-+/abcAB<>:answer"
-                                             "１２Ｂ，　١٢\n")), max_size=80) | st.text(max_size=80)
+SYMBOLS = list("\\boxed{}()[],. 0123456789-+/abcAB<>:answer１２Ｂ，　١٢\n")
+TEXT = st.text(alphabet=st.sampled_from(SYMBOLS), max_size=80) | st.text(max_size=80)
 
 
 @given(TEXT)

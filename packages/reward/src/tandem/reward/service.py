@@ -3,8 +3,9 @@
 Each `reward.score` request is one batch, scored concurrently by the scorer's worker pool
 (`reward.workers` processes for isolated pure functions, as many concurrent code sandboxes).
 Every evaluation is bounded by `reward.timeout` and by the request's own deadline (the
-caller's time-to-live, less a margin to stop the evaluations and send the reply), so an explorer always gets an
-answer in time: overrun evaluations score 0 with reason `timeout` and are counted.
+caller's time-to-live, less a margin to stop the evaluations and send the reply), so an
+explorer always gets an answer in time: overrun evaluations score 0 with reason `timeout` and
+are counted.
 """
 
 from __future__ import annotations

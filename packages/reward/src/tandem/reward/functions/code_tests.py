@@ -3,9 +3,10 @@
 `truth` holds the tests, in any of the common dataset shapes:
 - `{"tests": [{"input": "...", "output": "..."}, ...]}` or a bare list of such dicts,
   `{"inputs": [...], "outputs": [...]}` (APPS; also as a JSON string) or
-  `{"input": [...], "output": [...]}` (CodeContests): stdin/stdout tests; the program reads the input and
-  its stdout must equal the output (trailing whitespace of each line and trailing blank lines
-  ignored; `args.compare: tokens` compares whitespace-separated tokens instead);
+  `{"input": [...], "output": [...]}` (CodeContests): stdin/stdout tests; the program reads
+  the input and its stdout must equal the output (trailing whitespace of each line and
+  trailing blank lines ignored; `args.compare: tokens` compares whitespace-separated tokens
+  instead);
 - `{"asserts": ["assert f(1) == 2", ...]}` (alias `test_list`, with optional `setup` code run
   first): each assertion is one test, run after the program in the same process.
 

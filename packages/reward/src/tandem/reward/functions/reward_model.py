@@ -55,7 +55,8 @@ class RewardModelReward(AsyncReward):
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         model = AutoModelForSequenceClassification.from_pretrained(
-            self.settings.path, dtype=torch.float32, local_files_only=True).to(self.settings.device).eval()
+            self.settings.path, dtype=torch.float32, local_files_only=True)
+        model = model.to(self.settings.device).eval()
         if model.config.pad_token_id is None:
             model.config.pad_token_id = tokenizer.pad_token_id
         if self.settings.label >= model.config.num_labels:
