@@ -47,6 +47,6 @@ from .master import (
     WeightsPublished,
     barrier_topic,
 )
-from .reward import Score, ScoreBatch, ScoreItem, Scores
+from .reward import GetRewardStats, RewardStats, Score, ScoreBatch, ScoreItem, Scores
 
 __all__ = [name for name in dir() if not name.startswith("_")]
