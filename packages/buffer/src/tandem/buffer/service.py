@@ -115,19 +115,26 @@ class Buffer:
         outcome = await self.store.put(msg.experiences, self._group_sizes(msg))
         if outcome.stored:
             self._notify()
-            now = time.time()
-            if self.tracer.enabled and now - self._last_fill >= FILL_EVERY:
-                self._last_fill = now
-                task = asyncio.create_task(self._trace_fill())  # not on this put's reply path
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+            self._trace_fill(throttle=True)
         log.debug("buffer.put", peer=ctx.peer, stored=outcome.stored,
                   duplicates=outcome.duplicates, dropped_stale=outcome.dropped_stale)
         return PutResult(stored=outcome.stored, duplicates=outcome.duplicates,
                          dropped_stale=outcome.dropped_stale)
 
-    async def _trace_fill(self) -> None:
-        self.tracer.event("buffer_fill", ready=await self.store.ready_groups())
+    def _trace_fill(self, *, throttle: bool = False) -> None:
+        """Record the ready-group count for the timeline: after every sample or release (the
+        level drops), and at most every FILL_EVERY seconds on puts (they come in bursts)."""
+        now = time.time()
+        if not self.tracer.enabled or (throttle and now - self._last_fill < FILL_EVERY):
+            return
+        self._last_fill = now
+
+        async def record() -> None:
+            self.tracer.event("buffer_fill", ready=await self.store.ready_groups())
+
+        task = asyncio.create_task(record())  # off the reply path
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def on_sample(self, msg: SampleGroups, ctx: CallContext) -> SampleResult:
         loop = asyncio.get_running_loop()
@@ -154,6 +161,7 @@ class Buffer:
                     pass
         if waited:
             self.tracer.record("wait", started, time.time(), what="sample", groups=msg.num_groups)
+        self._trace_fill()
         log.debug("buffer.sample", peer=ctx.peer, lease=lease.lease_id, groups=len(lease.group_ids),
                   experiences=len(lease.experiences), dropped_stale=lease.dropped_stale + dropped)
         return SampleResult(lease_id=lease.lease_id, expires_at=lease.expires_at,
@@ -168,6 +176,7 @@ class Buffer:
     async def on_release(self, msg: ReleaseLease, ctx: CallContext) -> Ok:
         await self.store.release(msg.lease_id)
         self._notify()
+        self._trace_fill()
         log.debug("buffer.release", peer=ctx.peer, lease=msg.lease_id)
         return Ok()
 
