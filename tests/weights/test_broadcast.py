@@ -209,3 +209,41 @@ def test_a_member_expecting_another_version_refuses_and_the_sender_names_it(broa
     assert not receiver.healthy
     with pytest.raises(GroupAbandoned, match="unusable"):
         receiver.receive(5)
+
+
+def test_close_releases_a_blocked_join_and_a_blocked_broadcast_at_once(broadcaster):
+    # An explorer or trainer shutting down must not wait out sync.timeout in a helper thread.
+    import threading
+
+    sender = broadcaster(timeout=60.0)
+    rendezvous = sender.open_group(["explorer-0/w0", "explorer-1/w0"])
+    receiver = WeightReceiver(rendezvous, "explorer-0/w0", timeout=60.0)
+    errors: dict[str, BaseException] = {}
+
+    def run(name, fn) -> threading.Thread:
+        def target() -> None:
+            try:
+                fn()
+            except BaseException as exc:  # noqa: BLE001 - inspected below
+                errors[name] = exc
+        thread = threading.Thread(target=target)
+        thread.start()
+        return thread
+
+    joining = run("join", receiver.join)  # waits for the trainer to choose a backend
+    # waits for explorer-1, which never comes
+    sending = run("broadcast", lambda: sender.broadcast(1, [("w", torch.ones(4))]))
+    deadline = time.monotonic() + 30
+    while sender.joined() != ["explorer-0/w0"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    start = time.monotonic()
+    receiver.close()
+    sender.close()
+    joining.join(5)
+    sending.join(5)
+    assert not joining.is_alive() and not sending.is_alive()
+    assert time.monotonic() - start < 3.0
+    assert isinstance(errors["join"], GroupAbandoned) and "was closed" in str(errors["join"])
+    assert isinstance(errors["broadcast"], GroupAbandoned)
+    assert "closed its broadcaster" in str(errors["broadcast"])

@@ -129,6 +129,7 @@ class WeightBroadcaster:
         self.epoch = 0
         self._current: _Epoch | None = None
         self._scratch: dict[tuple[torch.dtype, int], torch.Tensor] = {}
+        self._closed = False
 
     @classmethod
     def from_config(cls, config, *, device: str | torch.device = "cpu") -> "WeightBroadcaster":
@@ -168,6 +169,8 @@ class WeightBroadcaster:
                   ) -> BroadcastStats:
         """Send `version` to every member of the current group, or raise and abandon it."""
         group = self._current
+        if self._closed:
+            raise WeightsError("broadcast() after close()")
         if group is None:
             raise WeightsError("no broadcast group: call open_group(members) and announce it "
                                "before broadcast()")
@@ -193,7 +196,7 @@ class WeightBroadcaster:
     def _build(self, group: _Epoch, version: int) -> None:
         members = group.rendezvous.members
         keys = [f"join/{rank}" for rank in range(1, len(members) + 1)]
-        missing = wait_keys(group.store, keys, self.timeout)
+        missing = wait_keys(group.store, keys, self.timeout, self._closing)
         if missing:
             names = [members[int(k.split("/")[1]) - 1] for k in missing]
             raise PeerDead(names[0], (
@@ -216,7 +219,9 @@ class WeightBroadcaster:
                 lambda: build_backend(backend, store, 0, group.rendezvous.world_size,
                                       device=self.device, bind_host=self.host,
                                       timeout=self.timeout),
-                self.timeout, lambda: None)
+                self.timeout, lambda: None, self._closing)
+        except GroupAbandoned:
+            raise
         except Exception as exc:
             raise PeerDead(members[0], (
                 f"weights broadcast of version {version}: building the {backend} group with "
@@ -251,7 +256,7 @@ class WeightBroadcaster:
         if in_flight is not None:
             self._finish(group, version, seq, in_flight, len(buckets))
         done = [f"done/{seq}/{r}" for r in ranks]
-        missing = wait_keys(group.store, done, self.timeout)
+        missing = wait_keys(group.store, done, self.timeout, self._closing)
         if missing:
             names = [group.rendezvous.members[int(k.rsplit("/", 1)[1]) - 1] for k in missing]
             raise PeerDead(names[0], (
@@ -265,7 +270,9 @@ class WeightBroadcaster:
                 buckets: int) -> None:
         b, collective = in_flight
         try:
-            collective.result(self.timeout, lambda: shutdown_backend(group.pg))
+            collective.result(self.timeout, lambda: shutdown_backend(group.pg), self._closing)
+        except GroupAbandoned:
+            raise
         except Exception as exc:
             ranks = range(1, group.rendezvous.world_size)
             lagging = [group.rendezvous.members[r - 1] for r in ranks
@@ -306,8 +313,13 @@ class WeightBroadcaster:
         (log.warning if failed else log.info)(
             "weights.group.abandoned", epoch=group.rendezvous.epoch, reason=reason)
 
+    def _closing(self) -> str | None:
+        return "the trainer closed its broadcaster" if self._closed else None
+
     def close(self) -> None:
-        """Abandon the current group and stop serving the store."""
+        """Abandon the current group and stop serving the store; a `broadcast` blocked in
+        another thread raises GroupAbandoned within half a second."""
+        self._closed = True
         self._abandon("the trainer closed its broadcaster", failed=False)
         self._scratch.clear()
         self.store = None  # type: ignore[assignment]
@@ -346,6 +358,7 @@ class WeightReceiver:
         self._broken: str | None = None
         self.reuse_buffers = reuse_buffers
         self._scratch: dict[torch.dtype, torch.Tensor] = {}
+        self._closed = False
 
     @property
     def epoch(self) -> int:
@@ -367,6 +380,8 @@ class WeightReceiver:
         return f"trainer (rank 0, store {r.host}:{r.port}, group epoch {r.epoch})"
 
     def _abandoned(self) -> str | None:
+        if self._closed:
+            return f"weight group member {self.member} was closed"
         store = self._store
         if store is not None and store.check(["abandoned"]):
             reason = store.get("abandoned").decode(errors="replace")
@@ -483,7 +498,10 @@ class WeightReceiver:
             self._pg = None
 
     def close(self) -> None:
-        """Leave the group (the trainer notices at its next transfer and opens a new epoch)."""
+        """Leave the group (the trainer notices at its next transfer and opens a new epoch).
+
+        A `join` or `receive` blocked in another thread raises GroupAbandoned within half a
+        second, so an explorer shutting down never waits out `sync.timeout`."""
+        self._closed = True
         self._fail("member closed")
         self._scratch.clear()
-        self._store = None
