@@ -25,8 +25,8 @@ from .group import GroupAbandoned, engine_member, engine_members
 from .tensors import WeightsError, load_into, plan_buckets
 
 __all__ = [
-    "BroadcastStats", "GroupAbandoned", "GroupRendezvous", "Manifest", "PublishedVersion", "WeightBroadcaster",
-    "WeightPublisher", "WeightReceiver", "WeightSubscriber", "WeightsError", "engine_member",
-    "engine_members",
-    "list_versions", "load_into", "plan_buckets", "version_dir",
+    "BroadcastStats", "GroupAbandoned", "GroupRendezvous", "Manifest", "PublishedVersion",
+    "WeightBroadcaster", "WeightPublisher", "WeightReceiver", "WeightSubscriber", "WeightsError",
+    "engine_member", "engine_members", "list_versions", "load_into", "plan_buckets",
+    "version_dir",
 ]
