@@ -247,3 +247,45 @@ def test_close_releases_a_blocked_join_and_a_blocked_broadcast_at_once(broadcast
     assert isinstance(errors["join"], GroupAbandoned) and "was closed" in str(errors["join"])
     assert isinstance(errors["broadcast"], GroupAbandoned)
     assert "closed its broadcaster" in str(errors["broadcast"])
+
+
+def _member_in_thread(receiver: WeightReceiver, version: int, got: dict):
+    """Join and receive one version on a thread, as an explorer's engine thread would."""
+    import threading
+
+    def run() -> None:
+        receiver.join()
+        got.update((n, t.clone()) for n, t in receiver.receive(version))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def test_a_member_that_restarts_into_a_formed_group_gets_a_new_epoch(broadcaster):
+    # Both ends in this process (threads, real gloo sockets).
+    sender = broadcaster(timeout=10.0)
+    first = sender.open_group(["explorer-0/w0"])
+    before, got = WeightReceiver(first, "explorer-0/w0", timeout=10.0), {}
+    member = _member_in_thread(before, 1, got)
+    sender.broadcast(1, [("w", torch.full((8,), 1.0))])
+    member.join(10)
+    assert torch.equal(got["w"], torch.full((8,), 1.0)) and sender.rendezvous == first
+
+    after = WeightReceiver(first, "explorer-0/w0", timeout=10.0)  # the restarted process
+    with pytest.raises(GroupAbandoned, match="already has a explorer-0/w0"):
+        after.join()
+    assert sender.rendezvous is None  # the trainer's cue to open a new epoch
+    start = time.monotonic()
+    with pytest.raises(PeerDead, match="restarted after group epoch 1") as failure:
+        sender.broadcast(2, [("w", torch.full((8,), 2.0))])
+    assert failure.value.peer == "explorer-0/w0" and time.monotonic() - start < 1.0
+    before.close()
+
+    second = sender.open_group(["explorer-0/w0"])
+    again, got = WeightReceiver(second, "explorer-0/w0", timeout=10.0), {}
+    member = _member_in_thread(again, 2, got)
+    sender.broadcast(2, [("w", torch.full((8,), 2.0))])
+    member.join(10)
+    assert torch.equal(got["w"], torch.full((8,), 2.0))
+    again.close()

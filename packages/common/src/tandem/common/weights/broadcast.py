@@ -140,8 +140,17 @@ class WeightBroadcaster:
 
     @property
     def rendezvous(self) -> GroupRendezvous | None:
-        """The current group, or None when there is none or it was abandoned."""
-        return self._current.rendezvous if self._current is not None else None
+        """The current group; None when there is none, it was abandoned, or a member restarted
+        since it formed. None means: `open_group` and announce before the next broadcast."""
+        group = self._current
+        if group is None or self._restarted(group):
+            return None
+        return group.rendezvous
+
+    def _restarted(self, group: _Epoch) -> list[str]:
+        """Members that signed in again after the group formed (restarted or duplicated)."""
+        return [m for rank, m in enumerate(group.rendezvous.members, start=1)
+                if group.store.check([f"rejoin/{rank}"])]
 
     def open_group(self, members: list[str]) -> GroupRendezvous:
         """Start a new epoch for `members` (abandoning the current one); announce the result."""
@@ -176,6 +185,11 @@ class WeightBroadcaster:
                                "before broadcast()")
         start = time.perf_counter()
         try:
+            restarted = self._restarted(group)
+            if restarted:
+                raise PeerDead(restarted[0], (
+                    f"weights broadcast of version {version}: {restarted} restarted after "
+                    f"{self._where(group)} formed; open a new group and announce it"))
             if group.pg is None:
                 self._build(group, version)
             moved, buckets = self._send(group, version,
@@ -406,6 +420,13 @@ class WeightReceiver:
         reason = self._abandoned()
         if reason is not None:
             raise GroupAbandoned(reason)
+        if self._store.check([f"join/{self.rank}"]):
+            # An earlier incarnation of this member signed in: that group was formed without
+            # this process. Tell the trainer, which then opens a new epoch.
+            self._store.set(f"rejoin/{self.rank}", str(os.getpid()).encode())
+            raise GroupAbandoned(
+                f"weight group epoch {r.epoch} already has a {self.member} (this one restarted "
+                "or joined twice); the trainer opens a new epoch at its next sync point")
         me = GroupMember(name=self.member, rank=self.rank,
                          device="cuda" if self.device.type == "cuda" else "cpu",
                          host=socket.gethostname(), pid=os.getpid())
