@@ -171,3 +171,19 @@ def test_bad_inputs_are_clear_errors(tiny_model_path, make_config, make_group):
     bad = make_group("t", "", ["1"], [1.0])
     with pytest.raises(ValueError, match="prompt_len is 0"):
         build_batch(bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_step_uses_bf16_autocast_and_keeps_fp32_weights(tiny_model_path, fixed_batch,
+                                                            make_config):
+    learner = Learner(make_config(tiny_model_path, device="cuda", kl={"coef": 0.1}))
+    assert learner.device.type == "cuda"
+    with learner._autocast():
+        out = learner.actor(torch.tensor([[1, 2, 3]], device="cuda"),
+                            torch.ones(1, 3, dtype=torch.long, device="cuda"))
+    assert out.logprobs.dtype == torch.float32  # logprobs in fp32 from bf16 logits
+    m = learner.step(fixed_batch)
+    assert all(torch.isfinite(torch.tensor(v)) for v in m.values()), m
+    assert all(p.dtype == torch.float32 for p in learner.actor.parameters())
+    assert abs(m["kl/reference"]) < 1e-2  # bf16 reference vs fp32-master policy: close

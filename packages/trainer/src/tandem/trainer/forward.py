@@ -33,10 +33,13 @@ def token_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0,
     lse = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
     ent = None
-    if entropy is not None:
-        with torch.set_grad_enabled(entropy == "loss" and torch.is_grad_enabled()):
-            z = logits if entropy == "loss" else logits.detach()
-            ent = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+    if entropy == "loss":
+        ent = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    elif entropy == "metric":
+        # H = lse - sum(p * z) with p = exp(z - lse): one vocabulary-sized buffer, reused in place
+        with torch.no_grad():
+            z, m = logits.detach(), lse.detach()
+            ent = m - (z - m.unsqueeze(-1)).exp_().mul_(z).sum(-1)
     return logp, ent
 
 
