@@ -108,6 +108,8 @@ def test_tied_weights_and_empty_input_are_clear_errors(tmp_path):
     shared = torch.ones(4)
     with pytest.raises(WeightsError, match="'x' and 'y' share memory"):
         WeightPublisher(tmp_path).publish(0, [("x", shared), ("y", shared)])
+    with pytest.raises(WeightsError, match="'x' is given twice"):
+        WeightPublisher(tmp_path).publish(0, [("x", torch.ones(1)), ("x", torch.zeros(1))])
     with pytest.raises(WeightsError, match="no tensors"):
         WeightPublisher(tmp_path).publish(0, [])
     assert WeightSubscriber(tmp_path).versions() == []

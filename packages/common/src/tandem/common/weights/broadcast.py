@@ -52,7 +52,7 @@ from .group import (
     start_broadcast,
     wait_keys,
 )
-from .tensors import WeightsError, dtype_name, plan_buckets, torch_dtype
+from .tensors import WeightsError, check_unique_names, dtype_name, plan_buckets, torch_dtype
 
 log = structlog.get_logger(__name__)
 
@@ -184,6 +184,8 @@ class WeightBroadcaster:
             raise WeightsError("no broadcast group: call open_group(members) and announce it "
                                "before broadcast()")
         start = time.perf_counter()
+        tensors = [(n, t.detach()) for n, t in named_tensors]
+        check_unique_names(tensors, f"weights broadcast of version {version}")
         try:
             restarted = self._restarted(group)
             if restarted:
@@ -192,8 +194,7 @@ class WeightBroadcaster:
                     f"{self._where(group)} formed; open a new group and announce it"))
             if group.pg is None:
                 self._build(group, version)
-            moved, buckets = self._send(group, version,
-                                        [(n, t.detach()) for n, t in named_tensors])
+            moved, buckets = self._send(group, version, tensors)
         except BaseException as exc:
             self._abandon(f"version {version} failed: {exc}")
             raise

@@ -27,7 +27,7 @@ import torch
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .tensors import WeightsError, dtype_name, torch_dtype
+from .tensors import WeightsError, check_unique_names, dtype_name, torch_dtype
 
 log = structlog.get_logger(__name__)
 
@@ -188,6 +188,7 @@ class WeightPublisher:
         tensors = [(name, t.detach()) for name, t in named_tensors]
         if not tensors:
             raise WeightsError(f"weights version {version}: no tensors to publish")
+        check_unique_names(tensors, f"weights version {version}")
         _check_no_aliases(tensors)
         tmp = self.root / f".tmp-v{version}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()

@@ -27,6 +27,15 @@ def torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
+def check_unique_names(tensors: list[tuple[str, torch.Tensor]], what: str) -> None:
+    """A name given twice would silently keep one of the two: refuse it, naming it."""
+    seen: set[str] = set()
+    for name, _ in tensors:
+        if name in seen:
+            raise WeightsError(f"{what}: tensor name {name!r} is given twice")
+        seen.add(name)
+
+
 def plan_buckets(specs: list[TensorSpec], bucket_bytes: int) -> tuple[list[int], list[BucketSpec]]:
     """Group tensors by dtype (first-seen order) and pack each group into buckets.
 
