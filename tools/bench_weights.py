@@ -108,7 +108,8 @@ def build_flat_group(store, rank: int, device: str):
     if device.startswith("cuda"):
         import torch
 
-        torch.cuda.set_device(torch.device(device))
+        if torch.device(device).index is not None:
+            torch.cuda.set_device(torch.device(device))
         return dist.ProcessGroupNCCL(prefix, rank, 2)
     options = dist.ProcessGroupGloo._Options()
     options._timeout = datetime.timedelta(seconds=120)
