@@ -1,8 +1,9 @@
 """Run by test_distributed under torchrun: a `Trainer` on 2 gloo ranks, DDP then FSDP2.
 
 Rank 0 drives (train_step twice, policy_weights, save_checkpoint for FSDP2, close); rank 1
-follows its commands, receiving each batch as tensors. argv: model path, experiences JSON,
-output folder; rank 0 writes the published weights and the metrics of each mode.
+follows its commands, receiving each batch as tensors. Then a third step by a trainer resumed
+from the FSDP2 checkpoint. argv: model path, experiences JSON, output folder; rank 0 writes the
+published weights and the metrics of each run.
 """
 
 import json
@@ -24,13 +25,14 @@ batch = [Experience(**{**r, "tokens": np.array(r["tokens"], dtype=np.int32),
                        "logprobs": np.array(r["logprobs"], dtype=np.float32)}) for r in rows]
 info = distributed.from_env()
 distributed.init(info, torch.device("cpu"), timeout=60)
-for mode in ("ddp", "fsdp"):
+for mode in ("ddp", "fsdp", "fsdp-resumed"):
+    resume = mode == "fsdp-resumed"
     config = RunConfig.model_validate({
-        "model": {"path": model_path}, "run_dir": str(out / mode),
-        "trainer": {"parallel": mode, "micro_batch_tokens": 24, "lr": 1e-3, "tensorboard": False,
+        "model": {"path": model_path}, "run_dir": str(out / ("fsdp" if resume else mode)),
+        "trainer": {"parallel": mode.split("-")[0], "micro_batch_tokens": 24, "lr": 1e-3, "tensorboard": False,
                     "off_policy": {"proximal": True}},
     })
-    trainer = Trainer(config, dist_info=info)
+    trainer = Trainer(config, dist_info=info, resume=resume)
     reduces = []
     if mode == "ddp":  # count gradient all-reduces: one per bucket per step, not per micro-batch
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -43,9 +45,9 @@ for mode in ("ddp", "fsdp"):
     if not info.is_main:
         trainer.follow()
         continue
-    metrics = [trainer.train_step(batch) for _ in range(2)]
+    metrics = [trainer.train_step(batch) for _ in range(1 if resume else 2)]
     weights = dict(trainer.policy_weights())
-    if mode == "fsdp":
+    if mode.startswith("fsdp"):
         trainer.save_checkpoint()
     trainer.close()
     torch.save(weights, out / f"{mode}.pt")

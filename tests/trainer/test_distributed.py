@@ -42,7 +42,7 @@ def test_two_ranks_match_one(tiny_model_path, fixed_batch, make_config, tmp_path
     single = Learner(make_config(tiny_model_path, micro_batch_tokens=24,
                                  off_policy={"proximal": True}))
     expected = [single.step(fixed_batch) for _ in range(2)]
-    reference = single.policy_state_dict()
+    reference = {k: v.clone() for k, v in single.policy_state_dict().items()}  # live tensors
     for mode in ("ddp", "fsdp"):
         got = torch.load(tmp_path / f"{mode}.pt", weights_only=True)
         assert set(got) == set(reference) - {"lm_head.weight"}  # tied: published once
@@ -55,7 +55,14 @@ def test_two_ranks_match_one(tiny_model_path, fixed_batch, make_config, tmp_path
             assert result["reduces"] == 2, "gradients were all-reduced per micro-batch"
         for key in ("loss/policy", "optim/grad_norm", "policy/clip_frac", "policy/ratio_max"):
             assert metrics[1][key] == pytest.approx(expected[1][key], rel=1e-3, abs=1e-6), (mode, key)
+    # a trainer resumed from the FSDP2 checkpoint takes the third step the single process takes
+    single.step(fixed_batch)
+    resumed = torch.load(tmp_path / "fsdp-resumed.pt", weights_only=True)
+    third = single.policy_state_dict()
+    for name, tensor in resumed.items():
+        torch.testing.assert_close(tensor, third[name], rtol=1e-4, atol=1e-5)
     saved = load_file(str(tmp_path / "fsdp" / "checkpoints" / "step_00000002" / "model" /
                           "model.safetensors"))
     for name, tensor in saved.items():
         torch.testing.assert_close(tensor, reference[name], rtol=1e-4, atol=1e-5)
+    assert (tmp_path / "fsdp" / "checkpoints" / "step_00000003").exists()

@@ -316,7 +316,11 @@ class Learner:
     # -- weights and checkpoints ---------------------------------------------------------------
 
     def policy_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
-        """The policy's weights with Hugging Face names, on CPU (a collective under FSDP)."""
+        """The policy's weights with Hugging Face names, on CPU (a collective under FSDP).
+
+        On CPU without FSDP these are the live parameters, not copies: use them before the next
+        step (publishing does) or clone them.
+        """
         full = ckpt.full_model_state(self.actor, self.mode)
         out = {}
         for name, tensor in full.items():
