@@ -228,3 +228,20 @@ async def test_trainer_broadcasts_weights_to_the_explorer_at_sync_points(
         assert not torch.equal(received[1][NAME], received[2][NAME])
 
     await run_scenario(tmp_path, tiny_model_path, tokenizer, "nccl", check)
+
+
+def test_a_version_already_on_disk_is_announced_not_rewritten(tmp_path, tiny_model_path,
+                                                              fixed_batch, make_config):
+    cfg = make_config(tiny_model_path, run_dir=tmp_path)
+    trainer = Trainer(cfg)
+    try:
+        trainer.train_step(fixed_batch)
+        first = trainer._publish_checkpoint(1)
+        written = (first / "manifest.json").stat().st_mtime_ns
+        trainer.train_step(fixed_batch)
+        # a restarted trainer asked for version 1 again: the one on disk stands
+        assert trainer._publish_checkpoint(1) == first
+        assert (first / "manifest.json").stat().st_mtime_ns == written
+        assert dict(WeightSubscriber(tmp_path).load(1)).keys() == {n for n, _ in trainer.policy_weights()}
+    finally:
+        trainer.close()

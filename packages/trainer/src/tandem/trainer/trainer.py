@@ -276,9 +276,9 @@ class Trainer:
         method = self.config.sync.method
         start = time.time()
         if method == "checkpoint":
-            published = await asyncio.to_thread(self._publish_checkpoint, version)
+            path = await asyncio.to_thread(self._publish_checkpoint, version)
             await self._master.call(
-                WeightsPublished(version=version, method="checkpoint", path=str(published.path)),
+                WeightsPublished(version=version, method="checkpoint", path=str(path)),
                 timeout_key="transport.rpc_timeout")
         else:
             from tandem.common.weights import WeightBroadcaster, engine_members
@@ -297,13 +297,19 @@ class Trainer:
             await asyncio.to_thread(self._broadcaster.broadcast, version, tensors)
         self.tracer.record("sync", start, time.time(), step=go.step, version=version, method=method)
 
-    def _publish_checkpoint(self, version: int):
-        from tandem.common.weights import WeightPublisher
+    def _publish_checkpoint(self, version: int) -> Path:
+        from tandem.common.weights import WeightPublisher, version_dir
 
+        existing = version_dir(self.run_dir, version)
+        if existing.exists():
+            # written before a restart but perhaps never announced: versions are immutable,
+            # so announce the one on disk
+            log.warning("weights.version_exists", version=version, path=str(existing))
+            return existing
         if self._publisher is None:
             self._publisher = WeightPublisher.from_config(self.run_dir, self.config.weights,
                                                           in_use=lambda: self._in_use)
-        return self._publisher.publish(version, self.policy_weights())
+        return self._publisher.publish(version, self.policy_weights()).path
 
     async def _close_clients(self) -> None:
         if self._heartbeat is not None:
