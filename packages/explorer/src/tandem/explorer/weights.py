@@ -52,12 +52,14 @@ class WeightLoader:
         """
         if not rendezvous or self.member not in rendezvous.get("members", []):
             return
-        if self.receiver is not None and self.receiver.epoch == rendezvous.get("epoch"):
+        if self.receiver is not None and self.receiver.matches(rendezvous):
             return
         if self._joining is not None and not self._joining.done():
             self._joining.cancel()
         self._close_receiver()
-        receiver = WeightReceiver(rendezvous, self.member, device=self.device, timeout=self.timeout)
+        # load_named_tensors copies each tensor at once, so buckets can be reused
+        receiver = WeightReceiver(rendezvous, self.member, device=self.device, timeout=self.timeout,
+                                  reuse_buffers=True)
         self.receiver = receiver
         self._joining = asyncio.create_task(asyncio.to_thread(receiver.join),
                                             name=f"weights-join-{receiver.epoch}")

@@ -3,6 +3,7 @@
 - `base`: the envelope-level messages (ok, heartbeat, pub/sub snapshot) and array fields.
 - `experience`: the experience and the task (DESIGN §3).
 - `buffer`, `master`, `reward`: each service's requests, replies and published events.
+- `weights`: the broadcast group's rendezvous and per-version tensor layout (`tandem.common.weights`).
 """
 
 from .base import (
