@@ -190,7 +190,8 @@ def main() -> None:
                 print(f"{kind:12s} budget {budget:5d}  micro-batches {row['micro_batches']:2d}  "
                       f"bare {row['bare_tokens_per_s']:9.1f} tok/s  "
                       f"trainer {row['trainer_tokens_per_s']:9.1f} tok/s  "
-                      f"ratio {row['ratio']:.2f}  cpu-time ratio {row['cpu_ratio']:.2f}", flush=True)
+                      f"ratio {row['ratio']:.2f}  cpu-time ratio {row['cpu_ratio']:.2f}",
+                      flush=True)
 
     print()
     print("| model | micro-batch tokens | micro-batches | bare tok/s | trainer tok/s | "
@@ -198,7 +199,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['model']} | {r['budget']} | {r['micro_batches']} | "
-              f"{r['bare_tokens_per_s']:.1f} | {r['trainer_tokens_per_s']:.1f} | {r['ratio']:.2f} | "
+              f"{r['bare_tokens_per_s']:.1f} | {r['trainer_tokens_per_s']:.1f} | "
+              f"{r['ratio']:.2f} | "
               f"{r['cpu_ratio']:.2f} |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

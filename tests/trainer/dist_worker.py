@@ -29,8 +29,8 @@ for mode in ("ddp", "fsdp", "fsdp-resumed"):
     resume = mode == "fsdp-resumed"
     config = RunConfig.model_validate({
         "model": {"path": model_path}, "run_dir": str(out / ("fsdp" if resume else mode)),
-        "trainer": {"parallel": mode.split("-")[0], "micro_batch_tokens": 24, "lr": 1e-3, "tensorboard": False,
-                    "off_policy": {"proximal": True}},
+        "trainer": {"parallel": mode.split("-")[0], "micro_batch_tokens": 24, "lr": 1e-3,
+                    "tensorboard": False, "off_policy": {"proximal": True}},
     })
     trainer = Trainer(config, dist_info=info, resume=resume)
     reduces = []

@@ -15,7 +15,8 @@ MASK = torch.tensor([[1.0, 1.0, 0.0]] * 4)
 
 
 def near(actual, expected):
-    torch.testing.assert_close(actual.detach().double(), torch.tensor(expected, dtype=torch.float64))
+    expected = torch.tensor(expected, dtype=torch.float64)
+    torch.testing.assert_close(actual.detach().double(), expected)
 
 
 def seq_adv(name, **cfg):
@@ -27,7 +28,8 @@ def seq_adv(name, **cfg):
 
 def test_grpo_scales_by_unbiased_group_std_and_a_single_gets_zero():
     std = math.sqrt(1 / 3)
-    assert seq_adv("grpo", std_eps=1e-12) == pytest.approx([2 / 3 / std, -1 / 3 / std, -1 / 3 / std, 0.0])
+    expected = [2 / 3 / std, -1 / 3 / std, -1 / 3 / std, 0.0]
+    assert seq_adv("grpo", std_eps=1e-12) == pytest.approx(expected)
 
 
 def test_dr_grpo_does_not_scale():
@@ -39,7 +41,8 @@ def test_rloo_leaves_one_out():
 
 
 def test_token_rewards_add_to_the_sequence_reward():
-    token_rewards = torch.tensor([[0.0, 0.0, 9.0], [0.5, 0.5, 9.0], [0.0, 0.0, 9.0], [0.0, 0.0, 0.0]])
+    token_rewards = torch.tensor(
+        [[0.0, 0.0, 9.0], [0.5, 0.5, 9.0], [0.0, 0.0, 9.0], [0.0, 0.0, 0.0]])
     out = ADVANTAGES.get("dr_grpo")(AdvantageInputs(REWARDS, GROUPS, MASK, token_rewards),
                                     TrainerConfig())
     # sequence rewards become 1, 1, 0 (masked 9s ignored) -> mean 2/3

@@ -38,8 +38,8 @@ def test_help_and_bad_config_answer_without_loading_torch(tmp_path):
 
 @pytest.mark.slow
 def test_no_master_is_a_one_line_error_naming_the_key(tmp_path, tiny_model_path):
-    out = subprocess.run(args(tmp_path / "run", tiny_model_path, "--set", "transport.rpc_timeout=0.5"),
-                         capture_output=True, text=True, timeout=120)
+    cmd = args(tmp_path / "run", tiny_model_path, "--set", "transport.rpc_timeout=0.5")
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 1, out.stderr[-2000:]
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("tandem-trainer: master at tcp://127.0.0.1:")

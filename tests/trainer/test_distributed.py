@@ -54,7 +54,8 @@ def test_two_ranks_match_one(tiny_model_path, fixed_batch, make_config, tmp_path
             assert metrics[0]["batch/micro_batches"] >= 2
             assert result["reduces"] == 2, "gradients were all-reduced per micro-batch"
         for key in ("loss/policy", "optim/grad_norm", "policy/clip_frac", "policy/ratio_max"):
-            assert metrics[1][key] == pytest.approx(expected[1][key], rel=1e-3, abs=1e-6), (mode, key)
+            assert metrics[1][key] == pytest.approx(expected[1][key], rel=1e-3, abs=1e-6), \
+                (mode, key)
     # a trainer resumed from the FSDP2 checkpoint takes the third step the single process takes
     single.step(fixed_batch)
     resumed = torch.load(tmp_path / "fsdp-resumed.pt", weights_only=True)

@@ -14,7 +14,8 @@ LOG = math.log
 
 
 def near(actual, expected):
-    torch.testing.assert_close(actual.detach().double(), torch.tensor(expected, dtype=torch.float64))
+    expected = torch.tensor(expected, dtype=torch.float64)
+    torch.testing.assert_close(actual.detach().double(), expected)
 
 
 def leaf(rows):
@@ -151,7 +152,9 @@ def test_aggregation_modes_and_micro_batch_additivity():
 def test_kl_estimators_values_and_gradients():
     ref = t([[LOG(0.25), 5.0]])
     mask = t([[1.0, 0.0]])
-    expected = {"k1": (LOG(2), 1.0), "k2": (0.5 * LOG(2) ** 2, LOG(2)), "k3": (0.5 - 1 + LOG(2), 0.5)}
+    # (value, d/dlogp) at log ratio log 2
+    expected = {"k1": (LOG(2), 1.0), "k2": (0.5 * LOG(2) ** 2, LOG(2)),
+                "k3": (0.5 - 1 + LOG(2), 0.5)}
     for name, (value, grad) in expected.items():
         logp = leaf([[LOG(0.5), -3.0]])
         kl = kl_estimate(logp, ref, name)

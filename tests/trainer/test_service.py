@@ -155,8 +155,10 @@ async def run_scenario(tmp_path, tiny_model_path, tokenizer, method: str, check)
                     "sample_wait": 1.0, "idle_timeout": 60},
     }))
     cfg = load_config(config_file)
-    master = start([str(BIN / "tandem-master"), "--config", str(config_file)], tmp_path / "master.log")
-    buffer = start([str(BIN / "tandem-buffer"), "--config", str(config_file)], tmp_path / "buffer.log")
+    master = start([str(BIN / "tandem-master"), "--config", str(config_file)],
+                   tmp_path / "master.log")
+    buffer = start([str(BIN / "tandem-buffer"), "--config", str(config_file)],
+                   tmp_path / "buffer.log")
     trainer = None
     probe_m = RpcClient(cfg.master.address, peer="master", name="probe-m")
     probe_b = RpcClient(cfg.buffer.address, peer="buffer", name="probe-b")
@@ -242,6 +244,7 @@ def test_a_version_already_on_disk_is_announced_not_rewritten(tmp_path, tiny_mod
         # a restarted trainer asked for version 1 again: the one on disk stands
         assert trainer._publish_checkpoint(1) == first
         assert (first / "manifest.json").stat().st_mtime_ns == written
-        assert dict(WeightSubscriber(tmp_path).load(1)).keys() == {n for n, _ in trainer.policy_weights()}
+        published = dict(WeightSubscriber(tmp_path).load(1))
+        assert published.keys() == {n for n, _ in trainer.policy_weights()}
     finally:
         trainer.close()

@@ -82,7 +82,8 @@ def build_batch(experiences: Sequence[Experience], pad_id: int = 0) -> TrainBatc
             raise ValueError(f"experience {e.id}: prompt_len is 0; the first token has no "
                              f"context to be predicted from")
         if e.response_len < 1:
-            raise ValueError(f"experience {e.id}: empty response (prompt_len {p} == {length} tokens)")
+            raise ValueError(
+                f"experience {e.id}: empty response (prompt_len {p} == {length} tokens)")
         tokens[i, :length] = e.tokens
         attention[i, :length] = 1
         mask[i, p - 1: length - 1] = e.action_mask

@@ -68,7 +68,8 @@ def resolve_device(spec: str, info: DistInfo) -> torch.device:
     return device
 
 
-def wrap(actor: nn.Module, info: DistInfo, device: torch.device, parallel: str) -> tuple[nn.Module, str]:
+def wrap(actor: nn.Module, info: DistInfo, device: torch.device,
+         parallel: str) -> tuple[nn.Module, str]:
     """Wrap for data parallelism; returns the module to call and the mode (none, ddp, fsdp)."""
     if not info.enabled:
         return actor, "none"
@@ -142,7 +143,8 @@ def broadcast_experiences(experiences: list | None) -> list:
                               dtype=torch.long)
         rewards = torch.tensor([e.reward for e in experiences], dtype=torch.float64)
         tokens = torch.from_numpy(np.concatenate([e.tokens for e in experiences]).astype(np.int64))
-        action = torch.from_numpy(np.concatenate([e.action_mask for e in experiences]).astype(np.int64))
+        action = torch.from_numpy(
+            np.concatenate([e.action_mask for e in experiences]).astype(np.int64))
         logprobs = torch.from_numpy(np.concatenate([e.logprobs for e in experiences]))
         sizes = torch.tensor([header.shape[0], tokens.numel(), action.numel()], dtype=torch.long)
     else:

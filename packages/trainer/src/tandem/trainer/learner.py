@@ -38,7 +38,8 @@ from .metrics import MetricAccumulator
 log = structlog.get_logger(__name__)
 
 
-def lr_multiplier(step: int, warmup: int, schedule: str, total: int | None, min_ratio: float) -> float:
+def lr_multiplier(step: int, warmup: int, schedule: str, total: int | None,
+                  min_ratio: float) -> float:
     """Linear warmup over `warmup` steps, then constant or cosine down to `min_ratio`."""
     if step < warmup:
         return (step + 1) / warmup
@@ -77,7 +78,8 @@ class Learner:
         model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
         self.pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
         if tc.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
         value_head = None
         if tc.advantage == "gae":
             value_head = ValueHead(model.config.hidden_size)
@@ -269,8 +271,8 @@ class Learner:
                 batch.weights = weights
             # whole-batch values, identical on every rank: added once, on rank 0
             acc.add(m if self.dist.is_main else {}, weight=float(mask.sum()))
-        acc.add({"advantage/mean": masked_mean(batch.advantages, mask)} if self.dist.is_main else {},
-                weight=float(mask.sum()))
+        adv_mean = {"advantage/mean": masked_mean(batch.advantages, mask)}
+        acc.add(adv_mean if self.dist.is_main else {}, weight=float(mask.sum()))
 
     def _micro_loss(self, mb: TrainBatch, agg: Aggregator) -> tuple[Tensor, dict[str, Tensor]]:
         tc = self.tc

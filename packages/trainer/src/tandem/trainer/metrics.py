@@ -59,7 +59,8 @@ class MetricAccumulator:
                                    dtype=torch.float64)
                 if kind in ("max", "min"):  # ranks without a value must not win
                     fill = -torch.inf if kind == "max" else torch.inf
-                    buf[:, 0] = torch.where(buf[:, 1] > 0, buf[:, 0], torch.full_like(buf[:, 0], fill))
+                    buf[:, 0] = torch.where(buf[:, 1] > 0, buf[:, 0],
+                                            torch.full_like(buf[:, 0], fill))
                 dist.all_reduce(buf, op=op)
                 for n, row in zip(picked, buf.tolist()):
                     self._values[n] = row

@@ -27,7 +27,7 @@ import structlog
 import torch
 
 from tandem.common.config import RunConfig
-from tandem.common.errors import PeerDead, RequestFailed, TandemError, WaitTimeout
+from tandem.common.errors import RequestFailed, TandemError, WaitTimeout
 from tandem.common.messages.buffer import AckLease, SampleGroups, SampleResult
 from tandem.common.messages.experience import Experience
 from tandem.common.messages.master import (
@@ -225,7 +225,8 @@ class Trainer:
             if not isinstance(go, TrainerGo) or go.step <= self._trained_through:
                 continue  # a repeat (snapshot after a gap or a restart): already trained
             if time.time() - waited_from > 0.01:
-                self.tracer.record("wait", waited_from, time.time(), step=go.step, what="trainer_go")
+                self.tracer.record("wait", waited_from, time.time(), step=go.step,
+                                   what="trainer_go")
             return go
         return None
 
@@ -239,7 +240,8 @@ class Trainer:
         metrics = await asyncio.to_thread(self.train_step, sample.experiences, step=go.step)
         self._trained_through = go.step
         metrics["buffer/dropped_stale"] = float(sample.dropped_stale)
-        await self._buffer.call(AckLease(lease_id=sample.lease_id), timeout_key="transport.rpc_timeout")
+        await self._buffer.call(AckLease(lease_id=sample.lease_id),
+                                timeout_key="transport.rpc_timeout")
         await self._master.call(TrainerStepDone(step=go.step, version=go.step + 1, metrics=metrics),
                                 timeout_key="transport.rpc_timeout")
         if go.publish is not None:
@@ -259,7 +261,8 @@ class Trainer:
                 result = await self._buffer.call(
                     SampleGroups(num_groups=groups, wait=wait,
                                  min_version=None if lag is None else max(0, step - lag)),
-                    timeout=wait + self.config.transport.rpc_timeout, timeout_key="trainer.sample_wait")
+                    timeout=wait + self.config.transport.rpc_timeout,
+                    timeout_key="trainer.sample_wait")
                 break
             except RequestFailed as exc:
                 if exc.code != "not_enough" or time.monotonic() > deadline:
@@ -284,14 +287,16 @@ class Trainer:
             from tandem.common.weights import WeightBroadcaster, engine_members
 
             if self._broadcaster is None:
-                self._broadcaster = WeightBroadcaster.from_config(self.config, device=self.learner.device)
+                self._broadcaster = WeightBroadcaster.from_config(
+                    self.config, device=self.learner.device)
             members = [m for name in go.explorers for m in engine_members(name)]
             rendezvous = self._broadcaster.rendezvous
             if rendezvous is None or rendezvous.members != members:
                 # a new epoch only when the members change (or the last one failed)
                 rendezvous = self._broadcaster.open_group(members)
             await self._master.call(
-                WeightsPublished(version=version, method="nccl", rendezvous=rendezvous.model_dump()),
+                WeightsPublished(version=version, method="nccl",
+                                 rendezvous=rendezvous.model_dump()),
                 timeout_key="transport.rpc_timeout")
             tensors = await asyncio.to_thread(self.policy_weights)
             await asyncio.to_thread(self._broadcaster.broadcast, version, tensors)

@@ -57,7 +57,8 @@ class OffPolicyConfig(Section):
 class TrainerConfig(Section):
     """The optimisation loop."""
 
-    device: str = Field(default="cpu", description="cpu, cuda, cuda:1 ... (torchrun: cuda = local rank)")
+    device: str = Field(
+        default="cpu", description="cpu, cuda, cuda:1 ... (torchrun: cuda = local rank)")
     precision: Literal["auto", "fp32", "bf16"] = Field(
         default="auto", description="auto: bf16 autocast on CUDA, fp32 on CPU")
     gradient_checkpointing: bool = Field(default=False, description="recompute activations")

@@ -8,7 +8,7 @@ from torch import Tensor
 
 
 def informative_rows(rewards: Tensor, groups: Tensor, tol: float = 1e-6) -> tuple[Tensor, int]:
-    """A [B] bool keep-mask of rows whose group's rewards differ, and the number of dropped groups."""
+    """A [B] keep-mask of rows whose group's rewards differ, and how many groups were dropped."""
     num = int(groups.max()) + 1 if groups.numel() else 0
     hi = torch.full((num,), -torch.inf, dtype=rewards.dtype).scatter_reduce(
         0, groups, rewards, reduce="amax")

@@ -17,11 +17,12 @@ def behaviour_weights(proximal: Tensor, behaviour: Tensor, mask: Tensor,
     with torch.no_grad():
         log_w = (proximal - behaviour).clamp(-20.0, 20.0)
         weights = torch.exp(log_w) * mask
-        on = mask > 0
+        on = weights[mask > 0]
+        none = weights.new_zeros(())
         metrics = {
             "off_policy/behaviour_weight_mean": masked_mean(weights, mask),
-            "off_policy/behaviour_weight_max": weights[on].max() if on.any() else weights.new_zeros(()),
-            "off_policy/behaviour_weight_min": weights[on].min() if on.any() else weights.new_zeros(()),
+            "off_policy/behaviour_weight_max": on.max() if on.numel() else none,
+            "off_policy/behaviour_weight_min": on.min() if on.numel() else none,
             "off_policy/mismatch_kl": masked_mean(kl_estimate(behaviour, proximal, "k3"), mask),
         }
         if cap is not None:
