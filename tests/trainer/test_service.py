@@ -28,6 +28,7 @@ from tandem.common.messages.buffer import GetBufferStats, PutExperiences
 from tandem.common.messages.experience import Experience, experience_id, group_id
 from tandem.common.messages.master import (
     CompleteTasks, ExplorerStepDone, GetStatus, LeaseTasks, Register, barrier_topic)
+from tandem.common.heartbeat import Heartbeater
 from tandem.common.pubsub import Subscriber
 from tandem.common.rpc import RpcClient
 from tandem.common.trace import read_trace
@@ -81,12 +82,14 @@ async def play_explorer(cfg, tokenizer, puts: list, received: dict) -> None:
                      snapshot=snap, resync_interval=0.2)
     await sub.start()
     await rpc.call(Register(name=name, role="explorer", pid=os.getpid()), timeout=5)
+    heartbeat = Heartbeater(rpc, name=name, role="explorer", interval=0.2, liveness=5.0)
+    heartbeat.start()
     done = -1
     announced = {}
     receiver = None
     try:
         while True:
-            msg = (await sub.recv(60, what="barrier")).body
+            msg = (await sub.recv(120, what="barrier")).body
             if msg.TYPE == "master.stop":
                 return
             if msg.TYPE == "master.weights":
@@ -97,7 +100,7 @@ async def play_explorer(cfg, tokenizer, puts: list, received: dict) -> None:
             done = msg.batch
             if msg.wait and msg.version > 0 and cfg.sync.method == "nccl":
                 while msg.version not in announced:
-                    ev = (await sub.recv(60, what="weights")).body
+                    ev = (await sub.recv(120, what="weights")).body
                     if ev.TYPE == "master.weights":
                         announced[ev.version] = ev
                 rendezvous = announced[msg.version].rendezvous
@@ -125,6 +128,7 @@ async def play_explorer(cfg, tokenizer, puts: list, received: dict) -> None:
             await rpc.call(ExplorerStepDone(explorer=name, step=msg.step, batch=msg.batch,
                                             version=msg.version), timeout=5)
     finally:
+        await heartbeat.close()
         if receiver is not None:
             receiver.close()
         await sub.close()
@@ -132,9 +136,11 @@ async def play_explorer(cfg, tokenizer, puts: list, received: dict) -> None:
             await client.close()
 
 
-async def run_scenario(tmp_path, tiny_model_path, tokenizer, method: str, check) -> None:
-    """Master and buffer processes, the trainer embedded, the test playing explorer-0:
-    three steps with a synchronous plan (offset 0), so versions 1 and 2 are published."""
+async def run_scenario(tmp_path, tiny_model_path, tokenizer, method: str, check,
+                       torchrun: bool = False) -> None:
+    """Master and buffer processes, the trainer embedded (or `tandem-trainer` on two gloo ranks
+    under torchrun), the test playing explorer-0: three steps with a synchronous plan
+    (offset 0), so versions 1 and 2 are published."""
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text("".join(json.dumps({"id": f"t{i}", "prompt": f"{i}+1=", "answer": str(i + 1)})
                              + "\n" for i in range(6)))
@@ -148,7 +154,7 @@ async def run_scenario(tmp_path, tiny_model_path, tokenizer, method: str, check)
         "master": {"address": f"tcp://127.0.0.1:{free_port()}",
                    "publish_address": f"tcp://127.0.0.1:{free_port()}",
                    "taskset": {"path": str(tasks), "id_field": "id", "shuffle": False},
-                   "total_steps": 3, "stop_grace": 0.5},
+                   "total_steps": 3, "stop_grace": 60},  # stays to answer the checks
         "buffer": {"address": f"tcp://127.0.0.1:{free_port()}"},
         "explorers": [{"name": "explorer-0", "batch_size": 2, "repeat_times": 2}],
         "trainer": {"groups_per_step": 2, "lr": 1e-3, "micro_batch_tokens": 64,
@@ -159,19 +165,30 @@ async def run_scenario(tmp_path, tiny_model_path, tokenizer, method: str, check)
                    tmp_path / "master.log")
     buffer = start([str(BIN / "tandem-buffer"), "--config", str(config_file)],
                    tmp_path / "buffer.log")
-    trainer = None
+    processes = [master, buffer]
     probe_m = RpcClient(cfg.master.address, peer="master", name="probe-m")
     probe_b = RpcClient(cfg.buffer.address, peer="buffer", name="probe-b")
     try:
         await wait_ready(probe_m, GetStatus(), "tandem-master", tmp_path / "master.log")
         await wait_ready(probe_b, GetBufferStats(), "tandem-buffer", tmp_path / "buffer.log")
-        trainer = Trainer(cfg)
         puts: list = []
         received: dict = {}
-        await asyncio.wait_for(
-            asyncio.gather(trainer.run(), play_explorer(cfg, tokenizer, puts, received)),
-            timeout=120)
-        assert trainer.step == 3
+        explorer = play_explorer(cfg, tokenizer, puts, received)
+        if torchrun:
+            ranks = subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 "--nproc_per_node", "2", str(BIN / "tandem-trainer"), "--config", str(config_file)],
+                stdout=subprocess.DEVNULL, stderr=open(tmp_path / "trainer.log", "w"),
+                env={**os.environ, "OMP_NUM_THREADS": "1"})
+            processes.append(ranks)
+            exit_code = asyncio.to_thread(ranks.wait, 150)
+            code, _ = await asyncio.wait_for(asyncio.gather(exit_code, explorer), timeout=160)
+            assert code == 0, (tmp_path / "trainer.log").read_text()[-3000:]
+        else:
+            trainer = Trainer(cfg)
+            await asyncio.wait_for(asyncio.gather(trainer.run(), explorer), timeout=120)
+            assert trainer.step == 3
+            trainer.close()
         assert [p[0] for p in puts] == [0, 1, 2]
         assert [p[1] for p in puts] == [0, 1, 2]  # synchronous: batch e rolled out with version e
 
@@ -181,19 +198,16 @@ async def run_scenario(tmp_path, tiny_model_path, tokenizer, method: str, check)
         assert status.counters["trainer_steps_done"] == 3
         assert (run_dir / "checkpoints" / "step_00000003" / "model" / "model.safetensors").exists()
         assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
-        trainer.tracer.flush()
         spans = [s for s in read_trace(run_dir) if s["component"] == "trainer"]
         assert [s["step"] for s in spans if s["kind"] == "train"] == [0, 1, 2]
         assert [(s["version"], s["attrs"]["method"]) for s in spans if s["kind"] == "sync"] == [
             (1, method), (2, method)]
         check(run_dir, received)
     finally:
-        if trainer is not None:
-            trainer.close()
         await probe_m.close()
         await probe_b.close()
-        stop(master)
-        stop(buffer)
+        for proc in reversed(processes):
+            stop(proc)
 
 
 def base_weights(path):
@@ -248,3 +262,13 @@ def test_a_version_already_on_disk_is_announced_not_rewritten(tmp_path, tiny_mod
         assert published.keys() == {n for n, _ in trainer.policy_weights()}
     finally:
         trainer.close()
+
+
+@pytest.mark.slow
+async def test_torchrun_trainer_on_two_ranks_against_real_master_and_buffer(
+        tmp_path, tiny_model_path, tokenizer, zmq_sockets_closed):
+    def check(run_dir, received):
+        assert WeightSubscriber(run_dir).versions() == [1, 2]
+        assert (run_dir / "logs" / "trainer-rank1.jsonl").exists()
+
+    await run_scenario(tmp_path, tiny_model_path, tokenizer, "checkpoint", check, torchrun=True)

@@ -50,7 +50,8 @@ def main(config_path: str | None, overrides: tuple[str, ...], resume: bool) -> N
     trainer = None
     try:
         device = dd.resolve_device(config.trainer.device, info)
-        dd.init(info, device, timeout=config.sync.timeout)
+        # a collective may wait out a whole publication (sync.timeout) or a training step
+        dd.init(info, device, timeout=config.sync.timeout + 600.0)
         trainer = Trainer(config, resume=resume, dist_info=info)
         if not info.is_main:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 decides when the group stops

@@ -44,7 +44,11 @@ def from_env() -> DistInfo:
 
 
 def init(info: DistInfo, device: torch.device, timeout: float) -> None:
-    """Join the process group (nccl on CUDA, gloo on CPU); a no-op for one process."""
+    """Join the process group (nccl on CUDA, gloo on CPU); a no-op for one process.
+
+    `timeout` bounds every collective, so it must exceed the longest stretch rank 0 spends
+    without one: a training step, a publication (the CLI passes `sync.timeout` + a margin).
+    """
     if not info.enabled or dist.is_initialized():
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -112,7 +116,11 @@ def unwrap(wrapped: nn.Module) -> nn.Module:
 
 # -- rank 0 -> every rank: commands and batches as tensors ---------------------------------------
 
-STEP, PUBLISH, CHECKPOINT, STOP = 1, 2, 3, 4
+STEP, PUBLISH, CHECKPOINT, STOP, KEEPALIVE = 1, 2, 3, 4, 5
+
+# While rank 0 waits (for the master, for groups) the other ranks sit in a broadcast, which the
+# process group times out; rank 0 sends a keepalive this often so that only real hangs time out.
+KEEPALIVE_SECONDS = 10.0
 
 
 def send_command(command: int, arg: int = 0) -> None:

@@ -90,16 +90,27 @@ class Trainer:
             self._loop.call_soon_threadsafe(self._stop_event.set)
 
     async def _unless_stopped(self, coro):
-        """Await `coro`, or cancel it and raise TrainerStopped when a stop is requested."""
+        """Await `coro`, or cancel it and raise TrainerStopped when a stop is requested.
+
+        Under torchrun the other ranks get a keepalive while rank 0 waits here.
+        """
         task = asyncio.ensure_future(coro)
         stopped = asyncio.ensure_future(self._stop_event.wait())
-        done, _ = await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
+        try:
+            while True:
+                done, _ = await asyncio.wait({task, stopped}, timeout=dd.KEEPALIVE_SECONDS,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if task in done:
+                    return task.result()
+                if stopped in done:
+                    raise TrainerStopped("stop requested while waiting")
+                if self.dist.enabled:
+                    await asyncio.to_thread(dd.send_command, dd.KEEPALIVE)
+        finally:
             stopped.cancel()
-            return task.result()
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        raise TrainerStopped("stop requested while waiting")
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
 
     # -- without sockets -----------------------------------------------------------------------
 
@@ -157,6 +168,7 @@ class Trainer:
                 self.learner.save_checkpoint(self.checkpoint_root)
             elif command == dd.STOP:
                 return
+            # KEEPALIVE: rank 0 is waiting for the master or the buffer
 
     # -- against a live run --------------------------------------------------------------------
 
