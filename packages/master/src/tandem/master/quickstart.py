@@ -47,9 +47,17 @@ def write_jsonl(rows: list[dict], path: Path) -> Path:
     return path
 
 
+def corrupt(answer: str, rng: random.Random) -> str:
+    """The answer with one digit replaced by a different one: a plausible wrong demonstration."""
+    i = rng.randrange(len(answer))
+    wrong = rng.choice([d for d in "0123456789" if d != answer[i]])
+    return answer[:i] + wrong + answer[i + 1:]
+
+
 def warm_start(model_dir: Path, out_dir: Path, rows: list[dict], *, steps: int, lr: float = 3e-3,
-               batch: int = 32, seed: int = 0) -> float:
-    """Supervised fine-tuning on prompt -> answer; returns the last loss."""
+               batch: int = 32, seed: int = 0, noise: float = 0.0) -> float:
+    """Supervised fine-tuning on prompt -> answer, where a `noise` share of the demonstrations
+    carry one wrong digit (imperfect data); returns the last loss."""
     import torch
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
@@ -65,8 +73,9 @@ def warm_start(model_dir: Path, out_dir: Path, rows: list[dict], *, steps: int, 
     for _ in range(steps):
         chosen = rng.sample(rows, batch)
         prompts = [tok(r["prompt"], add_special_tokens=False).input_ids for r in chosen]
-        answers = [tok(r["answer"], add_special_tokens=False).input_ids + [tok.eos_token_id]
-                   for r in chosen]
+        shown = [corrupt(r["answer"], rng) if rng.random() < noise else r["answer"]
+                 for r in chosen]
+        answers = [tok(a, add_special_tokens=False).input_ids + [tok.eos_token_id] for a in shown]
         width = max(len(p) + len(a) for p, a in zip(prompts, answers))
         ids = torch.full((batch, width), tok.pad_token_id)
         mask = torch.zeros(batch, width)
@@ -123,7 +132,7 @@ def final_model(run_dir: Path) -> Path:
 
 
 def quickstart_config(run_dir: Path, model_dir: Path, taskset: Path, *, preset: str,
-                      steps: int, seed: int, explorers: int = 1) -> RunConfig:
+                      steps: int, seed: int, explorers: int = 1, lr: float = 3e-4) -> RunConfig:
     """The GRPO run: the same settings the examples/ configs spell out."""
     names = [f"explorer-{i}" for i in range(explorers)]
     return RunConfig.model_validate({
@@ -136,7 +145,7 @@ def quickstart_config(run_dir: Path, model_dir: Path, taskset: Path, *, preset: 
                        "workflow": "single_turn",
                        "workflow_args": {"reward_fn": "k12", "answer_key": "truth"},
                        "sampling": {"temperature": 1.0, "max_tokens": 6}} for n in names],
-        "trainer": {"groups_per_step": 16, "lr": 1e-3, "advantage": "grpo", "loss": "ppo_clip",
+        "trainer": {"groups_per_step": 16, "lr": lr, "advantage": "grpo", "loss": "ppo_clip",
                     "checkpoint_every": 0},
         "reward": {"functions": {"k12": 1.0}},
         "logging": {"level": "warning"},
@@ -145,14 +154,15 @@ def quickstart_config(run_dir: Path, model_dir: Path, taskset: Path, *, preset: 
 
 @click.command("quickstart")
 @click.option("--run-dir", default="runs/quickstart", show_default=True, type=click.Path())
-@click.option("--preset", default="fully_async", show_default=True,
+@click.option("--preset", default="synchronous", show_default=True,
               type=click.Choice(["synchronous", "one_step_off_policy", "fully_async",
                                  "multi_explorer_async"]))
-@click.option("--steps", default=30, show_default=True, help="GRPO trainer steps")
-@click.option("--sft-steps", default=40, show_default=True, help="warm-start SFT steps")
+@click.option("--steps", default=150, show_default=True, help="GRPO trainer steps")
+@click.option("--sft-steps", default=80, show_default=True, help="warm-start SFT steps")
+@click.option("--lr", default=3e-4, show_default=True, help="GRPO learning rate")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--plain", is_flag=True, help="progress lines instead of a live panel")
-def quickstart(run_dir: str, preset: str, steps: int, sft_steps: int, seed: int,
+def quickstart(run_dir: str, preset: str, steps: int, sft_steps: int, lr: float, seed: int,
                plain: bool) -> None:
     """Run a tiny end-to-end example on CPU: SFT warm start, then GRPO, reward rising."""
     import shutil
@@ -180,7 +190,7 @@ def quickstart(run_dir: str, preset: str, steps: int, sft_steps: int, seed: int,
                f"greedy {before['greedy']:.2f}")
     click.echo(f"3/4 GRPO through the full system ({preset}, {steps} trainer steps)")
     config = quickstart_config(root / "grpo", root / "model-sft", taskset, preset=preset,
-                               steps=steps, seed=seed,
+                               steps=steps, seed=seed, lr=lr,
                                explorers=2 if preset == "multi_explorer_async" else 1)
     code = run_up(config, live=False if plain else None)
     if code != 0:

@@ -302,10 +302,11 @@ class Supervisor:
         from .timeline import load_timeline, render_png, summary_rows
 
         rows: list[tuple[str, str]] = [("result", "finished" if code == 0 else f"failed ({code})")]
-        rewards = [r for _, r in self.progress.rewards]
+        rewards = [r for _, r in sorted(self.progress.rewards)]
         if rewards:
-            rows += [("reward first / final / best",
-                      f"{rewards[0]:.3f} / {rewards[-1]:.3f} / {max(rewards):.3f}")]
+            last = rewards[-10:]
+            rows += [("reward first step / last 10 / best",
+                      f"{rewards[0]:.3f} / {sum(last) / len(last):.3f} / {max(rewards):.3f}")]
         try:
             tl = load_timeline(self.run_dir)
             rows += summary_rows(tl)

@@ -1,0 +1,28 @@
+"""A shortened `tandem quickstart`: SFT warm start, GRPO through real processes, and the
+held-out accuracy rises (fixed seeds)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_quickstart_raises_heldout_accuracy(tmp_path):
+    run_dir = tmp_path / "qs"
+    tandem = Path(sys.executable).parent / "tandem"
+    proc = subprocess.run(
+        [str(tandem), "quickstart", "--plain", "--run-dir", str(run_dir), "--steps", "50"],
+        capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["after"]["sampled"] >= result["before"]["sampled"] + 0.1, result
+    assert "held-out accuracy" in proc.stdout
+    assert (run_dir / "grpo" / "timeline.png").exists()
+    assert sorted(p.name for p in (run_dir / "grpo" / "trace").glob("*.jsonl")) == [
+        "buffer.jsonl", "explorer-0.jsonl", "trainer.jsonl"]
