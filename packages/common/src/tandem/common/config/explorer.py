@@ -64,7 +64,7 @@ class ExplorerConfig(Section):
 
     @model_validator(mode="after")
     def _name_is_a_topic(self) -> "ExplorerConfig":
-        if any(ch.isspace() for ch in self.name) or "/" in self.name:
-            raise ValueError(f"name {self.name!r}: no spaces or '/' (it names a "
-                             "PUB topic and a weight-group member)")
+        if any(ch.isspace() for ch in self.name) or "/" in self.name or "." in self.name:
+            raise ValueError(f"name {self.name!r}: no spaces, '/' or '.' (it names a PUB topic, "
+                             "which ZeroMQ matches by prefix, and a weight-group member)")
         return self
