@@ -7,7 +7,9 @@ returns the real address.
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
+import time
 import uuid
 
 import zmq
@@ -69,12 +71,24 @@ class SocketFactory:
             sock.curve_serverkey = curve.server_public.encode()
 
     @staticmethod
-    def bind(sock: zmq.Socket, address: str) -> str:
-        """Bind and return the real endpoint (port 0 resolved)."""
-        try:
-            sock.bind(address)
-        except zmq.ZMQError as exc:
-            raise OSError(f"cannot bind {address}: {exc}") from None
+    def bind(sock: zmq.Socket, address: str, *, retry_for: float = 2.0) -> str:
+        """Bind and return the real endpoint (port 0 resolved).
+
+        A port closed a moment ago (a restarted server) may still be held while ZeroMQ's I/O
+        thread finishes closing the old listener, so "address in use" is retried briefly. A
+        socket that cannot bind is closed, not leaked.
+        """
+        deadline = time.monotonic() + retry_for
+        while True:
+            try:
+                sock.bind(address)
+                break
+            except zmq.ZMQError as exc:
+                if exc.errno == errno.EADDRINUSE and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    continue
+                sock.close(linger=0)
+                raise OSError(f"cannot bind {address}: {exc}") from None
         endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
         return endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
 
