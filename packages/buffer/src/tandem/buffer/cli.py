@@ -6,28 +6,21 @@ import sys
 
 import click
 
+from tandem.common.cli import config_options, load_config_or_exit
+
 
 @click.command()
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
-              help="run config YAML (the `buffer`, `explorers`, `transport` sections are used)")
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
-              help="override a config value, e.g. --set buffer.capacity=100000")
+@config_options("`buffer`, `explorers`, `transport`", "buffer.capacity=100000")
 @click.option("--address", default=None, help="bind here instead of buffer.address")
 def main(config_path: str | None, overrides: tuple[str, ...], address: str | None) -> None:
     """Serve tandem's durable experience buffer (put, sample, ack, release, stats) over RPC."""
     import asyncio
     import signal
 
-    from tandem.common.config import load_config
-    from tandem.common.errors import TandemError
     from tandem.common.logging import configure_logging
     from tandem.common.sockets import install_uvloop
 
-    try:
-        config = load_config(config_path, overrides)
-    except TandemError as exc:
-        click.echo(f"tandem-buffer: {exc}", err=True)
-        sys.exit(2)
+    config = load_config_or_exit("tandem-buffer", config_path, overrides)
     configure_logging("buffer", level=config.logging.level, run_dir=config.run_dir,
                       json_console=config.logging.json_console)
 

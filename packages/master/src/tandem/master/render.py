@@ -113,7 +113,6 @@ def render_png(timeline: Timeline, path: str | Path, title: str | None = None) -
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
 
     names = [f"explorer-{i}" for i in range(timeline.explorers)]
     lanes = names + ["buffer", "trainer"]
@@ -150,13 +149,20 @@ def render_png(timeline: Timeline, path: str | Path, title: str | None = None) -
         f"{'null' if plan.offset is None else plan.offset}, max_staleness {plan.max_staleness}"
         f" - makespan {timeline.makespan:.2f} s, trainer busy {util['trainer']:.0%}"
         + ("" if speedup is None else f", {speedup:.2f}x vs synchronous")), fontsize=9)
-    ax.legend(handles=[Patch(color=COLOURS["rollout"], label="Rollout"),
-                       Patch(color=COLOURS["train"], label="Train"),
-                       Patch(color=COLOURS["nccl"], label="Sync. weight (NCCL)"),
-                       Patch(color=COLOURS["checkpoint"], label="Sync. weight (Checkpoint)"),
-                       Patch(color=COLOURS["buffer"], label="Buffer")],
-              loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(lanes) < 5 else -0.2),
-              ncol=5, fontsize=8, frameon=False)
+    return finish_png(fig, ax, path, len(lanes), [("Buffer", COLOURS["buffer"])])
+
+
+def finish_png(fig, ax, path: str | Path, lanes: int, extra: list[tuple[str, str]]) -> Path:
+    """The figure's legend (Rollout, Train, both syncs, then `extra` (label, colour)), grid, save."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    entries = [("Rollout", COLOURS["rollout"]), ("Train", COLOURS["train"]),
+               ("Sync. weight (NCCL)", COLOURS["nccl"]),
+               ("Sync. weight (Checkpoint)", COLOURS["checkpoint"]), *extra]
+    ax.legend(handles=[Patch(color=colour, label=label) for label, colour in entries],
+              loc="upper center", bbox_to_anchor=(0.5, -0.35 if lanes < 5 else -0.2),
+              ncol=len(entries), fontsize=8, frameon=False)
     ax.grid(axis="x", linewidth=0.3, alpha=0.5)
     fig.tight_layout()
     path = Path(path)

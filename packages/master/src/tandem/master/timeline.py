@@ -18,7 +18,7 @@ import click
 
 from tandem.common.trace import read_trace
 
-from .render import COLOURS
+from .render import COLOURS, finish_png
 
 BUSY = ("rollout", "train", "sync")
 WAIT_COLOUR = "#d0d0d0"
@@ -131,8 +131,6 @@ def render_png(tl: RunTimeline, path: str | Path, title: str = "") -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
     lanes = tl.explorers + ["buffer", "trainer"]
     fig, ax = plt.subplots(figsize=(13, 1.2 + 0.6 * len(lanes)))
     y_of = {name: len(lanes) - 1 - i for i, name in enumerate(lanes)}
@@ -162,21 +160,8 @@ def render_png(tl: RunTimeline, path: str | Path, title: str = "") -> Path:
     ax.set_xlabel("seconds since the first span")
     ax.set_title(title or f"run timeline - {tl.makespan:.1f} s wall-clock; "
                  "lane labels give each lane's busy share", fontsize=9)
-    ax.legend(handles=[Patch(color=COLOURS["rollout"], label="Rollout"),
-                       Patch(color=COLOURS["train"], label="Train"),
-                       Patch(color=COLOURS["nccl"], label="Sync. weight (NCCL)"),
-                       Patch(color=COLOURS["checkpoint"], label="Sync. weight (Checkpoint)"),
-                       Patch(color=WAIT_COLOUR, label="Wait"),
-                       Patch(color=COLOURS["buffer"], label="Buffer (groups ready)")],
-              loc="upper center", bbox_to_anchor=(0.5, -0.25 if len(lanes) < 5 else -0.15),
-              ncol=6, fontsize=8, frameon=False)
-    ax.grid(axis="x", linewidth=0.3, alpha=0.5)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return finish_png(fig, ax, path, len(lanes), [("Wait", WAIT_COLOUR),
+                                                  ("Buffer (groups ready)", COLOURS["buffer"])])
 
 
 def render_html(tl: RunTimeline, path: str | Path) -> Path:

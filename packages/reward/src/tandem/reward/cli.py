@@ -6,28 +6,21 @@ import sys
 
 import click
 
+from tandem.common.cli import config_options, load_config_or_exit
+
 
 @click.command()
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
-              help="run config YAML (the `reward` and `transport` sections are used)")
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
-              help="override a config value, e.g. --set reward.workers=4")
+@config_options("`reward` and `transport`", "reward.workers=4")
 @click.option("--address", default=None, help="bind here instead of reward.address")
 def main(config_path: str | None, overrides: tuple[str, ...], address: str | None) -> None:
     """Serve tandem reward functions (math, code, k12, vision, format, reward_model) over RPC."""
     import asyncio
     import signal
 
-    from tandem.common.config import load_config
-    from tandem.common.errors import TandemError
     from tandem.common.logging import configure_logging
     from tandem.common.sockets import install_uvloop
 
-    try:
-        config = load_config(config_path, overrides)
-    except TandemError as exc:
-        click.echo(f"tandem-reward: {exc}", err=True)
-        sys.exit(2)
+    config = load_config_or_exit("tandem-reward", config_path, overrides)
     configure_logging("reward", level=config.logging.level, run_dir=config.run_dir)
 
     from .service import RewardService
