@@ -27,7 +27,7 @@ import structlog
 import torch
 
 from tandem.common.config import RunConfig
-from tandem.common.errors import RequestFailed, TandemError, WaitTimeout
+from tandem.common.errors import PeerDead, RequestFailed, TandemError, WaitTimeout
 from tandem.common.messages.buffer import AckLease, SampleGroups, SampleResult
 from tandem.common.messages.experience import Experience
 from tandem.common.messages.master import (
@@ -302,16 +302,25 @@ class Trainer:
                 self._broadcaster = WeightBroadcaster.from_config(
                     self.config, device=self.learner.device)
             members = [m for name in go.explorers for m in engine_members(name)]
-            rendezvous = self._broadcaster.rendezvous
-            if rendezvous is None or rendezvous.members != members:
-                # a new epoch only when the members change (or the last one failed)
-                rendezvous = self._broadcaster.open_group(members)
-            await self._master.call(
-                WeightsPublished(version=version, method="nccl",
-                                 rendezvous=rendezvous.model_dump()),
-                timeout_key="transport.rpc_timeout")
             tensors = await asyncio.to_thread(self.policy_weights)
-            await asyncio.to_thread(self._broadcaster.broadcast, version, tensors)
+            for attempt in (1, 2):
+                rendezvous = self._broadcaster.rendezvous
+                if rendezvous is None or rendezvous.members != members:
+                    # a new epoch only when the members change (or the last one failed)
+                    rendezvous = self._broadcaster.open_group(members)
+                await self._master.call(
+                    WeightsPublished(version=version, method="nccl",
+                                     rendezvous=rendezvous.model_dump()),
+                    timeout_key="transport.rpc_timeout")
+                try:
+                    await asyncio.to_thread(self._broadcaster.broadcast, version, tensors)
+                    break
+                except PeerDead as exc:
+                    # A member that restarted left the epoch; a fresh group (announced above on
+                    # the next pass) lets it rejoin. A member that stays away fails the step.
+                    if attempt == 2:
+                        raise
+                    log.warning("weights.broadcast_retry", version=version, error=str(exc))
         self.tracer.record("sync", start, time.time(), step=go.step, version=version, method=method)
 
     def _publish_checkpoint(self, version: int) -> Path:
