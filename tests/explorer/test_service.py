@@ -197,7 +197,7 @@ async def test_stop_request_drains_the_running_step_or_abandons_it(tmp_path, tin
     explorer = Explorer(config, "explorer-0", engine=engine)
     try:
         serving = asyncio.create_task(explorer.serve())
-        while explorer._step_task is None:  # the first step has started rolling out
+        while explorer._lease_id is None:  # the first step holds its tasks and is rolling out
             await asyncio.sleep(0.01)
         explorer.request_stop()
         await asyncio.wait_for(serving, 30)
@@ -213,9 +213,10 @@ async def test_stop_request_drains_the_running_step_or_abandons_it(tmp_path, tin
         assert explorer.steps_done == 1 and stats.groups_ready == 2
         assert status.counters["batches_done"] == 1 and not status.leases
     else:
-        # abandoned at once: nothing stored, the lease stays with the master to expire
+        # abandoned at once: nothing stored, and the lease handed back to the master at once
         assert explorer.steps_done == 0 and stats.groups_ready == 0
         assert status.counters["batches_done"] == 0
+        assert not status.leases and status.counters["leases_expired"] == 1
 
 
 async def test_a_stalled_sync_point_fails_after_sync_timeout_naming_the_key(tmp_path,

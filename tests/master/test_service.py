@@ -22,6 +22,7 @@ from tandem.common.messages.master import (
     ExplorerStepDone,
     GetStatus,
     LeaseTasks,
+    ReleaseTasks,
     Register,
     TrainerStepDone,
     WeightsPublished,
@@ -180,6 +181,23 @@ async def test_lease_expires_and_goes_to_another_explorer(tmp_path, zmq_sockets_
         await client.call(CompleteTasks(lease_id=first.lease_id), timeout=2)
         with pytest.raises(RequestFailed, match="unknown_lease"):
             await client.call(CompleteTasks(lease_id="nope"), timeout=2)
+        assert master.dispatcher.expired == 1
+    finally:
+        await client.close()
+        await master.close()
+
+
+async def test_released_lease_goes_to_the_next_explorer_at_once(tmp_path, zmq_sockets_closed):
+    config = make_config(tmp_path, "master.total_steps=2")  # leases last 300 s
+    master = Master(config)
+    await master.start()
+    client = RpcClient(master.address, peer="master", name="x")
+    try:
+        first = await client.call(LeaseTasks(explorer="a", count=3, step=0), timeout=2)
+        await client.call(ReleaseTasks(lease_id=first.lease_id, reason="stopping"), timeout=2)
+        await client.call(ReleaseTasks(lease_id=first.lease_id), timeout=2)  # idempotent
+        second = await client.call(LeaseTasks(explorer="b", count=3, step=0), timeout=2)
+        assert [t.id for t in second.tasks] == [t.id for t in first.tasks]
         assert master.dispatcher.expired == 1
     finally:
         await client.close()

@@ -21,7 +21,7 @@ from typing import Any
 import structlog
 
 from tandem.common.config import RunConfig
-from tandem.common.errors import RequestFailed, WaitTimeout
+from tandem.common.errors import PeerDead, RequestFailed, WaitTimeout
 from tandem.common.heartbeat import Heartbeater
 from tandem.common.messages.buffer import PutExperiences
 from tandem.common.messages.experience import Experience
@@ -31,6 +31,7 @@ from tandem.common.messages.master import (
     ExplorerStepDone,
     LeaseTasks,
     Register,
+    ReleaseTasks,
     Stop,
     TrainerGo,
     WeightsPublished,
@@ -79,6 +80,7 @@ class Explorer:
         self._done_batches: set[int] = set()
         self._latest_weights: WeightsPublished | None = None
         self._step_task: asyncio.Task | None = None
+        self._lease_id: str | None = None  # leased, not yet completed
         self._wait_task: asyncio.Task | None = None
         self._owns_engine = engine is None
         self._owns_scorer = scorer is None
@@ -138,13 +140,26 @@ class Explorer:
                     if self._stopping:
                         log.warning("explorer.step_abandoned", explorer=self.name,
                                     step=barrier.step, why="drain_seconds passed after SIGTERM; "
-                                    "the master re-leases its tasks")
+                                    "its tasks go back to the master")
+                        await self._release_lease("explorer stopped mid-step")
                         break
                     raise
                 if not more:
                     break
         finally:
             await self.close()
+
+    async def _release_lease(self, reason: str) -> None:
+        """Hand an unfinished lease back at once (best effort: if the master cannot be reached,
+        the lease returns when it expires)."""
+        lease_id, self._lease_id = self._lease_id, None
+        if lease_id is None:
+            return
+        try:
+            await self.master.call(ReleaseTasks(lease_id=lease_id, reason=reason),
+                                   timeout=2.0, retries=0)
+        except (PeerDead, RequestFailed) as exc:
+            log.warning("explorer.release_failed", lease=lease_id, error=str(exc))
 
     def request_stop(self) -> None:
         """Stop after the running step (at most `drain_seconds` more); from a signal handler."""
@@ -236,6 +251,7 @@ class Explorer:
         if not lease.tasks:
             log.info("explorer.tasks_exhausted", explorer=self.name, step=barrier.step)
             return False
+        self._lease_id = lease.lease_id
         ctx = RolloutContext(engine=engine, sampling=self.sampling,
                              repeat_times=self.cfg.repeat_times, explorer=self.name,
                              run=f"{self.run_id}/{self.name}", step=barrier.step,
@@ -254,6 +270,7 @@ class Explorer:
         try:
             await self.master.call(CompleteTasks(lease_id=lease.lease_id),
                                    timeout_key="transport.rpc_timeout")
+            self._lease_id = None
         except RequestFailed as exc:
             # The lease ran out during a slow rollout: the experiences are stored (ids are
             # deterministic, so a re-roll of the same tasks is stored once) and the step counts.

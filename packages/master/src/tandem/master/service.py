@@ -30,6 +30,7 @@ from tandem.common.messages.master import (
     LeaseTasks,
     Register,
     Registered,
+    ReleaseTasks,
     Status,
     TaskLease,
     TrainerStepDone,
@@ -94,6 +95,7 @@ class Master:
         self._lock = asyncio.Lock()
         for msg_type, handler in ((Register, self._on_register), (Heartbeat, self._on_heartbeat),
                                   (LeaseTasks, self._on_lease), (CompleteTasks, self._on_complete),
+                                  (ReleaseTasks, self._on_release),
                                   (ExplorerStepDone, self._on_explorer_step),
                                   (TrainerStepDone, self._on_trainer_step),
                                   (WeightsPublished, self._on_weights),
@@ -307,6 +309,15 @@ class Master:
             self._lease_sizes[(msg.explorer, msg.step)] = len(refs)
         return TaskLease(lease_id=lease.lease_id, tasks=[d.task(r) for r in lease.refs],
                          deadline=lease.deadline, exhausted=d.exhausted)
+
+    async def _on_release(self, msg: ReleaseTasks, ctx: CallContext) -> Ok:
+        self._touch(ctx)
+        if self.dispatcher is None:
+            raise RequestFailed("no_taskset", "the master has no taskset")
+        async with self._lock:
+            if msg.lease_id in self.dispatcher.leases:  # else: done or expired already
+                self._expire(msg.lease_id, why=f"released: {msg.reason or 'no reason given'}")
+        return Ok()
 
     async def _on_complete(self, msg: CompleteTasks, ctx: CallContext) -> Ok:
         self._touch(ctx)

@@ -40,6 +40,7 @@ from .master import (
     LeaseTasks,
     Register,
     Registered,
+    ReleaseTasks,
     Status,
     Stop,
     TaskLease,

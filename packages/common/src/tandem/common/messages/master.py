@@ -84,6 +84,15 @@ class CompleteTasks(Request):
     lease_id: str
 
 
+@wire("master.tasks.release", reply=Ok)
+class ReleaseTasks(Request):
+    """Explorer to master, when it stops mid-step: hand the lease's tasks to the next explorer
+    now rather than when the lease expires."""
+
+    lease_id: str
+    reason: str = ""
+
+
 @wire("master.explorer.step", reply=Ok)
 class ExplorerStepDone(Request):
     """Explorer to master: explorer step `step` is in the buffer, rolled out with `version`."""
