@@ -255,10 +255,12 @@ class RpcClient:
         try:
             for attempt in range(retries + 1):
                 await self._sock.send_multipart(frames, copy=False)
-                try:
-                    env = await asyncio.wait_for(asyncio.shield(future), timeout)
-                except asyncio.TimeoutError:
+                # asyncio.wait leaves the future alone on timeout (the next attempt waits on it
+                # again) without the extra futures and callbacks of wait_for(shield(...))
+                done, _ = await asyncio.wait((future,), timeout=timeout)
+                if not done:
                     continue
+                env = future.result()
                 if env.ok:
                     return env.body
                 err = env.error
