@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.common.tiny import build_tiny_model
-
 
 @pytest.fixture(scope="session")
-def tiny_model_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-model")
-    build_tiny_model(path)
-    return path
+def tiny_model_path(tiny_model_dir):
+    return tiny_model_dir
 
 
 @pytest.fixture
