@@ -46,6 +46,10 @@ class Engine(ABC):
     """Generates completions and takes new weights; `version` is the weights' policy version."""
 
     version: int = 0
+    #: True when the engine's own worker processes fetch new weights (vLLM): the WeightLoader
+    #: then calls `fetch_checkpoint` or `join_group` + `fetch_broadcast` instead of streaming
+    #: tensors through this process into `load_weights`.
+    workers_fetch_weights: bool = False
 
     @property
     @abstractmethod
@@ -73,6 +77,18 @@ class Engine(ABC):
         """
         return await asyncio.to_thread(lambda: self.load_weights(source(), version))
 
+    async def fetch_checkpoint(self, run_dir: str, version: int) -> int:
+        """Workers load `run_dir/weights/v{version}` themselves (`workers_fetch_weights`)."""
+        raise NotImplementedError
+
+    async def join_group(self, rendezvous: dict[str, Any], explorer: str, timeout: float) -> None:
+        """Workers join the trainer's broadcast group (`workers_fetch_weights`)."""
+        raise NotImplementedError
+
+    async def fetch_broadcast(self, version: int) -> int:
+        """Workers receive `version` from the trainer's broadcast (`workers_fetch_weights`)."""
+        raise NotImplementedError
+
     def close(self) -> None:
         """Release the model and any worker thread."""
 
@@ -85,6 +101,9 @@ def create_engine(config, model_config) -> Engine:
         return TransformersEngine.from_pretrained(
             model_config.path, device=config.device, dtype=model_config.dtype,
             max_batch=config.max_batch, **config.options)
-    raise ValueError(
-        f"engine.kind {config.kind!r} is not available in this build; "
-        "use engine.kind: transformers")
+    if config.kind == "vllm":
+        from .vllm_engine import VLLMEngine
+
+        return VLLMEngine.from_pretrained(model_config.path, dtype=model_config.dtype,
+                                          **config.options)
+    raise ValueError(f"engine.kind {config.kind!r}: expected transformers or vllm")

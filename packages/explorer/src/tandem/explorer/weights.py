@@ -37,11 +37,15 @@ class WeightLoader:
         self.member = engine_member(explorer)
         self.timeout = timeout
         self.device = device
+        self.run_dir = str(run_dir)
         self.receiver: WeightReceiver | None = None
         self._joining: asyncio.Task | None = None
+        self._worker_group: tuple | None = None  # the group the engine's workers joined
 
     async def load_checkpoint(self, version: int) -> int:
         """Load `weights/v{version}` (checked against its manifest first)."""
+        if self.engine.workers_fetch_weights:
+            return await self.engine.fetch_checkpoint(self.run_dir, version)
         return await self.engine.update_weights(lambda: self.subscriber.load(version), version)
 
     def offer_group(self, rendezvous: dict[str, Any] | None) -> None:
@@ -51,6 +55,16 @@ class WeightLoader:
         the group is announced (not at the sync point) keeps that wait short.
         """
         if not rendezvous or self.member not in rendezvous.get("members", []):
+            return
+        if self.engine.workers_fetch_weights:
+            key = (rendezvous.get("session"), rendezvous.get("epoch"))
+            if key != self._worker_group:
+                if self._joining is not None and not self._joining.done():
+                    self._joining.cancel()
+                self._worker_group = key
+                self._joining = asyncio.create_task(
+                    self.engine.join_group(rendezvous, self.explorer, self.timeout),
+                    name=f"weights-join-{key[1]}")
             return
         if self.receiver is not None and self.receiver.matches(rendezvous):
             return
@@ -67,6 +81,14 @@ class WeightLoader:
     async def load_broadcast(self, version: int, rendezvous: dict[str, Any] | None) -> int:
         """Receive `version` from the trainer's broadcast, joining its group first if needed."""
         self.offer_group(rendezvous)
+        if self.engine.workers_fetch_weights:
+            if self._worker_group is None:
+                raise WeightsError(f"{self.explorer}: asked to load version {version} by "
+                                   "broadcast but no weight group naming it was announced")
+            if self._joining is not None:
+                joining, self._joining = self._joining, None
+                await joining
+            return await self.engine.fetch_broadcast(version)
         if self.receiver is None:
             raise WeightsError(f"{self.explorer}: asked to load version {version} by broadcast "
                                "but no weight group naming it was announced (sync.method: nccl "
