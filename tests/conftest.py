@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
+import sys
 import time
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # shared test helpers, e.g. component_process
 
 
 def pytest_pyfunc_call(pyfuncitem):

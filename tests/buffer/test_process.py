@@ -3,70 +3,31 @@
 from __future__ import annotations
 
 import asyncio
-import json
-import queue
 import random
 import signal
 import sqlite3
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
 
 from buffer_helpers import make_group
+from component_process import ComponentProcess
 from tandem.common.errors import PeerDead, RequestFailed
 from tandem.common.messages import GetBufferStats, PutExperiences, SampleGroups
 from tandem.common.rpc import RpcClient
 
 
-class BufferProcess:
-    """`tandem-buffer` on a random port; stderr (JSON log lines) drained by a thread."""
+class BufferProcess(ComponentProcess):
+    """`tandem-buffer` on a random port, started with `--set` overrides."""
 
     def __init__(self, run_dir, *overrides: str):
         args = ["--set", f"run_dir={run_dir}", "--address", "tcp://127.0.0.1:0"]
         for item in overrides:
             args += ["--set", item]
-        self.proc = subprocess.Popen([sys.executable, "-m", "tandem.buffer.cli", *args],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        self.lines: queue.Queue = queue.Queue()
-        self.events: list[dict] = []
-        threading.Thread(target=self._drain, daemon=True).start()
+        super().__init__("tandem-buffer", [sys.executable, "-m", "tandem.buffer.cli", *args])
         self.address = self.wait_for("buffer.listening", 30.0)["address"]
-
-    def _drain(self) -> None:
-        for line in self.proc.stderr:
-            self.lines.put(line)
-        self.lines.put(None)
-
-    def wait_for(self, event: str, timeout: float) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            if line is None:
-                break
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            self.events.append(record)
-            if record.get("event") == event:
-                return record
-        raise AssertionError(f"tandem-buffer did not log {event} within {timeout} s "
-                             f"(exit code {self.proc.poll()})")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -76,12 +77,23 @@ def component_pid(run_dir: Path, name: str) -> int | None:
     return None
 
 
+@contextmanager
+def tandem_up(config: Path):
+    """`tandem up CONFIG --plain` as a process, killed on the way out if still running."""
+    proc = subprocess.Popen([TANDEM, "up", str(config), "--plain"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_sigterm_stops_every_process_within_seconds(tmp_path, tiny_model_dir):
     cfg = write_config(tmp_path, tiny_model_dir, steps=10_000)
-    proc = subprocess.Popen([TANDEM, "up", str(cfg), "--plain"], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
     run_dir = tmp_path / "run"
-    try:
+    with tandem_up(cfg) as proc:
         wait_for(lambda: trained_steps(run_dir) >= 1, 90, "a trained step")
         assert len(run_processes(run_dir)) == 4
         start = time.monotonic()
@@ -90,18 +102,12 @@ def test_sigterm_stops_every_process_within_seconds(tmp_path, tiny_model_dir):
         assert time.monotonic() - start < 10
         assert code != 0  # the run did not finish its steps
         wait_for(lambda: not run_processes(run_dir), 5, "every component to exit")
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_dead_component_is_reported_with_its_log_and_fails_the_run(tmp_path, tiny_model_dir):
     cfg = write_config(tmp_path, tiny_model_dir, steps=10_000)
-    proc = subprocess.Popen([TANDEM, "up", str(cfg), "--plain"], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
     run_dir = tmp_path / "run"
-    try:
+    with tandem_up(cfg) as proc:
         wait_for(lambda: trained_steps(run_dir) >= 1, 90, "a trained step")
         os.kill(wait_for(lambda: component_pid(run_dir, "explorer"), 5, "the explorer"),
                 signal.SIGKILL)
@@ -109,19 +115,13 @@ def test_dead_component_is_reported_with_its_log_and_fails_the_run(tmp_path, tin
         assert proc.returncode == 1
         assert "explorer-0 exited with code -9" in out and "last lines of" in out
         wait_for(lambda: not run_processes(run_dir), 5, "every component to exit")
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_restart_on_failure_brings_a_killed_explorer_back_and_the_run_finishes(
         tmp_path, tiny_model_dir):
     cfg = write_config(tmp_path, tiny_model_dir, steps=12, restart="on-failure")
-    proc = subprocess.Popen([TANDEM, "up", str(cfg), "--plain"], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
     run_dir = tmp_path / "run"
-    try:
+    with tandem_up(cfg) as proc:
         wait_for(lambda: trained_steps(run_dir) >= 1, 90, "a trained step")
         os.kill(wait_for(lambda: component_pid(run_dir, "explorer"), 5, "the explorer"),
                 signal.SIGKILL)
@@ -130,7 +130,3 @@ def test_restart_on_failure_brings_a_killed_explorer_back_and_the_run_finishes(
         assert proc.returncode == 0, out[-3000:]
         assert trained_steps(run_dir) == 12
         wait_for(lambda: not run_processes(run_dir), 5, "every component to exit")
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
