@@ -106,17 +106,31 @@ class Progress:
     rewards: list[tuple[int, float]] = field(default_factory=list)  # (explorer step, mean)
     tokens: int = 0
 
-    def update_from_trace(self, run_dir: Path) -> None:
-        from tandem.common.trace import read_trace
+    _offsets: dict[Path, int] = field(default_factory=dict)
 
-        rewards, tokens = [], 0
-        for span in read_trace(run_dir):
-            attrs = span.get("attrs") or {}
-            if span["kind"] == "rollout":
+    def update_from_trace(self, run_dir: Path) -> None:
+        """Read only what the explorers' traces gained since the last call (whole lines)."""
+        for path in sorted((run_dir / "trace").glob("*.jsonl")):
+            offset = self._offsets.get(path, 0)
+            try:
+                with open(path, "rb") as f:
+                    f.seek(offset)
+                    chunk = f.read()
+            except OSError:
+                continue
+            end = chunk.rfind(b"\n") + 1  # a line still being written waits for the next call
+            self._offsets[path] = offset + end
+            for line in chunk[:end].splitlines():
+                try:
+                    span = json.loads(line)
+                except ValueError:
+                    continue
+                if not isinstance(span, dict) or span.get("kind") != "rollout":
+                    continue
+                attrs = span.get("attrs") or {}
                 if "reward_mean" in attrs:
-                    rewards.append((span.get("step") or 0, float(attrs["reward_mean"])))
-                tokens += int(attrs.get("tokens", 0))
-        self.rewards, self.tokens = rewards, tokens
+                    self.rewards.append((span.get("step") or 0, float(attrs["reward_mean"])))
+                self.tokens += int(attrs.get("tokens", 0))
 
 
 class Supervisor:
