@@ -3,10 +3,10 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.tandem-installed
-PKGS   := common master buffer explorer trainer reward
+PKGS   := common weights master buffer explorer trainer reward
 EDITABLE := $(foreach p,$(PKGS),-e packages/$(p)[test])
 
-.PHONY: run test install clean
+.PHONY: run test install clean bwrap
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +24,15 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/tandem quickstart
 
-test: $(STAMP)
+# The code reward's sandbox is bubblewrap (docs/reward.md), a Debian package, not a PyPI one:
+# install it when missing, as root only (CI runs as root with apt reachable); elsewhere say how.
+bwrap:
+	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  { apt-get install -y -q bubblewrap >/dev/null 2>&1 || \
+	    { apt-get update -q >/dev/null && apt-get install -y -q bubblewrap >/dev/null; }; }; } || \
+	  { echo "make: the code sandbox needs bubblewrap: apt-get install bubblewrap (as root)"; exit 1; }
+
+test: $(STAMP) bwrap
 	$(BIN)/python -m pytest
 
 clean:

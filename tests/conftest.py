@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import os
 import sys
 import time
 from pathlib import Path
@@ -12,6 +11,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # shared test helpers, e.g. component_process
+
+from processes import become_subreaper, descendants, kill_and_reap  # noqa: E402
 
 
 def pytest_pyfunc_call(pyfuncitem):
@@ -24,35 +25,30 @@ def pytest_pyfunc_call(pyfuncitem):
     return None
 
 
-def _children() -> set[int]:
-    me = str(os.getpid())
-    found = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            status = (entry / "status").read_text()
-        except OSError:
-            continue
-        for line in status.splitlines():
-            if line.startswith("PPid:") and line.split()[1] == me:
-                if "State:\tZ" not in status:
-                    found.add(int(entry.name))
-                break
-    return found
+def pytest_configure(config):
+    become_subreaper()  # orphans (a torchrun rank whose torchrun died) come back to pytest
 
 
 @pytest.fixture(autouse=True)
 def no_leftover_processes():
-    """Fail a test that leaves child processes running (after a short grace period)."""
-    before = _children() if Path("/proc").exists() else set()
-    yield
+    """Fail a test that leaves processes running anywhere below pytest (children, their
+    children, and orphans re-parented to pytest), after a short grace period; what is left is
+    killed so that it cannot disturb the tests after this one."""
     if not Path("/proc").exists():
+        yield
         return
+    before = set(descendants())
+    yield
     deadline = time.monotonic() + 5.0
-    while (left := _children() - before) and time.monotonic() < deadline:
+    while True:
+        left = {pid: cmd for pid, cmd in descendants().items() if pid not in before}
+        if not left or time.monotonic() > deadline:
+            break
         time.sleep(0.05)
-    assert not left, f"test left child processes running: {sorted(left)}"
+    if left:
+        kill_and_reap(left)
+        listing = "; ".join(f"{pid}: {cmd}" for pid, cmd in sorted(left.items()))
+        pytest.fail(f"test left processes running (killed now): {listing}", pytrace=False)
 
 
 @pytest.fixture
@@ -70,7 +66,7 @@ def zmq_sockets_closed():
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A tiny random Qwen2 + character tokenizer, built once per test session."""
-    from tandem.common.tiny import build_tiny_model
+    from tandem.weights.tiny import build_tiny_model
 
     path = tmp_path_factory.mktemp("tiny-model")
     build_tiny_model(path)

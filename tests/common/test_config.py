@@ -69,3 +69,27 @@ def test_missing_env_var_and_bad_files(tmp_path):
         load_config(tmp_path / "missing.yaml")
     with pytest.raises(ConfigError, match="expected key=value"):
         load_config(None, ["trainer.lr"])
+
+
+def test_env_values_arrive_as_text_never_as_yaml(tmp_path, monkeypatch):
+    import zmq
+
+    path = tmp_path / "run.yaml"
+    path.write_text("transport:\n  curve:\n"
+                    "    server_public: ${env:T_SP}\n    server_secret: ${env:T_SS}\n"
+                    "    client_public: ${env:T_CP}\n    client_secret: ${env:T_CS}\n"
+                    "trainer: {lr: '${env:T_LR}'}\n")
+    monkeypatch.setenv("T_LR", "3e-4")
+    # 400 generated keys: about one in eight holds YAML syntax (a leading `&`, `*`, `!`, `[`,
+    # `{`, `@`, `%`, or a `: ` / ` #` inside) and came out changed or as a YAML traceback.
+    for _ in range(100):
+        keys = {name: zmq.curve_keypair()[i].decode()
+                for i, name in enumerate(("T_SP", "T_SS"))}
+        keys.update({name: zmq.curve_keypair()[i].decode()
+                     for i, name in enumerate(("T_CP", "T_CS"))})
+        for name, value in keys.items():
+            monkeypatch.setenv(name, value)
+        curve = load_config(path).transport.curve
+        assert (curve.server_public, curve.server_secret, curve.client_public,
+                curve.client_secret) == (keys["T_SP"], keys["T_SS"], keys["T_CP"], keys["T_CS"])
+    assert load_config(path).trainer.lr == 3e-4

@@ -181,3 +181,31 @@ async def test_ok_reply_for_handlers_returning_none(zmq_sockets_closed):
     finally:
         await client.close()
         await server.close()
+
+
+@pytest.mark.parametrize("header", [
+    {"v": 1, "type": "reply", "id": "r1", "ok": True, "result_type": "ok", "result": {}},
+    {"v": 1, "type": "reply", "id": "r1", "ok": False,
+     "error": {"code": "x", "message": "y"}},
+])
+async def test_a_reply_sent_to_a_server_is_a_bad_request_without_traceback(
+        header, zmq_sockets_closed):
+    import msgpack
+    from structlog.testing import capture_logs
+
+    server = RpcServer("tcp://127.0.0.1:0", name="svc", transport=FAST)
+    address = await server.start()
+    raw = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(address)
+    try:
+        with capture_logs() as logs:
+            await raw.send_multipart([msgpack.packb(header)])
+            reply = msgpack.unpackb((await asyncio.wait_for(raw.recv_multipart(), 2))[0])
+        assert reply["id"] == "r1" and reply["ok"] is False
+        assert reply["error"]["code"] == "bad_request"
+        assert "got a reply (r1) where a request was expected" in reply["error"]["message"]
+        assert not [e for e in logs if e["log_level"] in ("error", "exception", "critical")]
+    finally:
+        raw.close(linger=0)
+        await server.close()

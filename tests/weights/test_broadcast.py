@@ -10,7 +10,7 @@ from weights_helpers import assert_bit_identical, finish, train_step
 
 from tandem.common.errors import PeerDead
 from tandem.common.messages.weights import TensorSpec
-from tandem.common.weights import (
+from tandem.weights import (
     GroupAbandoned,
     WeightBroadcaster,
     WeightReceiver,

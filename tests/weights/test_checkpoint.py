@@ -8,7 +8,7 @@ import pytest
 import torch
 from weights_helpers import assert_bit_identical, finish, train_step
 
-from tandem.common.weights import WeightPublisher, WeightSubscriber, WeightsError, load_into
+from tandem.weights import WeightPublisher, WeightSubscriber, WeightsError, load_into
 
 
 def test_published_weights_arrive_bit_identical_in_another_process(

@@ -6,7 +6,7 @@ import pytest
 
 from tandem.common.config import load_config
 from tandem.common.errors import ConfigError
-from tandem.common.weights import WeightBroadcaster, WeightPublisher, WeightsError
+from tandem.weights import WeightBroadcaster, WeightPublisher, WeightsError
 
 
 def test_defaults_follow_the_design():

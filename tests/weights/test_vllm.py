@@ -9,8 +9,8 @@ import pytest
 import torch
 from weights_helpers import assert_bit_identical, finish, train_step
 
-from tandem.common.weights import WeightBroadcaster, WeightPublisher, engine_members
-from tandem.common.weights.vllm import EXTENSION, TandemWeightExtension, vllm_engine_kwargs
+from tandem.explorer.vllm_worker import EXTENSION, TandemWeightExtension, vllm_engine_kwargs
+from tandem.weights import WeightBroadcaster, WeightPublisher, engine_members
 
 
 def test_extension_is_importable_by_the_name_vllm_is_given():

@@ -41,7 +41,7 @@ class ModuleEngine:
         self.module = AutoModelForCausalLM.from_pretrained(model_dir)
 
     def load_weights(self, weights):
-        from tandem.common.weights import load_into
+        from tandem.weights import load_into
 
         load_into(self.module, weights)
 
@@ -74,7 +74,7 @@ def dump(engine, out_dir: str, version: int) -> None:
 def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     from tandem.common.errors import TandemError
-    from tandem.common.weights import WeightReceiver, WeightSubscriber
+    from tandem.weights import WeightReceiver, WeightSubscriber
 
     mode, args = argv[0], argv[1:]
     try:
@@ -93,7 +93,7 @@ def main(argv: list[str]) -> int:
             engine.load_weights(WeightSubscriber(run_dir).load(int(version)))
             dump(engine, out_dir, int(version))
         elif mode == "fake-vllm":
-            from tandem.common.weights.vllm import TandemWeightExtension
+            from tandem.explorer.vllm_worker import TandemWeightExtension
 
             rendezvous, explorer, out_dir, version, timeout = args
             engine = DictEngine()

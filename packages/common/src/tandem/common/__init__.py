@@ -2,8 +2,9 @@
 
 Wire messages (`tandem.common.messages`), the msgpack codec (`codec`), ZeroMQ transport
 (`sockets`, `rpc`, `pubsub`, `heartbeat`, `auth`), the run config (`config`), logging and
-tracing (`logging`, `trace`), the sync plan (`sync`) and weight sync (`weights`).
-Import the submodule you need; this package imports nothing heavy on its own.
+tracing (`logging`, `trace`) and the sync plan (`sync`). Moving weights is `tandem.weights`
+(the tandem-weights distribution, with torch); this package needs no torch, so the control plane
+(master, buffer) installs without it. Import the submodule you need.
 """
 
 __version__ = "0.1.0"

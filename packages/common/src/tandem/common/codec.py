@@ -7,13 +7,20 @@ zero-copy; a smaller one travels inline as `{"__nd__": [dtype, shape, bytes]}`. 
 reader can read frame 0. Decoding validates the envelope, every array reference (dtype
 known, bytes == prod(shape) * itemsize, each frame used exactly once) and the body against
 the message's schema; whatever goes wrong raises one `ProtocolError` saying what and where.
+
+What a peer can make a receiver allocate is bounded before anything is built (`Limits`): the
+frame count, the message bytes, the items of any one msgpack container and of the string and
+bin values (msgpack's own unpacker limits, so a lying header allocates nothing), the items of
+the list fields a message type declares bounded (`Message.LIMITS`, read from the raw array
+header), and the nesting depth (checked on the msgpack tree, before schema validation builds
+any object). A breach raises `LimitExceeded`.
 """
 
 from __future__ import annotations
 
-import math
+import reprlib
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import msgpack
 import numpy as np
@@ -25,6 +32,45 @@ from .messages.base import PROTOCOL_VERSION, REGISTRY, ErrorInfo, Message
 ND = "__nd__"
 DEFAULT_INLINE_THRESHOLD = 16384
 DEFAULT_MAX_MESSAGE_BYTES = 2**31
+DEFAULT_MAX_FRAMES = 16384
+DEFAULT_MAX_ITEMS = 65536
+DEFAULT_MAX_DEPTH = 32
+MAX_NDIM = 32
+
+_short = reprlib.Repr()
+_short.maxstring = _short.maxother = 60
+_short.maxlist = _short.maxdict = 4
+_short.maxlevel = 2
+
+
+class LimitExceeded(ProtocolError):
+    """A message is larger than a configured limit allows; it was refused before decoding."""
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What one received message may make a component allocate.
+
+    `items` bounds list fields of the message body per type: `{type: {field: (max, key)}}`,
+    where `key` is the config key that raises the limit (see `Message.LIMITS`).
+    """
+
+    max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    max_frames: int = DEFAULT_MAX_FRAMES
+    max_items: int = DEFAULT_MAX_ITEMS
+    max_depth: int = DEFAULT_MAX_DEPTH
+    items: Mapping[str, Mapping[str, tuple[int, str]]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, transport: Any, items: Mapping[str, Mapping[str, tuple[int, str]]] | None = None
+           ) -> "Limits":
+        """The limits of a `TransportConfig` (plus per-type item limits)."""
+        return cls(max_bytes=transport.max_message_bytes, max_frames=transport.max_frames,
+                   max_items=transport.max_items, max_depth=transport.max_depth,
+                   items=dict(items or {}))
+
+
+DEFAULT_LIMITS = Limits()
 
 _NUMPY_DTYPES = {
     name: np.dtype(name)
@@ -169,6 +215,8 @@ class _Unpacker:
         ref = obj[ND]
         try:
             dtype, shape, data = ref
+            if len(shape) > MAX_NDIM:
+                raise TypeError
             np_dtype = _NUMPY_DTYPES.get(dtype)
             itemsize = np_dtype.itemsize if np_dtype is not None else (2 if dtype == "bfloat16" else 0)
             count = 1
@@ -177,9 +225,10 @@ class _Unpacker:
                     raise TypeError
                 count *= dim
         except (TypeError, ValueError, AttributeError):
-            raise ProtocolError(f"{self.where}: malformed array reference {ref!r:.80}") from None
+            raise ProtocolError(
+                f"{self.where}: malformed array reference {_short.repr(ref)}") from None
         if not itemsize:
-            raise ProtocolError(f"{self.where}: unknown dtype {dtype!r}")
+            raise ProtocolError(f"{self.where}: unknown dtype {_short.repr(dtype)}")
         if data.__class__ is bytes:
             buf = memoryview(data)
             origin = "inline bytes"
@@ -207,28 +256,141 @@ class _Unpacker:
         return np.frombuffer(buf, dtype=np_dtype).reshape(shape)
 
 
-def _check_size(frames: Sequence[Frame], max_bytes: int) -> None:
+def _check_size(frames: Sequence[Frame], limits: Limits) -> None:
+    if len(frames) > limits.max_frames:
+        raise LimitExceeded(f"message of {len(frames)} frames exceeds the limit of "
+                            f"{limits.max_frames} frames (transport.max_frames)")
     total = sum(_buffer(f).nbytes for f in frames)
-    if total > max_bytes:
-        raise ProtocolError(f"message of {total} bytes exceeds the limit of {max_bytes} bytes "
-                            "(transport.max_message_bytes)")
+    if total > limits.max_bytes:
+        raise LimitExceeded(f"message of {total} bytes exceeds the limit of {limits.max_bytes} "
+                            "bytes (transport.max_message_bytes)")
 
 
-def decode_header(frames: Sequence[Frame], *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-                  ) -> tuple[dict[str, Any], _Unpacker]:
-    """Unpack frame 0 with arrays resolved; checks version, id, type and frame use."""
+class _Reader:
+    """A file-like view of a frame for msgpack's streaming Unpacker, which then holds only
+    `read_size` bytes at a time instead of a copy of the whole frame."""
+
+    __slots__ = ("view", "pos")
+
+    def __init__(self, view: memoryview, pos: int = 0):
+        self.view, self.pos = view, pos
+
+    def read(self, n: int) -> bytes:
+        chunk = bytes(self.view[self.pos:self.pos + n])
+        self.pos += len(chunk)
+        return chunk
+
+
+def _raw_unpacker(head: memoryview, limits: Limits, start: int = 0) -> msgpack.Unpacker:
+    return msgpack.Unpacker(
+        _Reader(head, start), read_size=4096, raw=False, strict_map_key=False,
+        max_buffer_size=max(min(len(head) - start, limits.max_bytes), 4096),
+        max_array_len=limits.max_items, max_map_len=limits.max_items, max_ext_len=0)
+
+
+def _check_items(head: memoryview, limits: Limits) -> None:
+    """Compare the raw array headers of a type's bounded body fields with their limits.
+
+    Reads the top-level keys, the type and the body's keys, and skips other values in C. A body
+    sent before its type is held to the strictest limit of any type with that field. Garbage
+    is left for the full decode to report.
+    """
+    try:
+        up = _raw_unpacker(head, limits)
+        type_name = body_at = None
+        for _ in range(up.read_map_header()):
+            key = up.unpack()
+            if key == "type":
+                type_name = up.unpack()
+                if body_at is None:
+                    continue
+            elif key == "body" and body_at is None:
+                body_at = up.tell()
+                if type_name is None:
+                    break
+            else:
+                up.skip()
+                continue
+            break
+        if body_at is None:
+            return
+        if type_name is None:
+            bounded: dict[str, tuple[int, str]] = {}
+            for fields in limits.items.values():
+                for name, limit in fields.items():
+                    bounded[name] = min(bounded.get(name, limit), limit)
+            type_name = "body"
+        else:
+            bounded = limits.items.get(type_name) if isinstance(type_name, str) else None
+        if not bounded:
+            return
+        up = _raw_unpacker(head, limits, body_at)
+        for _ in range(up.read_map_header()):
+            key = up.unpack()
+            if isinstance(key, str) and key in bounded:
+                count = up.read_array_header()
+                most, config_key = bounded[key]
+                if count > most:
+                    raise LimitExceeded(f"{type_name}: {key} has {count} items, more than the "
+                                        f"{most} this receiver takes ({config_key})")
+                for _ in range(count):
+                    up.skip()
+            else:
+                up.skip()
+    except LimitExceeded:
+        raise
+    except Exception:
+        return
+
+
+def _check_depth(obj: Any, limit: int) -> None:
+    """Refuse a decoded msgpack tree nested deeper than `limit` (maps and lists only)."""
+    stack = [(obj, 1)]
+    pop, push = stack.pop, stack.append
+    while stack:
+        node, depth = pop()
+        children = node.values() if node.__class__ is dict else node
+        for child in children:
+            if child.__class__ is dict or child.__class__ is list:
+                if depth >= limit:
+                    raise LimitExceeded(f"frame 0 is nested deeper than {limit} levels "
+                                        "(transport.max_depth)")
+                push((child, depth + 1))
+
+
+def decode_header(frames: Sequence[Frame], *, max_message_bytes: int | None = None,
+                  limits: Limits | None = None) -> tuple[dict[str, Any], _Unpacker]:
+    """Unpack frame 0 with arrays resolved; checks limits, version, id, type and frame use."""
     if not frames:
         raise ProtocolError("empty message: no frames")
-    _check_size(frames, max_message_bytes)
-    unpacker = _Unpacker(frames)
+    limits = limits or DEFAULT_LIMITS
+    if max_message_bytes is not None and max_message_bytes != limits.max_bytes:
+        limits = Limits(max_message_bytes, limits.max_frames, limits.max_items, limits.max_depth,
+                        limits.items)
+    _check_size(frames, limits)
     head = _buffer(frames[0])
+    if limits.items:
+        _check_items(head, limits)
+    unpacker = _Unpacker(frames)
+    most = min(limits.max_items, len(head))  # a header cannot hold more items than bytes
     try:
         header = msgpack.unpackb(
-            head, object_hook=unpacker.hook, raw=False, strict_map_key=False)
+            head, object_hook=unpacker.hook, raw=False, strict_map_key=False,
+            max_array_len=most, max_map_len=most, max_ext_len=0)
     except ProtocolError:
         raise
+    except msgpack.StackError:
+        raise LimitExceeded("frame 0 is nested deeper than msgpack decodes "
+                            f"(transport.max_depth is {limits.max_depth})") from None
+    except ValueError as exc:
+        if "exceeds max_" in str(exc) and len(head) > limits.max_items:
+            raise LimitExceeded(f"frame 0: a container holds more than {limits.max_items} "
+                                "items (transport.max_items)") from None
+        raise ProtocolError(f"frame 0 is not valid msgpack (ValueError: {exc})") from None
     except Exception as exc:  # msgpack raises many types on garbage; all mean the same thing
         raise ProtocolError(f"frame 0 is not valid msgpack ({type(exc).__name__}: {exc})") from None
+    if isinstance(header, (dict, list)):
+        _check_depth(header, limits.max_depth)
     if not isinstance(header, dict):
         raise ProtocolError(f"frame 0 must be a map, got {type(header).__name__}")
     if header.get("v") != PROTOCOL_VERSION:
@@ -273,7 +435,8 @@ def envelope_from_header(header: dict[str, Any], *, reply_type: type[Message] | 
             try:
                 error = ErrorInfo.model_validate(header.get("error"))
             except ValidationError:
-                raise ProtocolError(f"reply {id_}: malformed error {header.get('error')!r:.120}") from None
+                raise ProtocolError(
+                    f"reply {id_}: malformed error {_short.repr(header.get('error'))}") from None
             return Envelope(type_name, id_, ok=False, error=error)
         if ok is not True:
             raise ProtocolError(f"reply {id_}: field 'ok' missing or not a boolean")
@@ -297,10 +460,10 @@ def envelope_from_header(header: dict[str, Any], *, reply_type: type[Message] | 
 
 
 def decode(frames: Sequence[Frame], *, reply_type: type[Message] | None = None,
-           max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Envelope:
+           max_message_bytes: int | None = None, limits: Limits | None = None) -> Envelope:
     """Decode a request, event or reply. For replies, `reply_type` validates the result."""
     try:
-        header, _ = decode_header(frames, max_message_bytes=max_message_bytes)
+        header, _ = decode_header(frames, max_message_bytes=max_message_bytes, limits=limits)
         return envelope_from_header(header, reply_type=reply_type)
     except ProtocolError:
         raise
@@ -308,11 +471,18 @@ def decode(frames: Sequence[Frame], *, reply_type: type[Message] | None = None,
         raise ProtocolError(f"undecodable message ({type(exc).__name__}: {exc})") from None
 
 
-def peek_id(frames: Sequence[Frame]) -> str | None:
-    """Best effort: the `id` of a message that failed to decode, so the error can be answered."""
+def peek_id(frames: Sequence[Frame], limits: Limits | None = None) -> str | None:
+    """Best effort: the `id` of a message that failed to decode, so the error can be answered.
+
+    Reads frame 0's top-level keys in order up to `id` and skips other values in C, so a body
+    that is garbage, too large or too deep after the id still gets its error reply."""
     try:
-        header = msgpack.unpackb(_buffer(frames[0]), raw=False, strict_map_key=False)
-        value = header.get("id") if isinstance(header, dict) else None
-        return value if isinstance(value, str) else None
+        up = _raw_unpacker(_buffer(frames[0]), limits or DEFAULT_LIMITS)
+        for _ in range(up.read_map_header()):
+            if up.unpack() == "id":
+                value = up.unpack()
+                return value if isinstance(value, str) and len(value) <= 256 else None
+            up.skip()
     except Exception:
-        return None
+        pass
+    return None

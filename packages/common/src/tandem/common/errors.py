@@ -39,5 +39,9 @@ class PeerDead(TandemError):
         super().__init__(message)
 
 
+class BindFailed(TandemError, OSError):
+    """A server socket could not bind its address (in use, or not an address of this host)."""
+
+
 class WaitTimeout(TandemError):
     """A wait (barrier, weights, experiences) ran past its timeout; names what and the knob."""

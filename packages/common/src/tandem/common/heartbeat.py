@@ -33,16 +33,20 @@ class Liveness:
 
 
 class Heartbeater:
-    """Client side: pings a server every `interval` unless a reply came more recently.
+    """Client side: pings a server every `interval`.
 
-    `on_dead(peer)` runs once when the server has been silent past `liveness`, and
-    `on_alive(peer)` once when it answers again.
+    It sends its own heartbeat even while other calls on the same client get replies: a reply
+    to a request the server does not count as life (a subscriber's snapshot request) must not
+    let the server's `liveness` run out. `on_dead(peer)` runs once when the server has been
+    silent past `liveness`, `on_alive(peer)` once when it answers again, and
+    `on_refused(error)` each time the server refuses the heartbeat (e.g. `declared_dead`).
     """
 
     def __init__(self, client, *, name: str, role: str = "", interval: float = 1.0,
                  liveness: float = 10.0,
                  on_dead: Callable[[str], Awaitable[None] | None] | None = None,
-                 on_alive: Callable[[str], Awaitable[None] | None] | None = None):
+                 on_alive: Callable[[str], Awaitable[None] | None] | None = None,
+                 on_refused: Callable[[RequestFailed], Awaitable[None] | None] | None = None):
         self.client = client
         self.name = name
         self.role = role
@@ -50,6 +54,7 @@ class Heartbeater:
         self.liveness = liveness
         self.on_dead = on_dead
         self.on_alive = on_alive
+        self.on_refused = on_refused
         self.alive = True
         self._task: asyncio.Task | None = None
 
@@ -65,25 +70,26 @@ class Heartbeater:
 
     async def _run(self) -> None:
         while True:
-            recent = self.client.last_reply_at
-            if recent is None or time.monotonic() - recent >= self.interval:
-                try:
-                    await self.client.call(Heartbeat(name=self.name, role=self.role),
-                                           timeout=self.liveness, retries=0,
-                                           timeout_key="transport.liveness")
-                    if not self.alive:
-                        self.alive = True
-                        log.info("peer.alive", peer=self.client.peer)
-                        await self._notify(self.on_alive, self.client.peer)
-                except PeerDead:
-                    if self.alive:
-                        self.alive = False
-                        log.warning("peer.dead", peer=self.client.peer, silent_for=self.liveness)
-                        await self._notify(self.on_dead, self.client.peer)
-                    continue
-                except RequestFailed as exc:
-                    log.debug("heartbeat.refused", peer=self.client.peer, error=str(exc))
-            await asyncio.sleep(self.interval)
+            sent = time.monotonic()
+            try:
+                await self.client.call(Heartbeat(name=self.name, role=self.role),
+                                       timeout=self.liveness, retries=0,
+                                       timeout_key="transport.liveness")
+                if not self.alive:
+                    self.alive = True
+                    log.info("peer.alive", peer=self.client.peer)
+                    await self._notify(self.on_alive, self.client.peer)
+            except PeerDead:
+                if self.alive:
+                    self.alive = False
+                    log.warning("peer.dead", peer=self.client.peer, silent_for=self.liveness,
+                                hint="raise transport.liveness if it is only slow")
+                    await self._notify(self.on_dead, self.client.peer)
+                continue
+            except RequestFailed as exc:
+                log.debug("heartbeat.refused", peer=self.client.peer, error=str(exc))
+                await self._notify(self.on_refused, exc)
+            await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - sent)))
 
     async def close(self) -> None:
         if self._task is not None:

@@ -109,6 +109,7 @@ class Subscriber:
         self.resync_interval = resync_interval
         self._sock = None
         self._queue: deque[Event] = deque()
+        self._limits = codec.Limits.of(self.factory.transport)
         self.last_seq: dict[str, int] = {}
         self.gaps = 0
         self.dropped = 0
@@ -143,7 +144,7 @@ class Subscriber:
     def _take(self, frames: list) -> Event | None:
         try:
             topic = frames[0].bytes.decode()
-            env = codec.decode(frames[1:], max_message_bytes=self.factory.transport.max_message_bytes)
+            env = codec.decode(frames[1:], limits=self._limits)
         except Exception as exc:
             self.dropped += 1
             log.warning("pubsub.dropped", error=str(exc), dropped=self.dropped)

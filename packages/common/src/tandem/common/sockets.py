@@ -16,6 +16,7 @@ import zmq
 import zmq.asyncio
 
 from .config.transport import CurveConfig, TransportConfig
+from .errors import BindFailed
 
 
 def install_uvloop() -> bool:
@@ -88,7 +89,7 @@ class SocketFactory:
                     time.sleep(0.05)
                     continue
                 sock.close(linger=0)
-                raise OSError(f"cannot bind {address}: {exc}") from None
+                raise BindFailed(f"cannot bind {address}: {exc}") from None
         endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
         return endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)
 

@@ -27,12 +27,32 @@ from typing import Any, Literal
 
 Method = Literal["nccl", "checkpoint"]
 
+# The one list of preset names: the config's `sync.preset`, `tandem plan --preset` and
+# `tandem quickstart --preset` all take their choices from it.
 PRESETS: dict[str, dict[str, Any]] = {
     "synchronous": dict(method="nccl", interval=1, offset=0, max_staleness=0),
     "one_step_off_policy": dict(method="nccl", interval=1, offset=1, max_staleness=1),
     "fully_async": dict(method="checkpoint", interval=1, offset=None, max_staleness=4),
     "multi_explorer_async": dict(method="checkpoint", interval=1, offset=None, max_staleness=4),
 }
+
+
+def check_knobs(method: str, interval: int, offset: int | None, max_staleness: int) -> None:
+    """The rules every set of `sync` knobs obeys (the config, `tandem plan` and `SyncPlan` all
+    check through here); raises ValueError naming the key and how to fix it."""
+    if method not in ("nccl", "checkpoint"):
+        raise ValueError(f"sync.method must be nccl or checkpoint, got {method!r}")
+    if interval < 1:
+        raise ValueError(f"sync.interval must be >= 1, got {interval}")
+    if offset is not None and offset < 0:
+        raise ValueError(f"sync.offset must be >= 0, or null for an asynchronous plan, got "
+                         f"{offset}")
+    if max_staleness < 0:
+        raise ValueError(f"sync.max_staleness must be >= 0, got {max_staleness}")
+    if offset is None and method == "nccl":
+        raise ValueError("sync.offset: null (asynchronous) cannot use sync.method: nccl, because "
+                         "a broadcast needs both sides at a sync point; set sync.method: "
+                         "checkpoint or give sync.offset")
 
 
 @dataclass(frozen=True)
@@ -55,19 +75,9 @@ class SyncPlan:
     batches_per_step: int = 1
 
     def __post_init__(self) -> None:
-        if self.method not in ("nccl", "checkpoint"):
-            raise ValueError(f"sync.method must be nccl or checkpoint, got {self.method!r}")
-        if self.interval < 1:
-            raise ValueError(f"sync.interval must be >= 1, got {self.interval}")
-        if self.offset is not None and self.offset < 0:
-            raise ValueError(f"sync.offset must be >= 0 or null, got {self.offset}")
-        if self.max_staleness < 0:
-            raise ValueError(f"sync.max_staleness must be >= 0, got {self.max_staleness}")
+        check_knobs(self.method, self.interval, self.offset, self.max_staleness)
         if self.batches_per_step < 1:
             raise ValueError(f"batches_per_step must be >= 1, got {self.batches_per_step}")
-        if self.offset is None and self.method == "nccl":
-            raise ValueError("an asynchronous plan (offset: null) needs method: checkpoint, "
-                             "because a broadcast needs both sides at a sync point")
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> "SyncPlan":

@@ -14,7 +14,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 
 class Tracer:
@@ -27,6 +27,9 @@ class Tracer:
         self._lock = threading.Lock()
         self._last_flush = time.monotonic()
         self._file = None
+        # called with (kind, seconds, attrs) for every span, written or not (Prometheus reads
+        # step, wait and sync durations from here)
+        self.observers: list[Callable[[str, float, dict[str, Any]], None]] = []
         if run_dir is not None:
             path = Path(run_dir) / "trace" / f"{component}.jsonl"
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -39,6 +42,8 @@ class Tracer:
     def record(self, kind: str, start: float, end: float, *, step: int | None = None,
                version: int | None = None, **attrs: Any) -> None:
         """Append one finished span (times are `time.time()` seconds)."""
+        for observe in self.observers:
+            observe(kind, end - start, attrs)
         if self._file is None:
             return
         event = {"component": self.component, "kind": kind, "step": step, "version": version,

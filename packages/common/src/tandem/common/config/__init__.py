@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 from pydantic import Field, model_validator
 
@@ -14,6 +14,7 @@ from .loader import apply_override, interpolate_env, load, read_yaml, validate
 from .logs import LoggingConfig
 from .master import MasterConfig, TasksetConfig
 from .model import ModelConfig
+from .placement import PlacementConfig
 from .reward import RewardConfig
 from .sync import PRESETS, SyncConfig
 from .trainer import TrainerConfig
@@ -38,6 +39,7 @@ class RunConfig(Section):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
     up: UpConfig = Field(default_factory=UpConfig)
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
 
     @model_validator(mode="after")
@@ -48,13 +50,44 @@ class RunConfig(Section):
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"explorers: names must be unique, {dup} repeat; give each a name")
-        if self.sync.method == "nccl" and len(self.explorers) > 1 and self.sync.asynchronous:
-            raise ValueError("sync.method: nccl needs a synchronous plan with several explorers")
+        return self
+
+    @model_validator(mode="after")
+    def _mini_batches_fit(self) -> "RunConfig":
+        tc = self.trainer
+        if tc.loss == "dpo":
+            have, what = tc.groups_per_step, "pairs (trainer.groups_per_step)"
+        else:
+            repeat = min(e.repeat_times for e in self.explorers)
+            have = tc.groups_per_step * repeat
+            what = "sequences (trainer.groups_per_step x explorers' repeat_times)"
+        if tc.mini_batches > have:
+            raise ValueError(f"trainer.mini_batches: {tc.mini_batches} exceeds the {have} {what} "
+                             f"of a step; lower trainer.mini_batches")
         return self
 
     @property
     def run_path(self) -> Path:
         return Path(self.run_dir)
+
+    def terms(self, role: str, name: str) -> dict[str, Any]:
+        """What a component named `name` with `role` must agree on with the master, keyed by
+        config path: the knobs that change the run (sync plan, model, group and batch sizes).
+        A component sends its own in `Register.terms`; the master refuses one that differs."""
+        s = self.sync
+        out: dict[str, Any] = {"sync.method": s.method, "sync.interval": s.interval,
+                               "sync.offset": s.offset, "sync.max_staleness": s.max_staleness}
+        if role in ("explorer", "trainer"):
+            out["model.path"] = self.model.path
+        if role == "explorer":
+            for e in self.explorers:
+                if e.name == name:
+                    out[f"explorers[{name}].batch_size"] = e.batch_size
+                    out[f"explorers[{name}].repeat_times"] = e.repeat_times
+        if role == "trainer":
+            out["trainer.groups_per_step"] = self.trainer.groups_per_step
+            out["explorers"] = ",".join(e.name for e in self.explorers)
+        return out
 
     def explorer(self, name: str) -> ExplorerConfig:
         for e in self.explorers:
@@ -70,7 +103,7 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
 
 __all__ = [
     "BufferConfig", "CurveConfig", "EngineConfig", "ExplorerConfig", "LoggingConfig",
-    "MasterConfig", "ModelConfig", "PRESETS", "RewardConfig", "RunConfig", "SamplingConfig",
+    "MasterConfig", "ModelConfig", "PRESETS", "PlacementConfig", "RewardConfig", "RunConfig", "SamplingConfig",
     "Section", "SyncConfig", "TasksetConfig", "TrainerConfig", "TransportConfig", "UpConfig", "WeightsConfig",
     "apply_override", "interpolate_env", "load", "load_config", "read_yaml", "validate",
 ]

@@ -46,6 +46,16 @@ class BufferConfig(Section):
                     "everything survives a process crash only")
     commit_batch: int = Field(
         default=256, ge=1, description="requests folded into one commit at most (group commit)")
+    max_sample_wait: float = Field(
+        default=60.0, gt=0,
+        description="seconds a sample request may wait for groups at most, whatever its `wait` "
+                    "and time-to-live ask; then it is answered not_enough and the trainer asks "
+                    "again")
+    max_parked_per_client: int = Field(
+        default=2, ge=1,
+        description="sample requests one client may have waiting at once; a newer one answers "
+                    "that client's oldest waiting sample not_enough at once, so a client that "
+                    "floods or re-sends holds at most this many")
 
     @model_validator(mode="after")
     def _priority_key_given(self) -> "BufferConfig":

@@ -28,7 +28,10 @@ def _path_str(path: Iterable[Any]) -> str:
 
 
 def interpolate_env(data: Any, path: tuple = (), errors: list[str] | None = None) -> Any:
-    """Replace `${env:VAR}` and `${env:VAR,default}` in every string of `data`."""
+    """Replace `${env:VAR}` and `${env:VAR,default}` in every string of the parsed `data`.
+
+    Substitution happens on the parsed tree, so a variable's value is inserted as a string and
+    never read as YAML."""
     errors = [] if errors is None else errors
     if isinstance(data, dict):
         return {k: interpolate_env(v, path + (k,), errors) for k, v in data.items()}
@@ -46,10 +49,10 @@ def interpolate_env(data: Any, path: tuple = (), errors: list[str] | None = None
         errors.append(f"{_path_str(path)}: environment variable {name} is not set")
         return ""
 
-    whole = _ENV.fullmatch(data)
-    value = _ENV.sub(sub, data)
-    # A value that is exactly one ${env:...} is parsed as YAML, so numbers stay numbers.
-    return yaml.safe_load(value) if whole and value else value
+    # The value of a variable is text, never YAML: a Z85 key may hold any of `:#{}[]&*!|>'"%@`
+    # and must arrive unchanged. Fields that are numbers or booleans convert the text when the
+    # config is validated, as they do for `--set`.
+    return _ENV.sub(sub, data)
 
 
 def apply_override(data: dict, assignment: str) -> None:

@@ -29,8 +29,9 @@ class MasterConfig(Section):
         default=None, ge=1,
         description="sync-plan steps (= trainer steps) in the run; default: as many as the "
                     "taskset fills, epochs x tasks // tasks per step")
-    journal: str = Field(default="master/journal.jsonl",
-                         description="the run journal, relative to the run dir")
+    journal: str = Field(default="master/journal.bin",
+                         description="the run journal (the messages that changed the run), "
+                                     "relative to the run dir")
     stop_grace: float = Field(default=2.0, ge=0,
                               description="seconds the master keeps serving after `Stop`, so "
                                           "every component hears it and `tandem status` works")

@@ -11,13 +11,16 @@ from .base import Section
 
 
 class CodeSandboxConfig(Section):
-    """Limits of the sandbox that runs candidate programs (`reward.code`), per test case."""
+    """Limits of the sandbox that runs candidate programs (`reward.code`), per test case; an
+    evaluation's budget is its number of tests × (wall_seconds + 1 s)."""
 
     cpu_seconds: float = Field(default=5.0, gt=0, description="CPU time (RLIMIT_CPU) per test")
     wall_seconds: float = Field(
         default=10.0, gt=0, description="wall-clock time per test before the whole process "
                                         "tree is killed")
-    memory_mb: int = Field(default=512, ge=64, description="address space (RLIMIT_AS), MiB")
+    memory_mb: int = Field(default=512, ge=64, description="memory per run (a cgroup, when "
+                                                           "writable) and address space per "
+                                                           "process (RLIMIT_AS), MiB")
     nproc: int = Field(default=16, ge=1, description="processes and threads (RLIMIT_NPROC)")
     file_size_mb: float = Field(
         default=16.0, gt=0, description="largest file written (RLIMIT_FSIZE), MiB")
@@ -29,9 +32,9 @@ class CodeSandboxConfig(Section):
         default=None, description="interpreter that runs candidates; default: this one")
     isolation: Literal["auto", "namespaces", "none"] = Field(
         default="auto",
-        description="namespaces: fresh network and PID namespaces per run (unshare), or fail; "
-                    "none: rlimits and a process group only; auto: namespaces when the OS "
-                    "allows them")
+        description="auto or namespaces: each run in a bubblewrap sandbox (minimal read-only "
+                    "root, fresh PID/network/IPC namespaces, tmpfs /tmp); refuses to start "
+                    "without bwrap. none: rlimits and a process group only, for trusted code")
     uid_base: int = Field(
         default=61000, ge=1000,
         description="when running as root, sandbox slot k runs as uid/gid uid_base+k, so the "

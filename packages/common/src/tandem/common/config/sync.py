@@ -6,11 +6,10 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from ..sync import PRESETS, Method, check_knobs
 from .base import Section
 
-from ..sync import PRESETS
-
-Preset = Literal["synchronous", "one_step_off_policy", "fully_async", "multi_explorer_async"]
+Preset = Literal[tuple(PRESETS)]  # type: ignore[valid-type]  # the names live in PRESETS alone
 
 
 class SyncConfig(Section):
@@ -18,15 +17,17 @@ class SyncConfig(Section):
 
     preset: Preset | None = Field(
         default=None, description="fills the knobs below; keys given explicitly win")
-    method: Literal["nccl", "checkpoint"] = Field(
+    method: Method = Field(
         default="checkpoint",
         description="nccl: a process group broadcast (gloo without a GPU); checkpoint: files + notice")
-    interval: int = Field(default=1, ge=1, description="explorers sync every `interval` steps")
+    # the knobs' rules (ranges, and which combine) live in `tandem.common.sync.check_knobs`
+    interval: int = Field(default=1, description="explorers sync every `interval` steps (>= 1)")
     offset: int | None = Field(
-        default=0, ge=0,
-        description="explorer steps the explorer may run ahead at a sync point; null = asynchronous")
+        default=0,
+        description="explorer steps the explorer may run ahead at a sync point (>= 0); "
+                    "null = asynchronous")
     max_staleness: int = Field(
-        default=4, ge=0,
+        default=4,
         description="asynchronous runs: step e may not start while the newest version < e - this")
     timeout: float = Field(default=600.0, gt=0, description="seconds any barrier or transfer may wait")
 
@@ -41,10 +42,7 @@ class SyncConfig(Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> "SyncConfig":
-        if self.offset is None and self.method == "nccl":
-            raise ValueError(
-                "sync.offset: null (asynchronous) cannot use sync.method: nccl, because a broadcast "
-                "needs both sides at a sync point; set sync.method: checkpoint or give sync.offset")
+        check_knobs(self.method, self.interval, self.offset, self.max_staleness)
         return self
 
     @property

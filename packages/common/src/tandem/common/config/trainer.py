@@ -108,6 +108,11 @@ class TrainerConfig(Section):
     groups_per_step: int = Field(default=8, ge=1, description="groups sampled per trainer step")
     micro_batch_tokens: int = Field(
         default=8192, ge=1, description="padded tokens per micro-batch (gradient accumulation)")
+    ppo_epochs: int = Field(
+        default=1, ge=1, description="passes over each step's batch, one update per mini-batch")
+    mini_batches: int = Field(
+        default=1, ge=1,
+        description="optimiser updates per epoch: the batch is shuffled and split by sequence")
     drop_older_than: int | None = Field(
         default=None, ge=0,
         description="sample only experiences at most this many versions older than the weights")

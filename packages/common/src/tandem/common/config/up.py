@@ -16,6 +16,11 @@ class UpConfig(Section):
         default="never", description="on-failure: restart a component that dies, as a supervisor would")
     max_restarts: int = Field(default=3, ge=0, description="restarts per component before giving up")
     stop_timeout: float = Field(default=5.0, gt=0, description="seconds from SIGTERM to SIGKILL")
+    trainer_stop_timeout: float = Field(
+        default=300.0, gt=0, description="seconds from SIGTERM to SIGKILL for the trainer, which "
+                                         "first finishes or abandons its step and writes its "
+                                         "checkpoint (explorers are stopped before it, the "
+                                         "buffer and the master after it)")
     start_timeout: float = Field(default=120.0, gt=0, description="seconds for every component to register")
     run_timeout: float | None = Field(default=None, gt=0, description="seconds the whole run may last")
     reward_service: bool | None = Field(

@@ -39,6 +39,35 @@ class WeightsConfig(Section):
         description="address explorers reach the trainer's TCPStore at (the group's rendezvous)")
     rendezvous_port: int = Field(
         default=0, ge=0, le=65535, description="TCPStore port on the trainer; 0 picks a free one")
+    transport: Literal["shared_fs", "fetch"] = Field(
+        default="shared_fs",
+        description="how checkpoint versions reach explorers: shared_fs = explorers read the "
+                    "trainer's run_dir/weights (one filesystem); fetch = the trainer serves the "
+                    "shards at fetch_address and each explorer downloads them into its own "
+                    "run_dir, checksums checked, resuming a cut transfer")
+    fetch_address: str = Field(
+        default="tcp://127.0.0.1:5580",
+        description="transport fetch: the trainer's weight server (it binds this address, "
+                    "explorers connect to it; give them the trainer host's name)")
+    fetch_chunk_bytes: int = Field(
+        default=8 * 2**20, ge=2**16, le=2**30,
+        description="transport fetch: bytes per request; a cut transfer resumes at the last "
+                    "whole chunk")
+    fetch_window: int = Field(
+        default=4, ge=1, le=64,
+        description="transport fetch: chunk requests one explorer keeps in flight")
+    fetch_streams: int = Field(
+        default=8, ge=1, le=1024,
+        description="transport fetch: explorers the trainer serves at once; the others are "
+                    "answered busy and retry, so the trainer has at most fetch_streams x "
+                    "fetch_window chunks in flight however many explorers fetch")
+
+    @field_validator("fetch_address")
+    @classmethod
+    def _tcp_address(cls, address: str) -> str:
+        if not address.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"{address!r} is not a ZeroMQ address; write tcp://HOST:PORT")
+        return address
 
     @field_validator("rendezvous_host")
     @classmethod

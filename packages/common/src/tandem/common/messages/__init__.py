@@ -2,8 +2,9 @@
 
 - `base`: the envelope-level messages (ok, heartbeat, pub/sub snapshot) and array fields.
 - `experience`: the experience and the task (DESIGN §3).
-- `buffer`, `master`, `reward`: each service's requests, replies and published events.
-- `weights`: the broadcast group's rendezvous and per-version tensor layout (`tandem.common.weights`).
+- `buffer`, `master`, `reward`: each service's requests, replies and published events (`master`
+  also holds its status models and the master's own journal records).
+- `weights`: the broadcast group's rendezvous and per-version tensor layout (`tandem.weights`).
 """
 
 from .base import (
@@ -24,10 +25,15 @@ from .base import (
 from .buffer import (
     AckLease,
     BufferStats,
+    CheckpointSaved,
     GetBufferStats,
+    LeasesReleased,
     PutExperiences,
     PutResult,
     ReleaseLease,
+    ReleaseLeases,
+    RewindTo,
+    Rewound,
     SampleGroups,
     SampleResult,
 )
@@ -35,16 +41,28 @@ from .experience import Experience, Task, experience_id, group_id
 from .master import (
     Barrier,
     CompleteTasks,
+    ComponentStatus,
+    ExplorerLeft,
+    ExplorerStatus,
     ExplorerStepDone,
     GetStatus,
+    LeaseExpired,
+    LeaseStatus,
     LeaseTasks,
+    PlanKnobs,
     Register,
     Registered,
     ReleaseTasks,
+    RunCounters,
+    RunningStep,
+    RunStarted,
     Status,
     Stop,
     TaskLease,
+    TasksExhausted,
+    TasksLeased,
     TrainerGo,
+    TrainerResumed,
     TrainerStepDone,
     WeightsPublished,
     barrier_topic,

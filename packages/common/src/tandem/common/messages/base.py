@@ -17,6 +17,9 @@ class Message(BaseModel):
 
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
     TYPE: ClassVar[str] = ""
+    # List fields a receiver may bound, each with the config key that sets the bound; the RPC
+    # server checks them on the raw array header, before decoding (see `RpcServer.register`).
+    LIMITS: ClassVar[dict[str, str]] = {}
 
 
 class Request(Message):

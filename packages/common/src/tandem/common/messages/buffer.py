@@ -1,4 +1,9 @@
-"""Buffer protocol: explorers put experiences, the trainer samples whole groups under a lease."""
+"""Buffer protocol: explorers put experiences, the trainer samples whole groups under a lease.
+
+A trainer acks each lease with the step that consumed it, tells the buffer when a checkpoint is
+durable, and on a restart from a checkpoint releases its dead incarnation's leases and rewinds
+the buffer to that checkpoint's step (docs/buffer.md, "Restarts").
+"""
 
 from __future__ import annotations
 
@@ -55,7 +60,13 @@ class SampleGroups(Request):
     min_version: int | None = Field(default=None, description="staleness filter")
     max_version: int | None = Field(default=None, description="only groups at or below it")
     lease_seconds: float | None = Field(default=None, gt=0)
-    wait: float = Field(default=0.0, ge=0, description="seconds to wait for enough groups")
+    wait: float = Field(
+        default=0.0, ge=0,
+        description="seconds to wait for enough groups (capped by buffer.max_sample_wait)")
+    holder: str | None = Field(
+        default=None, max_length=256,
+        description="who holds the lease, stable across the holder's restarts (the trainer's "
+                    "name), so ReleaseLeases can give back what a dead incarnation held")
 
 
 @wire("buffer.ack", reply=Ok)
@@ -63,6 +74,52 @@ class AckLease(Request):
     """Trainer to buffer: the step using this lease is done; its experiences are consumed."""
 
     lease_id: str
+    step: int | None = Field(
+        default=None, ge=0,
+        description="the trainer step that consumed the groups (TrainerGo.step); RewindTo "
+                    "undoes the acks of steps at or after a checkpoint's. None: never rewound")
+
+
+@wire("buffer.release_leases.reply")
+class LeasesReleased(Message):
+    """Buffer to trainer: how many leases ReleaseLeases gave back."""
+
+    leases: int
+
+
+@wire("buffer.release_leases", reply=LeasesReleased)
+class ReleaseLeases(Request):
+    """Trainer to buffer, at start: give back every lease `holder` holds (a dead incarnation's),
+    so their groups are sampleable now instead of after buffer.lease_seconds."""
+
+    holder: str = Field(min_length=1, max_length=256)
+
+
+@wire("buffer.rewind.reply")
+class Rewound(Message):
+    """Buffer to trainer: what RewindTo made sampleable again."""
+
+    groups: int = Field(description="consumed groups that are ready again")
+    uses: int = Field(description="acked uses undone (more than groups with buffer.reuse > 1)")
+    leases_released: int = Field(description="outstanding leases given back")
+
+
+@wire("buffer.rewind", reply=Rewound)
+class RewindTo(Request):
+    """Trainer to buffer, when resuming from a checkpoint holding steps 0..step-1: undo every
+    ack of a step >= `step`, so those groups are trained again, once, into the new lineage;
+    releases every lease. Idempotent and durable; fails `rewind_too_far` when it needs rows
+    pruned after a later CheckpointSaved."""
+
+    step: int = Field(ge=0, description="the step the trainer resumes at")
+
+
+@wire("buffer.checkpoint", reply=Ok)
+class CheckpointSaved(Request):
+    """Trainer to buffer: a checkpoint holding steps 0..step-1 is durable; groups consumed by
+    earlier steps will never be rewound, so their rows may be pruned."""
+
+    step: int = Field(ge=0, description="steps the checkpoint holds (the step it resumes at)")
 
 
 @wire("buffer.release", reply=Ok)

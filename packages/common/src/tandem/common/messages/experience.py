@@ -11,14 +11,31 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from .base import Array
 
 
+def task_group_id(run: str, epoch: int, task_id: str) -> str:
+    """The group of one task's responses, named by the task's place in the run (run, epoch,
+    task): whoever rolls the task out, and with whichever weights, fills the same group, so a
+    task leased again after its explorer died stores nothing new (DESIGN §3 as of issue 14)."""
+    run_key = hashlib.blake2b(run.encode(), digest_size=4).hexdigest()
+    return f"{task_id}@e{epoch}.{run_key}"
+
+
+def repeat_id(group: str, repeat_index: int) -> str:
+    """An explorer's experience id: its group and its repeat index; putting it twice (a
+    retried put, or the same task rolled out again) stores it once."""
+    key = f"{group}\x1f{repeat_index}".encode()
+    return hashlib.blake2b(key, digest_size=16).hexdigest()
+
+
 def experience_id(task_id: str, repeat_index: int, policy_version: int, explorer_run: str) -> str:
-    """Deterministic id: putting the same sample twice stores it once."""
+    """A deterministic id for an experience made outside a run's taskset (tests, benchmarks);
+    explorers use `repeat_id(task_group_id(...), index)`."""
     key = f"{task_id}\x1f{repeat_index}\x1f{policy_version}\x1f{explorer_run}".encode()
     return hashlib.blake2b(key, digest_size=16).hexdigest()
 
 
 def group_id(task_id: str, policy_version: int) -> str:
-    """All responses to one task under one policy version form a group (GRPO/RLOO)."""
+    """A group id for experiences made outside a run's taskset (tests, benchmarks); explorers
+    use `task_group_id`."""
     return f"{task_id}@v{policy_version}"
 
 

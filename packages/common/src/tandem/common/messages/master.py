@@ -13,21 +13,28 @@ a snapshot (`SnapshotRequest` on the RPC socket) to anyone who joins late or rec
 
 An explorer's loop: `Register` -> wait for `Barrier` -> load `version` if `wait` -> `LeaseTasks`
 -> roll out -> `CompleteTasks` -> `ExplorerStepDone` (echoing step, batch, version) -> next
-`Barrier`. The trainer's: `Register` -> wait for `TrainerGo` -> train -> `TrainerStepDone` ->
+`Barrier`. The trainer's: `Register` -> `TrainerResumed` -> wait for `TrainerGo` -> train -> `TrainerStepDone` ->
 (when `publish` is set) write or broadcast the weights and send `WeightsPublished`. Counting of
 steps, batches and versions: `tandem.common.sync`.
+
+The master's journal (`run_dir/master/journal.bin`) is a sequence of these same messages: every
+accepted request that changes the run's state, plus the master's own decisions below
+(`RunStarted`, `TasksLeased`, `TasksExhausted`, `LeaseExpired`, `ExplorerLeft`), each encoded
+with `tandem.common.codec` and replayed through the handler that applied it live.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from .base import Message, Ok, Request, wire
 from .experience import Task
+from .weights import GroupRendezvous
 
 Role = Literal["explorer", "trainer", "buffer", "reward", "tool"]
+Term = str | int | float | bool | None
 
 
 def barrier_topic(explorer: str) -> str:
@@ -38,17 +45,23 @@ def barrier_topic(explorer: str) -> str:
 
 @wire("master.register.reply")
 class Registered(Message):
-    """Master to a component: accepted; the run's identity and the resolved sync knobs."""
+    """Master to a component: accepted; the run's identity and the heartbeat timing to keep."""
 
     run_id: str
-    sync: dict[str, Any] = Field(description="the resolved `sync` config section")
-    liveness: float = Field(description="seconds of silence after which the master marks it dead")
+    liveness: float = Field(gt=0, description="seconds of silence after which the master marks "
+                                              "it dead (the master's `transport.liveness`)")
+    heartbeat_interval: float = Field(gt=0, description="seconds between heartbeats when it is "
+                                                        "otherwise silent")
     publish_address: str = Field(default="", description="the master's PUB socket, as bound")
+    trainer_steps: int = Field(
+        default=0, ge=0, description="trainer steps the master has counted (TrainerStepDone); a "
+                                     "trainer resumes from a checkpoint at or below it")
 
 
 @wire("master.register", reply=Registered)
 class Register(Request):
-    """Any component to master, on start and on reconnect: who I am."""
+    """Any component to master, on start and on reconnect: who I am, and what I believe the run
+    is. The master refuses it (`config_mismatch`) when a term differs from its own config."""
 
     name: str
     role: Role
@@ -56,6 +69,9 @@ class Register(Request):
     pid: int | None = None
     host: str | None = None
     meta: dict[str, Any] = Field(default_factory=dict)
+    terms: dict[str, Term] = Field(
+        default_factory=dict, description="config keys that change the run, as this component "
+                                          "resolved them (`RunConfig.terms`)")
 
 
 @wire("master.tasks.reply")
@@ -114,6 +130,18 @@ class TrainerStepDone(Request):
     metrics: dict[str, float] = Field(default_factory=dict)
 
 
+@wire("master.trainer.resumed", reply=Ok)
+class TrainerResumed(Request):
+    """Trainer to master, after `Register`: the learner is at step `step` (its checkpoint holds
+    steps 0..step-1; 0: none). The master's trainer count goes back to `step` and `TrainerGo` is
+    released again from there, so the steps after the checkpoint are trained again."""
+
+    step: int = Field(ge=0)
+    checkpoint: str | None = Field(default=None, description="the checkpoint folder, if any")
+    lineage: str = Field(default="", max_length=64,
+                         description="this incarnation's lineage id (checkpoints, versions)")
+
+
 @wire("master.weights", reply=Ok)
 class WeightsPublished(Request):
     """Trainer to master (and master to all on topic `weights`): version `version` is ready."""
@@ -121,7 +149,7 @@ class WeightsPublished(Request):
     version: int = Field(ge=0)
     method: Literal["checkpoint", "nccl"]
     path: str | None = Field(default=None, description="weights/v{N} folder, for checkpoint")
-    rendezvous: dict[str, Any] | None = Field(default=None, description="nccl group to join")
+    rendezvous: GroupRendezvous | None = Field(default=None, description="nccl group to join")
 
 
 @wire("master.barrier")
@@ -159,18 +187,145 @@ class Stop(Message):
     ok: bool = True
 
 
+class _Report(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PlanKnobs(_Report):
+    """The sync plan the master runs (`SyncPlan.describe()`)."""
+
+    method: Literal["checkpoint", "nccl"]
+    interval: int
+    offset: int | None
+    max_staleness: int
+    batches_per_step: int
+
+
+class RunCounters(_Report):
+    """The run's counters; the task ones are None when the master has no taskset."""
+
+    plan: PlanKnobs
+    total_steps: int
+    trainer_steps_done: int
+    trainer_steps_released: int
+    newest_version: int
+    batches_granted: int
+    batches_done: int
+    batches_lost: int
+    explorers_alive: int
+    stopped: bool
+    tasks_total: int | None = None
+    tasks_dispatched: int | None = None
+    tasks_completed: int | None = None
+    tasks_returned: int | None = None
+    leases_open: int | None = None
+    leases_expired: int | None = None
+    epoch: int | None = None
+
+
+class ComponentStatus(_Report):
+    """One registered component and how long the master has not heard from it."""
+
+    name: str
+    role: Role
+    alive: bool
+    pid: int | None = None
+    host: str | None = None
+    address: str | None = None
+    silent_for: float | None = Field(default=None, description="seconds; None: not watched now")
+
+
+class RunningStep(_Report):
+    """A step granted to an explorer and not reported yet."""
+
+    step: int
+    batch: int
+    version: int
+
+
+class ExplorerStatus(_Report):
+    """One explorer as the run's clock sees it."""
+
+    name: str
+    alive: bool
+    finished: bool = Field(description="the taskset ran dry on it")
+    join_step: int
+    running: RunningStep | None = None
+    steps_done: int
+    held_version: int | None = None
+    staleness: int | None = Field(default=None, description="trainer steps done - held version")
+    behind_newest: int | None = Field(default=None, description="newest version - held version")
+
+
+class LeaseStatus(_Report):
+    """One open task lease."""
+
+    lease_id: str
+    explorer: str
+    step: int
+    tasks: int
+    deadline: float = Field(description="unix seconds")
+    granted_at: float = Field(description="unix seconds")
+
+
 @wire("master.status.reply")
 class Status(Message):
     """Master to anyone: registry, counters, versions, staleness and leases."""
 
     run_id: str
-    components: list[dict[str, Any]]
-    counters: dict[str, Any]
-    leases: list[dict[str, Any]]
-    explorers: list[dict[str, Any]] = Field(
-        default_factory=list, description="per explorer: step, held version, staleness")
+    counters: RunCounters
+    components: list[ComponentStatus] = Field(default_factory=list)
+    explorers: list[ExplorerStatus] = Field(default_factory=list)
+    leases: list[LeaseStatus] = Field(default_factory=list)
 
 
 @wire("master.status", reply=Status)
 class GetStatus(Request):
     """Anyone (`tandem status`) to master: report."""
+
+
+# -- the master's own decisions, as its journal records them ------------------------------------
+
+
+@wire("master.journal.started")
+class RunStarted(Message):
+    """Master to its journal, first record: the run this journal belongs to."""
+
+    run_id: str
+    total_steps: int = Field(ge=1)
+    plan: PlanKnobs
+
+
+@wire("master.journal.leased")
+class TasksLeased(Message):
+    """Master to its journal: a `LeaseTasks` was answered with these tasks (taskset refs as
+    (epoch, row) pairs), due back before `deadline` (unix seconds)."""
+
+    lease_id: str
+    explorer: str
+    step: int = Field(ge=0)
+    refs: list[tuple[int, int]] = Field(min_length=1)
+    deadline: float
+    granted_at: float
+
+
+@wire("master.journal.exhausted")
+class TasksExhausted(Message):
+    """Master to its journal: a `LeaseTasks` from `explorer` found the taskset empty."""
+
+    explorer: str
+
+
+@wire("master.journal.expired")
+class LeaseExpired(Message):
+    """Master to its journal: a lease passed its deadline; its tasks go back in the queue."""
+
+    lease_id: str
+
+
+@wire("master.journal.left")
+class ExplorerLeft(Message):
+    """Master to its journal: `explorer` was silent past `transport.liveness`; its running batch
+    is given up and its leases go back in the queue."""
+
+    explorer: str

@@ -54,6 +54,7 @@ class Scores(Message):
 class ScoreBatch(Request):
     """Explorer to reward service: score these items."""
 
+    LIMITS = {"items": "reward.max_batch"}
     items: list[ScoreItem]
 
 

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .base import Message, wire
+from .base import Array, Message, Request, wire
 
 
 class TensorSpec(BaseModel):
@@ -85,3 +85,45 @@ class BroadcastMeta(Message):
     seq: int = Field(ge=0, description="transfer number within this epoch, from 0")
     tensors: list[TensorSpec]
     buckets: list[BucketSpec]
+
+
+# -- weights.transport: fetch --------------------------------------------------------------------
+# Over the trainer's weight server (a ZeroMQ ROUTER at `weights.fetch_address`), for explorers
+# that share no filesystem with the trainer. Shards travel as raw frames, one chunk per reply.
+
+
+@wire("weights.fetch.manifest.reply")
+class FetchManifestReply(Message):
+    """Trainer's weight server to an explorer: the version's `manifest.json`, byte for byte."""
+
+    version: int = Field(ge=0)
+    manifest: str
+
+
+@wire("weights.fetch.manifest", reply=FetchManifestReply)
+class FetchManifest(Request):
+    """Explorer to the trainer's weight server: the manifest of `version` (code `not_found`
+    when that version is not, or no longer, on the trainer)."""
+
+    version: int = Field(ge=0)
+
+
+@wire("weights.fetch.chunk.reply")
+class FetchChunkReply(Message):
+    """Trainer's weight server to an explorer: `length` bytes of a shard from `offset` on."""
+
+    data: Array("uint8", 1)
+
+
+@wire("weights.fetch.chunk", reply=FetchChunkReply)
+class FetchChunk(Request):
+    """Explorer to the trainer's weight server: bytes [offset, offset+length) of one shard file
+    of `version` (a file the manifest names); answered `busy` with `retry_after` while the
+    server already serves `weights.fetch_streams` other explorers."""
+
+    version: int = Field(ge=0)
+    file: str
+    offset: int = Field(ge=0)
+    length: int = Field(ge=1)
+    last: bool = Field(default=False, description="the version's final chunk: the explorer's "
+                                                  "place among the served ones is freed")

@@ -6,12 +6,26 @@ from collections.abc import Iterable
 
 import torch
 
-from ..errors import TandemError
-from ..messages.weights import BucketSpec, TensorSpec
+from tandem.common.errors import TandemError
+from tandem.common.messages.weights import BucketSpec, TensorSpec
 
 
 class WeightsError(TandemError):
     """A weight version is missing, corrupt or does not match what it claims; says which file."""
+
+
+#: `model.dtype` (the config's choice for inference and published weights) as a torch dtype.
+MODEL_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+}
+
+
+def model_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a `model.dtype` name; another name is a ValueError naming the key."""
+    try:
+        return MODEL_DTYPES[name]
+    except KeyError:
+        raise ValueError(f"model.dtype {name!r}: expected one of {sorted(MODEL_DTYPES)}") from None
 
 
 def dtype_name(dtype: torch.dtype) -> str:

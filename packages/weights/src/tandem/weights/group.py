@@ -1,9 +1,13 @@
 """A weight-broadcast process group that lives apart from any global torch.distributed state.
 
-The trainer's rank 0 hosts a TCPStore; each group gets an epoch, and everything of epoch N
-(member sign-ins, the backend choice, transfer metadata, progress, and the backend's own keys)
-lives under the prefix `tandem/weights/<session>/<N>/`, `session` being random per trainer
-process. The backend object (`ProcessGroupGloo` or `ProcessGroupNCCL`) is built directly on a
+The trainer's rank 0 hosts a TCPStore, listening on the configured rendezvous host only (not
+on every interface); each group gets an epoch, and everything of epoch N (member sign-ins, the
+backend choice, transfer metadata, progress, and the backend's own keys) lives under the
+prefix `tandem/weights/<session>/<N>/`. `session` is a 128-bit secret per trainer process that
+reaches members only inside the rendezvous the master announces (encrypted when
+`transport.curve` is set) and is stored under no key, so a client that is not a member can
+connect to the store but can neither find nor touch a key of the group. (TCPStore itself has
+no authentication to refuse the connection.) The backend object (`ProcessGroupGloo` or `ProcessGroupNCCL`) is built directly on a
 PrefixStore, so it never touches, and is never touched by, a default group the trainer may use
 for FSDP: no `init_process_group`, no global registry. Every blocking step runs under a
 deadline; a collective runs on a helper thread so a hang turns into an error naming the peer,
@@ -19,13 +23,14 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import msgpack
 import structlog
 import torch
 import torch.distributed as dist
 
-from ..errors import ProtocolError
-from ..messages.base import Message
+from tandem.common import codec
+from tandem.common.errors import ProtocolError
+from tandem.common.messages.base import Message
+
 from .tensors import WeightsError
 
 log = structlog.get_logger(__name__)
@@ -33,12 +38,17 @@ log = structlog.get_logger(__name__)
 M = TypeVar("M", bound=Message)
 T = TypeVar("T")
 
-CURRENT_KEY = "tandem/weights/current"
 GRACE = 2.0  # seconds past a backend's own timeout before the guard gives up on the thread
+INLINE_ALL = 2**62  # a store value is one frame: every array travels inline
 
 
 class GroupAbandoned(WeightsError):
     """The trainer gave this group epoch up (a peer failed); join the next one announced."""
+
+
+def current_key(session: str) -> str:
+    """The key naming the session's current epoch (its value is the epoch number)."""
+    return f"tandem/weights/{session}/current"
 
 
 def epoch_prefix(session: str, epoch: int) -> str:
@@ -55,19 +65,22 @@ def engine_members(explorer: str, workers: int = 1) -> list[str]:
     return [engine_member(explorer, i) for i in range(workers)]
 
 
-def encode(msg: Message) -> bytes:
-    return msgpack.packb({"type": msg.TYPE, **msg.model_dump(mode="python")})
+def encode(msg: Message, key: str) -> bytes:
+    """`msg` as the value of store key `key`: one frame of the project codec, arrays inline."""
+    frames = codec.encode_request(msg, key, inline_threshold=INLINE_ALL)
+    return bytes(frames[0])
 
 
-def decode(raw: bytes, cls: type[M], where: str) -> M:
+def decode(raw: bytes, cls: type[M], key: str) -> M:
+    """The value of store key `key`, which must be a `cls` message (a ProtocolError otherwise)."""
     try:
-        body = msgpack.unpackb(raw)
-        kind = body.pop("type", None)
-        if kind != cls.TYPE:
-            raise ValueError(f"expected {cls.TYPE!r}, got {kind!r}")
-        return cls.model_validate(body)
-    except Exception as exc:
-        raise ProtocolError(f"{where}: not a valid {cls.TYPE} message: {exc}") from None
+        envelope = codec.decode([raw])
+    except ProtocolError as exc:
+        raise ProtocolError(f"store key {key}: {exc}") from None
+    if not isinstance(envelope.body, cls):
+        raise ProtocolError(f"store key {key}: expected a {cls.TYPE!r} message, "
+                            f"got {envelope.type!r}")
+    return envelope.body
 
 
 def timedelta(seconds: float) -> datetime.timedelta:
@@ -75,8 +88,24 @@ def timedelta(seconds: float) -> datetime.timedelta:
 
 
 def connect_store(host: str, port: int, timeout: float, *, serve: bool = False) -> dist.TCPStore:
-    """The group's TCPStore: hosted here when `serve`, else a client of the trainer's."""
-    return dist.TCPStore(host, port, None, serve, timedelta(timeout), wait_for_workers=False)
+    """The group's TCPStore: hosted here when `serve`, else a client of the trainer's.
+
+    Hosted, it listens on `host` alone: TCPStore's own server would take every interface, so
+    the listening socket is bound here and handed over."""
+    if not serve:
+        return dist.TCPStore(host, port, None, False, timedelta(timeout), wait_for_workers=False)
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(1024)
+        bound = listener.getsockname()[1]
+    except OSError as exc:
+        listener.close()
+        raise dist.DistNetworkError(f"cannot listen on {host}:{port}: {exc}") from None
+    return dist.TCPStore(host, bound, None, True, timedelta(timeout), wait_for_workers=False,
+                         master_listen_fd=listener.detach())
 
 
 def local_address_towards(host: str, port: int) -> str:

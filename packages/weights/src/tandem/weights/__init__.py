@@ -1,4 +1,4 @@
-"""Weight sync between the trainer and explorer engines (DESIGN §5).
+"""tandem-weights: moving weights between the trainer and explorer engines (DESIGN §5).
 
 Two methods, one ending: both produce an iterator of (name, tensor) for the engine's
 `load_weights` (or `load_into(module, ...)` for a plain PyTorch module).
@@ -8,10 +8,14 @@ Two methods, one ending: both produce an iterator of (name, tensor) for the engi
 - broadcast: `WeightBroadcaster.open_group(members)` gives a `GroupRendezvous` to announce;
   `WeightReceiver(rendezvous, member).join()` then `.receive()` on each engine worker, while the
   trainer calls `.broadcast(version, named_tensors)`. gloo on CPU, nccl when all ends are CUDA.
-- `tandem.common.weights.vllm.TandemWeightExtension`: the same receiver inside vLLM workers.
+- `hf` (tokenizer loading from a model folder) and `tiny` (the tiny Qwen2 the tests build).
+
+The same receivers run inside vLLM's workers through the explorer's worker extension
+(`tandem.explorer.vllm_worker`).
 """
 
-from ..messages.weights import GroupRendezvous
+from tandem.common.messages.weights import GroupRendezvous
+
 from .broadcast import BroadcastStats, WeightBroadcaster, WeightReceiver
 from .checkpoint import (
     Manifest,
@@ -22,11 +26,12 @@ from .checkpoint import (
     version_dir,
 )
 from .group import GroupAbandoned, engine_member, engine_members
-from .tensors import WeightsError, load_into, plan_buckets
+from .tensors import MODEL_DTYPES, WeightsError, load_into, model_dtype, plan_buckets
 
 __all__ = [
-    "BroadcastStats", "GroupAbandoned", "GroupRendezvous", "Manifest", "PublishedVersion",
+    "MODEL_DTYPES", "BroadcastStats", "GroupAbandoned", "GroupRendezvous", "Manifest",
+    "PublishedVersion",
     "WeightBroadcaster", "WeightPublisher", "WeightReceiver", "WeightSubscriber", "WeightsError",
-    "engine_member", "engine_members", "list_versions", "load_into", "plan_buckets",
-    "version_dir",
+    "engine_member", "engine_members", "list_versions", "load_into", "model_dtype",
+    "plan_buckets", "version_dir",
 ]

@@ -18,9 +18,9 @@ one at the next sync point and members that were in the old one join the new one
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 import time
-import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -29,16 +29,17 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from ..errors import PeerDead
-from ..messages.weights import (
+from tandem.common.errors import PeerDead
+from tandem.common.messages.weights import (
     BroadcastMeta,
     GroupBackend,
     GroupMember,
     GroupRendezvous,
     TensorSpec,
 )
+
 from .group import (
-    CURRENT_KEY,
+    current_key,
     GroupAbandoned,
     build_backend,
     broadcast,
@@ -125,7 +126,7 @@ class WeightBroadcaster:
             raise WeightsError(f"cannot serve the weight group's rendezvous on {host}:{port} "
                                f"(weights.rendezvous_host/rendezvous_port): {exc}") from None
         self.port = self.store.port
-        self.session = uuid.uuid4().hex[:12]
+        self.session = secrets.token_hex(16)  # keys the store: members learn it from the master
         self.epoch = 0
         self._current: _Epoch | None = None
         self._scratch: dict[tuple[torch.dtype, int], torch.Tensor] = {}
@@ -161,7 +162,7 @@ class WeightBroadcaster:
         rendezvous = GroupRendezvous(host=self.host, port=self.port, session=self.session,
                                      epoch=self.epoch, members=list(members))
         self._current = _Epoch(rendezvous, self.store)
-        self.store.set(CURRENT_KEY, f"{self.session}/{self.epoch}")
+        self.store.set(current_key(self.session), str(self.epoch))
         log.info("weights.group.opened", epoch=self.epoch, members=members,
                  store=f"{self.host}:{self.port}")
         return rendezvous
@@ -218,7 +219,7 @@ class WeightBroadcaster:
                 f"weights broadcast of version {version}: member(s) {names} did not join "
                 f"{self._where(group)} within {self.timeout:.1f} s; raise {TIMEOUT_KEY} if "
                 "they are slow to start, or check that they received the rendezvous"))
-        joined = [decode(group.store.get(k), GroupMember, f"store key {k}") for k in keys]
+        joined = [decode(group.store.get(k), GroupMember, k) for k in keys]
         for rank, member in enumerate(joined, start=1):
             if member.name != members[rank - 1] or member.rank != rank:
                 raise WeightsError(f"weight group epoch {group.rendezvous.epoch}: rank {rank} "
@@ -227,7 +228,7 @@ class WeightBroadcaster:
         if backend == "auto":
             on_cuda = self.device.type == "cuda" and all(m.device == "cuda" for m in joined)
             backend = "nccl" if on_cuda else "gloo"
-        group.store.set("backend", encode(GroupBackend(backend=backend)))
+        group.store.set("backend", encode(GroupBackend(backend=backend), "backend"))
         store = dist.PrefixStore("pg/", group.store)
         try:
             group.pg = run_guarded(
@@ -254,7 +255,7 @@ class WeightBroadcaster:
         seq = group.seq
         meta = BroadcastMeta(version=version, seq=seq, tensors=[specs[i] for i in order],
                              buckets=buckets)
-        group.store.set(f"meta/{seq}", encode(meta))
+        group.store.set(f"meta/{seq}", encode(meta, f"meta/{seq}"))
         ranks = range(1, group.rendezvous.world_size)
         total = 0
         # Pack bucket b+1 while bucket b is on the wire: two scratch buffers per dtype take
@@ -411,11 +412,13 @@ class WeightReceiver:
         except dist.DistNetworkError:
             raise PeerDead("trainer", f"weight group: cannot reach the {self._trainer()} within "
                                       f"{self.timeout:.1f} s ({TIMEOUT_KEY})") from None
-        session, _, current = root.get(CURRENT_KEY).decode().partition("/")
-        if (session, current) != (r.session, str(r.epoch)):
+        if not root.check([current_key(r.session)]):
+            raise GroupAbandoned(f"weight group epoch {r.epoch} belongs to a trainer that has "
+                                 "restarted since; join the rendezvous the master announced last")
+        current = root.get(current_key(r.session)).decode()
+        if current != str(r.epoch):
             raise GroupAbandoned(
-                f"weight group epoch {r.epoch} was replaced by epoch {current}"
-                f"{'' if session == r.session else ' of a restarted trainer'}; join the "
+                f"weight group epoch {r.epoch} was replaced by epoch {current}; join the "
                 "rendezvous the master announced last")
         self._store = dist.PrefixStore(epoch_prefix(r.session, r.epoch), root)
         reason = self._abandoned()
@@ -431,11 +434,11 @@ class WeightReceiver:
         me = GroupMember(name=self.member, rank=self.rank,
                          device="cuda" if self.device.type == "cuda" else "cpu",
                          host=socket.gethostname(), pid=os.getpid())
-        self._store.set(f"join/{self.rank}", encode(me))
+        self._store.set(f"join/{self.rank}", encode(me, f"join/{self.rank}"))
         if wait_keys(self._store, ["backend"], self.timeout, self._abandoned):
             raise PeerDead("trainer", f"weight group: the {self._trainer()} did not start the "
                                       f"group within {self.timeout:.1f} s ({TIMEOUT_KEY})")
-        self.backend = decode(self._store.get("backend"), GroupBackend, "store key backend").backend
+        self.backend = decode(self._store.get("backend"), GroupBackend, "backend").backend
         bind = local_address_towards(r.host, r.port)
         store = dist.PrefixStore("pg/", self._store)
         try:
@@ -470,7 +473,7 @@ class WeightReceiver:
         except GroupAbandoned as exc:
             self._fail(str(exc))
             raise
-        meta = decode(store.get(key), BroadcastMeta, f"store key {key}")
+        meta = decode(store.get(key), BroadcastMeta, key)
         if version is not None and meta.version != version:
             self._fail(f"expected version {version}, the trainer sends {meta.version}")
             raise WeightsError(f"weight group epoch {self.epoch}: this member expects version "

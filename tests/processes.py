@@ -1,0 +1,75 @@
+"""The processes a test leaves behind: every descendant of pytest, orphans included."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+
+
+def become_subreaper() -> None:
+    """Make this process the subreaper of everything it starts.
+
+    A process whose parent dies (a torchrun rank after torchrun is killed) is then re-parented to
+    this process instead of init, so `descendants()` still lists it, and it can be killed and
+    reaped.
+    """
+    if sys.platform == "linux":
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
+
+
+def descendants() -> dict[int, str]:
+    """Every live (not zombie) process below this one: pid -> command line."""
+    parents: dict[int, int] = {}
+    commands: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            status = (entry / "status").read_text()
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(
+                errors="replace")
+        except OSError:
+            continue  # exited while we looked
+        fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
+        if fields.get("State", "").startswith(("Z", "X")):
+            continue
+        parents[int(entry.name)] = int(fields.get("PPid", "0"))
+        commands[int(entry.name)] = command.strip()[:200]
+    found: dict[int, str] = {}
+    frontier = [os.getpid()]
+    while frontier:
+        parent = frontier.pop()
+        for pid, ppid in parents.items():
+            if ppid == parent and pid not in found:
+                found[pid] = commands[pid]
+                frontier.append(pid)
+    return found
+
+
+def kill_and_reap(pids) -> None:
+    """SIGKILL these processes and reap those that are this process's children (orphans that
+    were re-parented here included); waits at most 5 s for them to go."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 5.0
+    waiting = set(pids)
+    while waiting and time.monotonic() < deadline:
+        for pid in list(waiting):
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:  # not our child (its parent reaps it) or reaped already
+                done = pid if not Path(f"/proc/{pid}").exists() else 0
+            if done:
+                waiting.discard(pid)
+        time.sleep(0.02)

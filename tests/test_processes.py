@@ -1,0 +1,54 @@
+"""The no-leftover check sees what a test leaves anywhere below pytest, orphans included."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from processes import descendants, kill_and_reap
+
+# A child that starts a grandchild and exits at once, printing the grandchild's pid: the shape of
+# torchrun killed while its ranks run on.
+ORPHANING = ("import subprocess, sys; "
+             "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
+             "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
+             "print(p.pid)")
+
+
+def ppid(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="/proc and PR_SET_CHILD_SUBREAPER")
+def test_an_orphaned_grandchild_is_re_parented_to_pytest_seen_and_reaped():
+    out = subprocess.run([sys.executable, "-c", ORPHANING], capture_output=True, text=True,
+                         timeout=30, check=True)
+    orphan = int(out.stdout)
+    try:
+        assert ppid(orphan) == os.getpid()  # pytest is the subreaper, not init
+        assert orphan in descendants()
+    finally:
+        kill_and_reap([orphan])
+    assert not Path(f"/proc/{orphan}").exists()  # killed and reaped: not even a zombie
+    assert orphan not in descendants()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="/proc")
+def test_grandchildren_of_a_live_child_are_listed():
+    child = subprocess.Popen([sys.executable, "-c",
+                              ORPHANING + "; sys.stdout.flush(); p.wait()"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        grandchild = int(child.stdout.readline())
+        found = descendants()
+        assert child.pid in found and grandchild in found
+        assert "time.sleep(60)" in found[grandchild]
+    finally:
+        kill_and_reap([grandchild, child.pid])
+        child.stdout.close()
+    assert not {child.pid, grandchild} & set(descendants())
