@@ -177,6 +177,34 @@ def test_async_lost_batch_is_granted_again():
     assert clock.explorers["a"].running[:2] == (1, 2)  # b's step, new batch number
 
 
+def test_a_batch_stored_before_its_explorer_left_counts_done_not_lost():
+    # The explorer put its batch and completed its tasks, then died before ExplorerStepDone:
+    # its tasks are not leased again, so the batch counts once as done (issue 14 item 3).
+    clock = RunClock(SyncPlan.preset("synchronous"), total_steps=3)
+    clock.join("a")
+    d = clock.leave("a", stored=True, groups=4)
+    assert clock.batches_done == 1 and clock.batches_lost == 0
+    assert gos(d) == [(0, 1)] and clock.last_go.groups == 4
+    assert barriers(d) == []  # nothing granted to the dead explorer
+    # a batch not stored is lost, as before, and granted again to whoever joins
+    clock.trainer_step_done(0)
+    clock.published(1)
+    clock.join("a")
+    clock.leave("a")
+    assert clock.batches_lost == 1
+    assert barriers(clock.join("a")) == [("a", 1, 1, True)]
+
+
+def test_a_restart_after_its_batch_was_stored_takes_the_next_step():
+    plan = SyncPlan.preset("fully_async", batches_per_step=1)
+    clock = RunClock(plan, total_steps=3)
+    clock.join("a")
+    d = clock.join("a", stored=True, groups=2)  # restarted before the master noticed
+    assert clock.batches_done == 1 and clock.completed_groups == [2]
+    assert [(m.step, m.batch) for t, m in d if t.startswith("barrier.")] == [(1, 1)]
+    assert gos(d) == [(0, 1)]
+
+
 def test_exhausted_taskset_ends_the_run_after_the_complete_steps():
     clock = RunClock(SyncPlan.preset("synchronous", batches_per_step=2), total_steps=10)
     clock.join("a")

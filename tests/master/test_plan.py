@@ -176,3 +176,32 @@ def test_cli_bad_arguments_are_one_line_errors(args, message):
     result = CliRunner().invoke(tandem, ["plan", *args])
     assert result.exit_code == 2
     assert message in result.output and "Traceback" not in result.output
+
+
+def test_preset_names_and_knob_rules_have_one_home():
+    import typing
+
+    from tandem.common.config import SyncConfig, load_config
+    from tandem.common.errors import ConfigError
+    from tandem.common.sync import PRESETS
+    from tandem.master.quickstart import quickstart
+
+    def choices(command):
+        return next(p.type.choices for p in command.params if p.name == "preset")
+
+    assert list(choices(tandem.commands["plan"])) == list(PRESETS)
+    assert list(choices(quickstart)) == list(PRESETS)
+    assert typing.get_args(SyncConfig.model_fields["preset"].annotation)[0] == typing.Literal[
+        tuple(PRESETS)]
+    # the plan and the config refuse the same knobs with the same words
+    for knobs, words in [({"interval": 0}, "sync.interval must be >= 1, got 0"),
+                         ({"offset": -1}, "sync.offset must be >= 0"),
+                         ({"max_staleness": -2}, "sync.max_staleness must be >= 0, got -2"),
+                         ({"offset": None, "method": "nccl"},
+                          "sync.offset: null (asynchronous) cannot use sync.method: nccl")]:
+        with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
+            SyncPlan(**knobs)
+        with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
+            load_config(None, [f"sync.{k}={'null' if v is None else v}" for k, v in knobs.items()])
+    result = CliRunner().invoke(tandem, ["plan", "--preset", "synchronous", "--interval", "0"])
+    assert result.exit_code == 2 and "sync.interval must be >= 1, got 0" in result.output

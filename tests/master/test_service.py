@@ -31,94 +31,12 @@ from tandem.common.messages.master import (
 from tandem.common.pubsub import Subscriber
 from tandem.common.rpc import RpcClient
 from tandem.master.cli import tandem
+from tandem.master.journal import read_journal
 from tandem.master.service import Master
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def write_tasks(path: Path, n: int) -> Path:
-    with open(path, "w") as f:
-        for i in range(n):
-            f.write(json.dumps({"id": f"t{i}", "prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n")
-    return path
-
-
-def make_config(tmp_path: Path, *overrides: str, tasks: int = 40):
-    taskset = write_tasks(tmp_path / "tasks.jsonl", tasks)
-    return load_config(None, [
-        f"run_dir={tmp_path / 'run'}", "master.address=tcp://127.0.0.1:0",
-        "master.publish_address=tcp://127.0.0.1:0", f"master.taskset.path={taskset}",
-        "master.taskset.id_field=id", "master.stop_grace=0.2", "transport.liveness=1.0",
-        "transport.heartbeat_interval=0.1", "explorers.0.batch_size=4", *overrides])
-
-
-class Peer:
-    """A component speaking the master protocol over real sockets (as an explorer would)."""
-
-    def __init__(self, master: Master, name: str, role: str, topics: list[str]):
-        self.name, self.role = name, role
-        self.rpc = RpcClient(master.address, peer="master", name=name)
-        self.sub = Subscriber(master.publish_address, topics=topics,
-                              snapshot=RpcClient(master.address, peer="master", name=name + "-s"),
-                              resync_interval=0.2)
-
-    async def start(self):
-        await self.sub.start()
-        return await self.rpc.call(Register(name=self.name, role=self.role, pid=os.getpid()),
-                                   timeout=2)
-
-    async def next(self, kind: str, timeout: float = 3.0):
-        while True:
-            ev = await self.sub.recv(timeout, what=kind)
-            if ev.topic.startswith(kind) or ev.topic == "stop":
-                return ev.body
-
-    async def close(self):
-        await self.sub.close()
-        await self.sub.snapshot_client.close()
-        await self.rpc.close()
-
-
-async def explorer_loop(master: Master, name: str, steps_seen: list, batch_size: int = 4):
-    peer = Peer(master, name, "explorer", [barrier_topic(name), "stop"])
-    await peer.start()
-    try:
-        last = -1
-        while True:
-            msg = await peer.next("barrier")
-            if msg.TYPE == "master.stop":
-                return
-            if msg.batch <= last:
-                continue  # a repeat
-            last = msg.batch
-            lease = await peer.rpc.call(LeaseTasks(explorer=name, count=batch_size,
-                                                   step=msg.step), timeout=2)
-            await asyncio.sleep(0.01)  # "roll out"
-            await peer.rpc.call(CompleteTasks(lease_id=lease.lease_id), timeout=2)
-            steps_seen.append((name, msg.step, msg.version, msg.wait,
-                               [t.id for t in lease.tasks]))
-            await peer.rpc.call(ExplorerStepDone(explorer=name, step=msg.step, batch=msg.batch,
-                                                 version=msg.version), timeout=2)
-    finally:
-        await peer.close()
-
-
-async def trainer_loop(master: Master, trained: list, method: str = "checkpoint"):
-    peer = Peer(master, "trainer", "trainer", ["trainer", "stop"])
-    await peer.start()
-    try:
-        while True:
-            msg = await peer.next("trainer")
-            if msg.TYPE == "master.stop":
-                return
-            await asyncio.sleep(0.01)  # "train"
-            trained.append((msg.step, msg.publish, msg.groups))
-            await peer.rpc.call(TrainerStepDone(step=msg.step, version=msg.step + 1), timeout=2)
-            if msg.publish is not None:
-                await peer.rpc.call(WeightsPublished(version=msg.publish, method=method,
-                                                     path=f"weights/v{msg.publish}"), timeout=2)
-    finally:
-        await peer.close()
+sys.path.insert(0, str(Path(__file__).parent))
+from master_peers import Peer, explorer_loop, make_config, trainer_loop, write_tasks  # noqa: E402
 
 
 async def test_one_step_off_policy_run_end_to_end(tmp_path, zmq_sockets_closed):
@@ -127,9 +45,12 @@ async def test_one_step_off_policy_run_end_to_end(tmp_path, zmq_sockets_closed):
     serving = asyncio.create_task(master.serve())
     await master.start()
     seen, trained = [], []
-    await asyncio.wait_for(asyncio.gather(explorer_loop(master, "explorer-0", seen),
-                                          trainer_loop(master, trained, "nccl")), 20)
-    await asyncio.wait_for(serving, 5)
+    try:
+        await asyncio.wait_for(asyncio.gather(explorer_loop(master, "explorer-0", seen),
+                                              trainer_loop(master, trained, "nccl")), 20)
+        await asyncio.wait_for(serving, 5)  # the run is done: serve() returns on its own
+    finally:
+        await master.close()  # the caller closes
     assert [(s, v, w) for _, s, v, w, _ in seen] == [
         (0, 0, False), (1, 0, False), (2, 1, True), (3, 2, True), (4, 3, True)]
     # version 4 would first be used by step 5, past the run: not published
@@ -137,10 +58,10 @@ async def test_one_step_off_policy_run_end_to_end(tmp_path, zmq_sockets_closed):
     # 5 steps x 4 tasks, all distinct, in the seeded shuffle order
     ids = [i for *_, batch in seen for i in batch]
     assert len(ids) == 20 and len(set(ids)) == 20
-    journal = (tmp_path / "run" / "master" / "journal.jsonl").read_text().splitlines()
-    kinds = [json.loads(line)["k"] for line in journal]
-    assert kinds[0] == "start" and kinds.count("explorer_done") == 5
-    assert kinds.count("trainer_done") == 5
+    records = read_journal(tmp_path / "run" / "master" / "journal.bin")
+    kinds = [type(r).__name__ for r in records]
+    assert kinds[0] == "RunStarted" and kinds.count("ExplorerStepDone") == 5
+    assert kinds.count("TrainerStepDone") == 5 and kinds.count("TasksLeased") == 5
 
 
 async def test_two_explorers_async_and_status(tmp_path, zmq_sockets_closed):
@@ -160,8 +81,8 @@ async def test_two_explorers_async_and_status(tmp_path, zmq_sockets_closed):
     assert all(v >= s - 4 for _, s, v, _, _ in seen)
     assert [t for t, _, _ in trained] == [0, 1, 2, 3]
     assert [g for _, _, g in trained] == [8, 8, 8, 8]  # two batches of 4 tasks per step
-    assert status.counters["stopped"] and status.counters["batches_done"] == 8
-    assert {c["name"] for c in status.components} == {"explorer-0", "explorer-1", "trainer"}
+    assert status.counters.stopped and status.counters.batches_done == 8
+    assert {c.name for c in status.components} == {"explorer-0", "explorer-1", "trainer"}
 
 
 async def test_lease_expires_and_goes_to_another_explorer(tmp_path, zmq_sockets_closed):
@@ -219,9 +140,9 @@ async def test_silent_explorer_is_declared_dead_and_its_lease_returns(tmp_path,
             await b.call(Heartbeat(name="explorer-1", role="explorer"), timeout=2)
             await asyncio.sleep(0.1)
         status = await b.call(GetStatus(), timeout=2)
-        alive = {c["name"]: c["alive"] for c in status.components}
+        alive = {c.name: c.alive for c in status.components}
         assert alive == {"explorer-0": False, "explorer-1": True}
-        assert status.counters["batches_lost"] == 1 and status.leases == []
+        assert status.counters.batches_lost == 1 and status.leases == []
         taken = await b.call(LeaseTasks(explorer="explorer-1", count=4, step=0), timeout=2)
         assert [t.id for t in taken.tasks] == [t.id for t in lease.tasks]
         # the dead explorer wakes up: its report is refused until it registers again
@@ -230,7 +151,7 @@ async def test_silent_explorer_is_declared_dead_and_its_lease_returns(tmp_path,
                          timeout=2)
         await a.call(Register(name="explorer-0", role="explorer"), timeout=2)
         status = await b.call(GetStatus(), timeout=2)
-        assert {c["name"]: c["alive"] for c in status.components}["explorer-0"] is True
+        assert {c.name: c.alive for c in status.components}["explorer-0"] is True
     finally:
         await a.close()
         await b.close()
@@ -249,6 +170,7 @@ async def test_restarted_master_resumes_cursor_clock_and_sequence(tmp_path, zmq_
     await peer.rpc.call(ExplorerStepDone(explorer="explorer-0", step=0, batch=0, version=0),
                         timeout=2)
     trainer = RpcClient(master.address, peer="master", name="trainer")
+    await trainer.call(Register(name="trainer", role="trainer"), timeout=2)
     await trainer.call(TrainerStepDone(step=0, version=1), timeout=2)
     await trainer.call(WeightsPublished(version=1, method="nccl"), timeout=2)
     b1 = await peer.next("barrier")
@@ -346,7 +268,7 @@ def test_tandem_master_process_exits_cleanly_on_sigterm(tmp_path):
                             stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 20
-        journal = tmp_path / "run" / "master" / "journal.jsonl"
+        journal = tmp_path / "run" / "master" / "journal.bin"
         while not journal.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert journal.exists(), proc.stderr.read() if proc.poll() is not None else "no journal"
@@ -363,7 +285,7 @@ def test_tandem_master_bad_config_is_a_one_line_error(tmp_path):
     exe = Path(sys.executable).with_name("tandem-master")
     result = subprocess.run([str(exe), "--set", "master.task_lease_seconds=-1"],
                             capture_output=True, text=True, timeout=30)
-    assert result.returncode == 1
+    assert result.returncode == 2  # a bad config is exit 2 in every CLI (DESIGN §8)
     assert "master.task_lease_seconds" in result.stderr and "Traceback" not in result.stderr
 
 
@@ -523,3 +445,90 @@ async def test_killed_master_process_restarts_and_the_run_finishes(tmp_path, zmq
     assert trained == [0, 1, 2, 3, 4, 5]
     ids = [i for *_, batch in seen for i in batch]
     assert len(ids) == len(set(ids)) == 24  # the cursor survived: no task handed out twice
+
+
+async def test_a_component_that_disagrees_with_the_master_is_refused(tmp_path,
+                                                                    zmq_sockets_closed):
+    config = make_config(tmp_path, "sync.preset=synchronous", "master.total_steps=3",
+                         "model.path=/models/a", "transport.liveness=7",
+                         "transport.heartbeat_interval=0.5")
+    trainer_config = make_config(tmp_path, "sync.preset=synchronous", "master.total_steps=3",
+                                 "model.path=/models/b", "sync.interval=2")
+    master = Master(config)
+    await master.start()
+    client = RpcClient(master.address, peer="master", name="x")
+    try:
+        with pytest.raises(RequestFailed) as refused:
+            await client.call(Register(name="trainer", role="trainer",
+                                       terms=trainer_config.terms("trainer", "trainer")),
+                              timeout=2)
+        assert refused.value.code == "config_mismatch"
+        assert ("model.path: master has '/models/a', trainer trainer has '/models/b'; "
+                "sync.interval: master has 1, trainer trainer has 2") in refused.value.message
+        with pytest.raises(RequestFailed, match=r"explorers\[explorer-9\].batch_size: the "
+                                                "master's config has no such key"):
+            await client.call(Register(name="explorer-9", role="explorer", terms={
+                "explorers[explorer-9].batch_size": 4}), timeout=2)
+        assert master.registry == {}  # refused: not registered, not journaled
+        assert [type(m).__name__ for m in read_journal(master.journal.path)] == ["RunStarted"]
+        # the same terms as the master's: accepted, with the master's heartbeat timing
+        registered = await client.call(Register(name="trainer", role="trainer",
+                                                terms=config.terms("trainer", "trainer")),
+                                       timeout=2)
+        assert (registered.liveness, registered.heartbeat_interval) == (7.0, 0.5)
+    finally:
+        await client.close()
+        await master.close()
+
+
+async def test_an_explorer_process_with_another_sync_interval_exits_1_naming_it(
+        tmp_path, tiny_model_dir, zmq_sockets_closed):
+    config = make_config(tmp_path, "sync.preset=synchronous", "master.total_steps=3",
+                         f"model.path={tiny_model_dir}", "explorers.0.name=e0")
+    master = Master(config)
+    await master.start()
+    try:
+        run = config.model_dump(mode="json")
+        run["master"]["address"] = master.address
+        run["master"]["publish_address"] = master.publish_address
+        run["sync"] = {"method": "nccl", "interval": 2, "offset": 0, "max_staleness": 0}
+        path = tmp_path / "explorer.yaml"
+        path.write_text(json.dumps(run))  # JSON is YAML
+        exe = Path(sys.executable).with_name("tandem-explorer")
+        result = await asyncio.to_thread(
+            subprocess.run, [str(exe), "--config", str(path), "--name", "e0",
+                             "--set", "logging.level=warning"],
+            capture_output=True, text=True, timeout=120)
+    finally:
+        await master.close()
+    assert result.returncode == 1, result.stderr
+    errors = [line for line in result.stderr.splitlines() if "config_mismatch" in line]
+    assert len(errors) == 1 and "Traceback" not in result.stderr
+    assert "sync.interval: master has 1, explorer e0 has 2" in errors[0]
+
+
+async def test_a_trainer_process_with_another_model_path_exits_1_naming_it(
+        tmp_path, tiny_model_dir, zmq_sockets_closed):
+    config = make_config(tmp_path, "sync.preset=fully_async", "master.total_steps=3",
+                         f"model.path={tiny_model_dir}", "trainer.device=cpu")
+    other = tmp_path / "same-model-elsewhere"
+    other.symlink_to(tiny_model_dir, target_is_directory=True)
+    master = Master(config)
+    await master.start()
+    try:
+        run = config.model_dump(mode="json")
+        run["master"]["address"] = master.address
+        run["master"]["publish_address"] = master.publish_address
+        run["model"]["path"] = str(other)
+        path = tmp_path / "trainer.yaml"
+        path.write_text(json.dumps(run))
+        exe = Path(sys.executable).with_name("tandem-trainer")
+        result = await asyncio.to_thread(
+            subprocess.run, [str(exe), "--config", str(path), "--set", "logging.level=warning"],
+            capture_output=True, text=True, timeout=120)
+    finally:
+        await master.close()
+    assert result.returncode == 1, result.stderr
+    errors = [line for line in result.stderr.splitlines() if "config_mismatch" in line]
+    assert len(errors) == 1 and "Traceback" not in result.stderr
+    assert f"model.path: master has '{tiny_model_dir}', trainer trainer has '{other}'" in errors[0]

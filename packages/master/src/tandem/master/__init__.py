@@ -3,7 +3,7 @@ umbrella `tandem` command.
 
 Public API (imported on first use, so `tandem --help` stays instant):
 
-- `Master`, `run_master` (`service`): the component; `await Master(config).serve()`.
+- `Master` (`service`): the component; `await Master(config).serve()`, then `close()`.
 - `RunClock` (`clock`): the sync plan applied to live counters, no sockets.
 - `TaskDispatcher`, `load_rows` (`taskset`): the taskset, its order and its leases.
 - `simulate`, `Timeline` (`simulate`): what `tandem plan` replays.
@@ -15,7 +15,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "Master": "service", "run_master": "service", "RunClock": "clock",
+    "Master": "service", "RunClock": "clock",
     "TaskDispatcher": "taskset", "load_rows": "taskset", "simulate": "simulate",
     "Timeline": "simulate",
 }

@@ -10,10 +10,14 @@ from __future__ import annotations
 import importlib
 import json
 import sys
+from typing import Any
 
 import click
 
-from tandem.common.errors import ConfigError, TandemError
+from tandem.common.cli import (
+    EXIT_FAILED, OneLineFailure, config_options, fail, load_config_or_exit, run_component)
+from tandem.common.errors import TandemError
+from tandem.common.sync import PRESETS
 
 LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
     # name: (module, click command attribute, one-line help shown by `tandem --help`)
@@ -21,6 +25,8 @@ LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
     "timeline": ("tandem.master.timeline", "timeline", "Draw a run's trace as a timeline."),
     "quickstart": ("tandem.master.quickstart", "quickstart",
                    "Run a tiny end-to-end example on CPU."),
+    "deploy": ("tandem.master.deploy.cli", "deploy",
+               "Render a run for Kubernetes (manifests) or Slurm (an sbatch script)."),
 }
 
 
@@ -42,6 +48,16 @@ class LazyGroup(click.Group):
                 raise
             return _unavailable(name, module_name, help_text)
         return getattr(module, attr)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        # a subcommand's failure reads like every tandem CLI's: `tandem NAME: message`
+        try:
+            return super().invoke(ctx)
+        except (click.UsageError, OneLineFailure):
+            raise
+        except click.ClickException as exc:
+            raise OneLineFailure(f"tandem {ctx.invoked_subcommand}", exc.format_message()
+                                 ) from None
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         # `tandem --help` lists the lazy commands by their help line, without importing them
@@ -89,8 +105,7 @@ def _times(value: str) -> list[float]:
 
 @tandem.command()
 @click.option("--preset", default="synchronous", show_default=True,
-              type=click.Choice(["synchronous", "one_step_off_policy", "fully_async",
-                                 "multi_explorer_async"]), help="starting point for the knobs")
+              type=click.Choice(list(PRESETS)), help="starting point for the knobs")
 @click.option("--interval", type=int, help="sync.interval (overrides the preset)")
 @click.option("--offset", help="sync.offset, an integer or null for asynchronous")
 @click.option("--max-staleness", type=int, help="sync.max_staleness")
@@ -107,12 +122,33 @@ def _times(value: str) -> list[float]:
 @click.option("--json", "as_json", is_flag=True, help="print the timeline as JSON")
 @click.option("--png", type=click.Path(dir_okay=False), help="also draw it to this PNG file")
 @click.option("--width", type=int, default=96, show_default=True, help="terminal columns")
+@click.option("--from", "from_dir", type=click.Path(exists=True, file_okay=False),
+              help="take the durations from this run dir's trace and replay every preset and "
+                   "your knobs (the run's, or the ones given here) over them")
+@click.option("--advise", is_flag=True, help="with --from: recommend the knobs with the most "
+              "throughput whose staleness stays within --max-staleness")
 def plan(preset: str, interval: int | None, offset: str | None, max_staleness: int | None,
          method: str | None, explorers: int | None, steps: int, rollout_time: str,
          train_time: float, sync_time: float, as_json: bool, png: str | None,
-         width: int) -> None:
+         width: int, from_dir: str | None, advise: bool) -> None:
     """Replay a sync plan over assumed durations and draw the timeline."""
     from tandem.common.sync import SyncPlan
+
+    if advise and (from_dir is None or max_staleness is None):
+        raise click.UsageError("--advise needs --from RUN_DIR and --max-staleness K")
+    if from_dir is not None:
+        ctx = click.get_current_context()
+        given = {k for k in ("preset", "steps")
+                 if ctx.get_parameter_source(k) is not click.core.ParameterSource.DEFAULT}
+        knobs = {k: v for k, v in dict(interval=interval, method=method).items() if v is not None}
+        if max_staleness is not None and not advise:
+            knobs["max_staleness"] = max_staleness
+        if _offset(offset) != "unset":
+            knobs["offset"] = _offset(offset)
+        _plan_from(from_dir, preset if "preset" in given else None, knobs,
+                   steps if "steps" in given else None, max_staleness if advise else None,
+                   as_json)
+        return
 
     from .render import render_png, render_terminal
     from .simulate import simulate
@@ -149,6 +185,44 @@ def plan(preset: str, interval: int | None, offset: str | None, max_staleness: i
             click.echo(f"wrote {path}")
 
 
+def _plan_from(run_dir: str, preset: str | None, knobs: dict[str, Any], steps: int | None,
+               bound: int | None, as_json: bool) -> None:
+    """`tandem plan --from`: see `tandem.master.plan_from`."""
+    from pathlib import Path
+
+    from tandem.common.config import load_config
+    from tandem.common.sync import SyncPlan
+
+    from . import plan_from
+
+    durations = plan_from.measure(run_dir)
+    n = len(durations.rollout)
+    try:
+        if preset is not None:
+            own_plan = SyncPlan.preset(preset, batches_per_step=n, **knobs)
+        else:
+            config_path = Path(run_dir) / "config.yaml"
+            if not config_path.is_file():
+                raise click.UsageError(f"{run_dir} has no config.yaml; name --preset")
+            sync = load_config(config_path).sync
+            base = SyncPlan.from_config(sync, batches_per_step=n).describe()
+            base.update(knobs)
+            own_plan = SyncPlan(**base)
+        predictions = plan_from.replay_all(durations, own_plan, steps)
+    except (ValueError, TandemError) as exc:
+        raise click.UsageError(str(exc)) from None
+    own = predictions[0]
+    advice = plan_from.advise(durations, own, bound, steps) if bound is not None else None
+    if as_json:
+        click.echo(json.dumps({
+            "measured": durations.to_json(), "predictions": [p.to_json() for p in predictions],
+            "advice": None if advice is None else {
+                **advice.to_json(), "max_staleness_bound": bound,
+                "gain": round(own.step_time / advice.step_time, 4)}}))
+    else:
+        plan_from.print_report(durations, predictions, advice, own, bound)
+
+
 @tandem.command()
 @click.option("--master", "address", help="master RPC address (default: from --config, else "
               "the config default)")
@@ -164,7 +238,7 @@ def status(address: str | None, config_path: str | None, timeout: float, as_json
     try:
         reply = fetch_status(address, config_path, timeout)
     except TandemError as exc:
-        raise click.ClickException(str(exc)) from None
+        sys.exit(fail("tandem status", exc, EXIT_FAILED))
     if as_json:
         click.echo(json.dumps(reply.model_dump(), default=str))
     else:
@@ -172,25 +246,17 @@ def status(address: str | None, config_path: str | None, timeout: float, as_json
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False),
-              help="run config (YAML)")
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
-              help="override a config key, e.g. --set master.address=tcp://0.0.0.0:5550")
+@config_options("`master`, `sync`, `explorers`, `transport`", "master.address=tcp://0.0.0.0:5550")
 def master_main_command(config_path: str | None, overrides: tuple[str, ...]) -> None:
     """Run the master: the run's clock (registry, task leases, barriers, journal)."""
-    from tandem.common.config import load_config
+    config = load_config_or_exit("tandem-master", config_path, overrides)
 
-    try:
-        config = load_config(config_path, overrides)
-    except ConfigError as exc:
-        raise click.ClickException(str(exc)) from None
-    from .service import run_master
+    def build():
+        from .service import Master
 
-    try:
-        code = run_master(config)
-    except TandemError as exc:
-        raise click.ClickException(str(exc)) from None
-    sys.exit(code)
+        return Master(config)
+
+    sys.exit(run_component("tandem-master", config, "master", build))
 
 
 def main() -> None:

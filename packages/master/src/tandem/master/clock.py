@@ -1,8 +1,8 @@
 """The run's clock: `SyncPlan` applied to live counters, with no sockets.
 
-Inputs are the six things that happen in a run: an explorer joins, an explorer leaves (or is
+Inputs are the seven things that happen in a run: an explorer joins, an explorer leaves (or is
 declared dead), the taskset runs dry on an explorer, an explorer finishes a step, the trainer
-finishes a step, a version is published.
+finishes a step, the trainer (re)starts from a checkpoint, a version is published.
 Each input returns the decisions it unlocks, as (topic, message) pairs for the master's PUB
 socket. The clock is deterministic, so the master journals inputs only and a restarted master
 replays them to the same state, decisions and sequence numbers included.
@@ -20,7 +20,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.common.messages.master import Barrier, Stop, TrainerGo, barrier_topic
+from tandem.common.messages.master import (
+    Barrier,
+    ExplorerStatus,
+    RunningStep,
+    Stop,
+    TrainerGo,
+    barrier_topic,
+)
 from tandem.common.sync import SyncPlan
 
 Decision = tuple[str, Any]  # (topic, message)
@@ -28,6 +35,11 @@ Decision = tuple[str, Any]  # (topic, message)
 
 class StepMismatch(ValueError):
     """An explorer reported a step the master did not grant it."""
+
+
+class DeclaredDead(StepMismatch):
+    """An explorer the master declared dead reported a step: it must register again, and its
+    batch's tasks were leased out again."""
 
 
 @dataclass
@@ -45,14 +57,14 @@ class ExplorerSlot:
     steps_done: int = 0
     barrier: Barrier | None = None
 
-    def describe(self, newest: int, trained: int) -> dict[str, Any]:
-        return dict(name=self.name, alive=self.alive, finished=self.finished,
-                    join_step=self.join_step,
-                    running=None if self.running is None else dict(
-                        step=self.running[0], batch=self.running[1], version=self.running[2]),
-                    steps_done=self.steps_done, held_version=self.held,
-                    staleness=None if self.held is None else trained - self.held,
-                    behind_newest=None if self.held is None else newest - self.held)
+    def describe(self, newest: int, trained: int) -> ExplorerStatus:
+        return ExplorerStatus(
+            name=self.name, alive=self.alive, finished=self.finished, join_step=self.join_step,
+            running=None if self.running is None else RunningStep(
+                step=self.running[0], batch=self.running[1], version=self.running[2]),
+            steps_done=self.steps_done, held_version=self.held,
+            staleness=None if self.held is None else trained - self.held,
+            behind_newest=None if self.held is None else newest - self.held)
 
 
 @dataclass
@@ -69,6 +81,8 @@ class RunClock:
     trainer_done: int = 0  # trainer steps finished = version trained
     trainer_go: int = 0  # trainer steps released
     newest: int = 0  # newest published version
+    published_versions: list[int] = field(default_factory=list)  # in the trainer's lineage
+    broadcast_through: int = 0  # nccl: versions a lost lineage broadcast; never broadcast again
     stopped: bool = False
     exhausted: bool = False  # the taskset ran dry
     last_go: TrainerGo | None = None
@@ -77,10 +91,15 @@ class RunClock:
 
     # -- inputs --------------------------------------------------------------------------------
 
-    def join(self, name: str) -> list[Decision]:
-        """An explorer registers: first time, after it was declared dead, or after a restart."""
+    def join(self, name: str, *, stored: bool = False,
+             groups: int | None = None) -> list[Decision]:
+        """An explorer registers: first time, after it was declared dead, or after a restart.
+        `stored`: the batch it was running is in the buffer and its tasks completed (only its
+        report was lost), so it counts as done instead of being redone."""
         slot = self.explorers.get(name)
         if slot is not None and slot.alive:
+            if stored and slot.running is not None:
+                self._finish(slot, slot.running[2], groups)
             # it restarted faster than its liveness ran out: it redoes what it was granted
             if slot.running is not None:
                 slot.redo = slot.running[:2]
@@ -91,13 +110,18 @@ class RunClock:
         self.explorers[name] = ExplorerSlot(name, join_step=start, next_step=start)
         return self._release()
 
-    def leave(self, name: str) -> list[Decision]:
-        """An explorer is gone (declared dead, or deregistered); its unfinished batch is lost."""
+    def leave(self, name: str, *, stored: bool = False,
+              groups: int | None = None) -> list[Decision]:
+        """An explorer is gone (declared dead, or deregistered); its unfinished batch is lost
+        (its tasks are leased again), unless `stored`: in the buffer with its tasks completed,
+        only the report missing, it counts as done."""
         slot = self.explorers.get(name)
         if slot is None or not slot.alive:
             return []
         slot.alive = False
-        if slot.running is not None or slot.redo is not None:
+        if stored and slot.running is not None:
+            self._finish(slot, slot.running[2], groups)
+        elif slot.running is not None or slot.redo is not None:
             self.batches_lost += 1
         slot.running = slot.redo = None
         return self._release()
@@ -121,7 +145,7 @@ class RunClock:
         if slot is None:
             raise StepMismatch(f"{name} is not registered with the master; register first")
         if not slot.alive:
-            raise StepMismatch(f"{name} was declared dead (silent past transport.liveness) and "
+            raise DeclaredDead(f"{name} was declared dead (silent past transport.liveness) and "
                                "its batch was given up; register again to get a new step")
         if slot.last_done is not None and slot.last_done[0] == step and (
                 batch is None or slot.last_done[1] == batch):
@@ -132,6 +156,11 @@ class RunClock:
                 f"step {slot.running[0]} batch {slot.running[1]}")
             raise StepMismatch(f"{name} reported step {step} batch {batch} but was granted "
                                f"{granted}")
+        self._finish(slot, version, groups)
+        return self._release()
+
+    def _finish(self, slot: ExplorerSlot, version: int, groups: int | None) -> None:
+        """Count `slot`'s running batch as done (in the buffer, rolled out with `version`)."""
         step, batch, _ = slot.running
         slot.running, slot.last_done = None, (step, batch)
         slot.held, slot.steps_done = version, slot.steps_done + 1
@@ -139,11 +168,17 @@ class RunClock:
         self.batches_done += 1
         self.completed_groups.append(groups)
         if not self.plan.asynchronous:
-            self.done.setdefault(step, set()).add(name)
+            self.done.setdefault(step, set()).add(slot.name)
             if groups is not None:
                 self.groups[step] = self.groups.get(step, 0) + groups
             slot.next_step = step + 1
-        return self._release()
+
+    def check_trainer_step(self, step: int) -> None:
+        """A trainer step may be reported once `TrainerGo` released it (again: a resend)."""
+        if step >= self.trainer_go:
+            released = f"steps 0..{self.trainer_go - 1}" if self.trainer_go else "no step yet"
+            raise StepMismatch(f"the trainer reported step {step}, but the master has "
+                               f"released {released}")
 
     def trainer_step_done(self, step: int) -> list[Decision]:
         self.trainer_done = max(self.trainer_done, step + 1)
@@ -151,6 +186,33 @@ class RunClock:
 
     def published(self, version: int) -> list[Decision]:
         self.newest = max(self.newest, version)
+        if version not in self.published_versions:
+            self.published_versions.append(version)
+        return self._release()
+
+    def trainer_resumed(self, step: int) -> list[Decision]:
+        """The trainer (re)started from a checkpoint holding steps 0..step-1. The steps after it
+        are trained again: the trainer count goes back to `step`, `TrainerGo` is released again
+        from there, and versions published after it (by the lineage that was lost) no longer
+        count. A run that had stopped for want of those steps goes on.
+
+        With nccl, explorers took the versions up to `newest` by broadcast from the lost
+        lineage and cannot take them again: those versions stand, and the retrained steps that
+        produce them publish nothing (the first version after them is broadcast as usual)."""
+        if step > self.trainer_done:
+            raise StepMismatch(f"the trainer resumed at step {step} but the master counted "
+                               f"only {self.trainer_done} trainer steps")
+        if step < self.trainer_done:
+            self.trainer_done = step
+            if self.plan.method == "nccl":
+                self.broadcast_through = max(self.broadcast_through, self.newest)
+            else:  # checkpoint: the trainer moved the lost lineage's folders aside
+                self.published_versions = [v for v in self.published_versions if v <= step]
+                self.newest = max(self.published_versions, default=0)
+            self.stopped, self.stop = False, None
+        elif self.stopped:
+            return []  # nothing was lost: the run is over as it was
+        self.trainer_go = self.trainer_done  # the step in flight (if any) is released again
         return self._release()
 
     # -- state ---------------------------------------------------------------------------------
@@ -227,8 +289,11 @@ class RunClock:
             else:
                 batches = len(self.done.get(t, ()))
                 groups = self.groups.get(t)
+            publish = self.plan.publish_after(t, self.total_steps)
+            if publish is not None and publish <= self.broadcast_through:
+                publish = None
             self.last_go = TrainerGo(
-                step=t, publish=self.plan.publish_after(t, self.total_steps), batches=batches,
+                step=t, publish=publish, batches=batches,
                 groups=groups,
                 explorers=sorted(s.name for s in self.producing),
                 in_use=sorted({s.held for s in self.alive if s.held is not None}))

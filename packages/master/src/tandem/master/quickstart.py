@@ -23,6 +23,7 @@ from typing import Any
 import click
 
 from tandem.common.config import RunConfig
+from tandem.common.sync import PRESETS
 
 MODEL = dict(hidden=192, layers=2, heads=4, kv_heads=2, intermediate=576, max_positions=64)
 
@@ -62,7 +63,7 @@ def warm_start(model_dir: Path, out_dir: Path, rows: list[dict], *, steps: int, 
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
-    from tandem.common.hf import load_tokenizer
+    from tandem.weights.hf import load_tokenizer
 
     torch.manual_seed(seed)
     rng = random.Random(seed)
@@ -100,7 +101,7 @@ def accuracy(model_dir: Path, rows: list[dict], *, samples: int = 4, seed: int =
     import torch
     from transformers import AutoModelForCausalLM
 
-    from tandem.common.hf import load_tokenizer
+    from tandem.weights.hf import load_tokenizer
 
     tok = load_tokenizer(model_dir)
     tok.padding_side = "left"
@@ -155,8 +156,7 @@ def quickstart_config(run_dir: Path, model_dir: Path, taskset: Path, *, preset: 
 @click.command("quickstart")
 @click.option("--run-dir", default="runs/quickstart", show_default=True, type=click.Path())
 @click.option("--preset", default="synchronous", show_default=True,
-              type=click.Choice(["synchronous", "one_step_off_policy", "fully_async",
-                                 "multi_explorer_async"]))
+              type=click.Choice(list(PRESETS)))
 @click.option("--steps", default=150, show_default=True, help="GRPO trainer steps")
 @click.option("--sft-steps", default=80, show_default=True, help="warm-start SFT steps")
 @click.option("--lr", default=3e-4, show_default=True, help="GRPO learning rate")
@@ -167,7 +167,7 @@ def quickstart(run_dir: str, preset: str, steps: int, sft_steps: int, lr: float,
     """Run a tiny end-to-end example on CPU: SFT warm start, then GRPO, reward rising."""
     import shutil
 
-    from tandem.common.tiny import build_tiny_model
+    from tandem.weights.tiny import build_tiny_model
 
     from .up import run_up
 
@@ -192,7 +192,7 @@ def quickstart(run_dir: str, preset: str, steps: int, sft_steps: int, lr: float,
     config = quickstart_config(root / "grpo", root / "model-sft", taskset, preset=preset,
                                steps=steps, seed=seed, lr=lr,
                                explorers=2 if preset == "multi_explorer_async" else 1)
-    code = run_up(config, live=False if plain else None)
+    code = run_up(config, live=False if plain else None, prog="tandem quickstart")
     if code != 0:
         sys.exit(code)
     after = accuracy(final_model(root / "grpo"), heldout, seed=seed)

@@ -2,9 +2,11 @@
 
 `Master(config)` serves the master protocol (`tandem.common.messages.master`) on
 `master.address` and publishes decisions on `master.publish_address`. All run state lives in
-a `RunClock` (barriers) and a `TaskDispatcher` (leases); every input that changes them is
-written to the journal first, so a restarted master replays the journal and carries on, and
-components that kept running simply reconnect.
+the registry, a `RunClock` (barriers) and a `TaskDispatcher` (leases), and changes in one way
+only: a message (an accepted request, or one of the master's own decisions such as
+`TasksLeased`) goes through its apply method and is appended to the journal before the
+decisions it unlocks go out. A restarted master replays the journal through the same apply
+methods and carries on; components that kept running simply reconnect.
 """
 
 from __future__ import annotations
@@ -12,40 +14,60 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import structlog
 
 from tandem.common.config import RunConfig
 from tandem.common.errors import ConfigError, RequestFailed
 from tandem.common.heartbeat import Liveness
-from tandem.common.messages.base import Heartbeat, HeartbeatAck, Ok
+from tandem.common.messages.base import Heartbeat, HeartbeatAck, Message, Ok
 from tandem.common.messages.master import (
     CompleteTasks,
+    ComponentStatus,
+    ExplorerLeft,
     ExplorerStepDone,
     GetStatus,
+    LeaseExpired,
+    LeaseStatus,
     LeaseTasks,
+    PlanKnobs,
     Register,
     Registered,
     ReleaseTasks,
+    Role,
+    RunCounters,
+    RunStarted,
     Status,
     TaskLease,
+    TasksExhausted,
+    TasksLeased,
+    TrainerResumed,
     TrainerStepDone,
     WeightsPublished,
     barrier_topic,
 )
+from tandem.common.metrics import MetricsEndpoint
 from tandem.common.pubsub import Publisher
 from tandem.common.rpc import CallContext, RpcServer
 from tandem.common.sync import SyncPlan
 
-from .clock import Decision, RunClock, StepMismatch
-from .journal import Journal
+from .clock import DeclaredDead, Decision, RunClock, StepMismatch
+from .journal import Journal, JournalError
 from .taskset import TaskDispatcher, load_rows
 
 log = structlog.get_logger(__name__)
+
+
+def connectable(address: str | None) -> str:
+    """The PUB address as a client may connect to it, for `Registered.publish_address`: "" when
+    it is bound to every interface (0.0.0.0, ::, *), where the client's own
+    `master.publish_address` names this host (connecting to 0.0.0.0 reaches the client's own)."""
+    host = (address or "").split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    return "" if host in ("", "0.0.0.0", "::", "*") else str(address)
 
 
 def total_steps_for(config: RunConfig, dispatcher: TaskDispatcher | None) -> int:
@@ -63,6 +85,23 @@ def total_steps_for(config: RunConfig, dispatcher: TaskDispatcher | None) -> int
     return steps
 
 
+@dataclass
+class Registration:
+    """One component in the master's registry, as its `Register` said."""
+
+    name: str
+    role: Role
+    address: str | None = None
+    pid: int | None = None
+    host: str | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+    alive: bool = True
+
+
+def _show(value: Any) -> str:
+    return "null" if value is None else repr(value) if isinstance(value, str) else str(value)
+
+
 class Master:
     """The run's clock as a component: `await Master(config).serve()`."""
 
@@ -75,7 +114,7 @@ class Master:
                            if cfg.taskset.path else None)
         self.total_steps = total_steps_for(config, self.dispatcher)
         self.clock = RunClock(self.plan, self.total_steps)
-        self.registry: dict[str, dict[str, Any]] = {}
+        self.registry: dict[str, Registration] = {}
         self.liveness = Liveness(config.transport.liveness)
         self.journal = Journal(self.run_dir / cfg.journal)
         self.run_id = f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
@@ -88,20 +127,44 @@ class Master:
         self._last_weights: WeightsPublished | None = None
         self._weights_events = 0
         self._peers: dict[str, str] = {}  # RPC identity -> component name
+        self._trainer_peer: str | None = None  # the RPC identity that registered as trainer
         self._lease_sizes: dict[tuple[str, int], int] = {}  # (explorer, step) -> tasks leased
+        self._step_leases: dict[tuple[str, int], str] = {}  # (explorer, step) -> lease id
         self._loop_task: asyncio.Task | None = None
-        self._done: asyncio.Event | None = None
+        self._done = asyncio.Event()  # set: serve() returns (run done, or request_stop())
+        self._done_timer: asyncio.TimerHandle | None = None  # stop_grace after a Stop
         self._closed = False
         self._lock = asyncio.Lock()
+        # The one way state changes: live (after the handler's checks) and on journal replay.
+        self._appliers: dict[type[Message], Callable[[Any], list[Decision]]] = {
+            RunStarted: self._apply_started, Register: self._apply_register,
+            TasksLeased: self._apply_leased, TasksExhausted: self._apply_exhausted,
+            CompleteTasks: self._apply_complete, ReleaseTasks: self._apply_release,
+            LeaseExpired: self._apply_expired, ExplorerLeft: self._apply_left,
+            ExplorerStepDone: self._apply_explorer_step, TrainerStepDone: self._apply_trainer_step,
+            TrainerResumed: self._apply_trainer_resumed,
+            WeightsPublished: self._apply_weights,
+        }
         for msg_type, handler in ((Register, self._on_register), (Heartbeat, self._on_heartbeat),
                                   (LeaseTasks, self._on_lease), (CompleteTasks, self._on_complete),
                                   (ReleaseTasks, self._on_release),
                                   (ExplorerStepDone, self._on_explorer_step),
                                   (TrainerStepDone, self._on_trainer_step),
+                                  (TrainerResumed, self._on_trainer_resumed),
                                   (WeightsPublished, self._on_weights),
                                   (GetStatus, self._on_status)):
             self.server.register(msg_type, handler)
         self.publisher.serve_snapshots(self.server)
+        self.metrics = MetricsEndpoint(config.logging.metrics, "master", run_dir=self.run_dir)
+        self.metrics.gauge_fn("clock", "the run clock's counters (steps, versions, batches)",
+                              lambda: {k: float(v) for k, v in self.clock.counters().items()
+                                       if v is not None}, labels=("counter",))
+        self._m_dead = self.metrics.counter(
+            "heartbeat_misses", "components declared dead: silent past transport.liveness",
+            labels=("role",))
+        self._m_leases_expired = self.metrics.counter(
+            "task_leases_expired", "task leases that passed their deadline", labels=("why",))
+        self.metrics.rpc_errors(self.server)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -110,14 +173,14 @@ class Master:
         address as bound."""
         if self.address is not None:
             return self.address
-        self._done = asyncio.Event()
         self._replay()
         self.journal.open()
         if not self.resumed:
-            self.journal.append("start", run_id=self.run_id, total_steps=self.total_steps,
-                                plan=self.plan.describe())
+            self._commit(RunStarted(run_id=self.run_id, total_steps=self.total_steps,
+                                    plan=PlanKnobs(**self.plan.describe())))
         self.publish_address = await self.publisher.start()
         self.address = await self.server.start()
+        self.metrics.start()
         await self._republish()
         self._loop_task = asyncio.create_task(self._watch(), name="master-watch")
         log.info("master.started", address=self.address, publish=self.publish_address,
@@ -126,87 +189,163 @@ class Master:
         return self.address
 
     async def serve(self) -> None:
-        """Serve until the run is done (plus `master.stop_grace`) or `close()`."""
+        """Serve until the run is done (plus `master.stop_grace`) or `request_stop()`; the
+        caller then calls `close()`."""
         await self.start()
         await self._done.wait()
-        await self.close()
 
     def request_stop(self) -> None:
-        """Make `serve()` return (from a signal handler or another task)."""
-        if self._done is not None:
-            self._done.set()
+        """Make `serve()` return (from a signal handler or another task), even before it ran."""
+        self._done.set()
 
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if self._done is not None:
-            self._done.set()
+        self._done.set()
         if self._loop_task is not None:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
         await self.server.close()
         await self.publisher.close()
+        self.metrics.close()
         self.journal.close()
         log.info("master.closed", run_id=self.run_id, **self.clock.counters())
 
-    # -- journal -------------------------------------------------------------------------------
+    # -- state changes: one apply method per message, shared by the handlers and the replay ----
+
+    def _commit(self, msg: Message) -> list[Decision]:
+        """Apply `msg` and journal it; returns the decisions to publish. The apply methods raise
+        before they change anything, so a refused message leaves no trace."""
+        decisions = self._appliers[type(msg)](msg)
+        self.journal.append(msg)
+        return decisions
 
     def _replay(self) -> None:
-        records = 0
-        for rec in self.journal.replay():
-            records += 1
-            kind = rec["k"]
+        path = self.journal.path
+        for number, msg in self.journal.replay():
+            where = f"{path} record {number}"
+            apply = self._appliers.get(type(msg))
+            if apply is None:
+                raise JournalError(f"{where}: {msg.TYPE!r} changes no state of the master and "
+                                   "is not a journal record; the journal is damaged")
+            if (number == 1) != isinstance(msg, RunStarted):
+                raise JournalError(f"{where}: {msg.TYPE!r} where a journal has "
+                                   f"{RunStarted.TYPE!r} {'first' if number == 1 else 'once'}")
             try:
-                if kind == "start":
-                    self.run_id = rec["run_id"]
-                    self._check_same_run(rec)
-                elif kind == "register":
-                    self.registry[rec["name"]] = rec["info"]
-                elif kind == "join":
-                    self.clock.join(rec["name"])
-                elif kind == "exhausted":
-                    self.clock.tasks_exhausted(rec["name"])
-                elif kind == "leave":
-                    self.clock.leave(rec["name"])
-                    if rec["name"] in self.registry:
-                        self.registry[rec["name"]]["alive"] = False
-                elif kind == "explorer_done":
-                    self.clock.explorer_done(rec["name"], rec["step"], rec["batch"],
-                                             rec["version"], rec.get("groups"))
-                elif kind == "trainer_done":
-                    self.clock.trainer_step_done(rec["step"])
-                elif kind == "published":
-                    self.clock.published(rec["version"])
-                    self._last_weights = WeightsPublished(**rec["msg"])
-                    self._weights_events += 1
-                elif kind == "lease" and self.dispatcher is not None:
-                    self.dispatcher.apply_lease(rec["id"], rec["explorer"], rec["step"],
-                                                rec["refs"], rec["deadline"], rec["granted_at"])
-                    self._lease_sizes[(rec["explorer"], rec["step"])] = len(rec["refs"])
-                elif kind == "complete" and self.dispatcher is not None:
-                    self.dispatcher.apply_complete(rec["id"])
-                elif kind == "expire" and self.dispatcher is not None:
-                    self.dispatcher.apply_expire(rec["id"])
-            except (KeyError, TypeError, StepMismatch) as exc:
-                log.warning("journal.skipped", record=rec, error=str(exc))
-        if records:
+                apply(msg)
+            except (StepMismatch, KeyError, ValueError, RequestFailed) as exc:
+                raise JournalError(f"{where} ({msg.TYPE}): {exc}; the journal does not replay "
+                                   "to a consistent state") from None
+        if self.journal.records:
             self.resumed = True
             now = time.monotonic()
-            for name, info in self.registry.items():
-                if info.get("alive", True):
+            for name, reg in self.registry.items():
+                if reg.alive:
                     self.liveness.touch(name, now)  # give everyone a full liveness to reconnect
-            log.info("master.resumed", records=records, **self.clock.counters())
+            log.info("master.resumed", records=self.journal.records, **self.clock.counters())
 
-    def _check_same_run(self, start: dict[str, Any]) -> None:
-        if start.get("plan") != self.plan.describe():
+    def _apply_started(self, msg: RunStarted) -> list[Decision]:
+        plan = PlanKnobs(**self.plan.describe())
+        if msg.plan != plan:
             raise ConfigError([
-                f"run_dir: {self.run_dir} holds the journal of run {start['run_id']} with sync "
-                f"plan {start.get('plan')}, not {self.plan.describe()}; resume it with the same "
+                f"run_dir: {self.run_dir} holds the journal of run {msg.run_id} with sync "
+                f"plan {msg.plan.model_dump()}, not {plan.model_dump()}; resume it with the same "
                 "sync section and explorers, or give this run a new run_dir"])
-        if start.get("total_steps") != self.total_steps:
-            log.warning("master.total_steps_changed", journal=start.get("total_steps"),
+        if msg.total_steps != self.total_steps:
+            log.warning("master.total_steps_changed", journal=msg.total_steps,
                         now=self.total_steps)
+        self.run_id = msg.run_id
+        return []
+
+    def _apply_register(self, msg: Register) -> list[Decision]:
+        self.registry[msg.name] = Registration(
+            name=msg.name, role=msg.role, address=msg.address, pid=msg.pid, host=msg.host,
+            meta=msg.meta)
+        if msg.role != "explorer":
+            return []
+        return self.clock.join(msg.name, **self._stored_step(msg.name))
+
+    def _stored_step(self, explorer: str) -> dict[str, Any]:
+        """Whether the step `explorer` is running was stored and its tasks completed: it
+        restarted or was declared dead between `CompleteTasks` and `ExplorerStepDone`, so only
+        the report is missing and the batch counts as done (its tasks are not leased again;
+        counting it lost would leave its groups in the buffer and roll new tasks in its place).
+        """
+        slot = self.clock.explorers.get(explorer)
+        if slot is None or not slot.alive or slot.running is None or self.dispatcher is None:
+            return {}
+        key = (explorer, slot.running[0])
+        lease_id = self._step_leases.get(key)
+        if lease_id is None or lease_id not in self.dispatcher.done_ids:
+            return {}
+        del self._step_leases[key]
+        return dict(stored=True, groups=self._lease_sizes.pop(key, None))
+
+    def _apply_leased(self, msg: TasksLeased) -> list[Decision]:
+        self._need_taskset().apply_lease(msg.lease_id, msg.explorer, msg.step, msg.refs,
+                                         msg.deadline, msg.granted_at)
+        self._lease_sizes[(msg.explorer, msg.step)] = len(msg.refs)
+        self._step_leases[(msg.explorer, msg.step)] = msg.lease_id
+        return []
+
+    def _apply_exhausted(self, msg: TasksExhausted) -> list[Decision]:
+        return self.clock.tasks_exhausted(msg.explorer)
+
+    def _apply_complete(self, msg: CompleteTasks) -> list[Decision]:
+        self._need_taskset().apply_complete(msg.lease_id)
+        return []
+
+    def _apply_release(self, msg: ReleaseTasks) -> list[Decision]:
+        self._need_taskset().apply_expire(msg.lease_id)
+        return []
+
+    def _apply_expired(self, msg: LeaseExpired) -> list[Decision]:
+        self._need_taskset().apply_expire(msg.lease_id)
+        return []
+
+    def _apply_left(self, msg: ExplorerLeft) -> list[Decision]:
+        reg = self.registry.get(msg.explorer)
+        if reg is not None:
+            reg.alive = False
+        decisions = self.clock.leave(msg.explorer, **self._stored_step(msg.explorer))
+        if self.dispatcher is not None:
+            for lease in self.dispatcher.held_by(msg.explorer):
+                self.dispatcher.apply_expire(lease.lease_id)
+                # its batch was counted lost: the tasks are rolled out again in a batch that
+                # counts (storing nothing new, ids name the task), never completed late here
+                self.dispatcher.late.pop(lease.lease_id, None)
+        return decisions
+
+    def _apply_explorer_step(self, msg: ExplorerStepDone) -> list[Decision]:
+        groups = self._lease_sizes.get((msg.explorer, msg.step))
+        decisions = self.clock.explorer_done(msg.explorer, msg.step, msg.batch, msg.version,
+                                             groups)
+        self._lease_sizes.pop((msg.explorer, msg.step), None)
+        self._step_leases.pop((msg.explorer, msg.step), None)
+        return decisions
+
+    def _apply_trainer_step(self, msg: TrainerStepDone) -> list[Decision]:
+        return self.clock.trainer_step_done(msg.step)
+
+    def _apply_trainer_resumed(self, msg: TrainerResumed) -> list[Decision]:
+        decisions = self.clock.trainer_resumed(msg.step)
+        if self._last_weights is not None and self._last_weights.version > self.clock.newest:
+            self._last_weights = None  # the lost lineage's version: never republished
+        return decisions
+
+    def _apply_weights(self, msg: WeightsPublished) -> list[Decision]:
+        self._last_weights = msg
+        self._weights_events += 1
+        return [("weights", msg), *self.clock.published(msg.version)]
+
+    def _need_taskset(self) -> TaskDispatcher:
+        if self.dispatcher is None:
+            raise RequestFailed("no_taskset", "the master has no taskset; set "
+                                              "master.taskset.path")
+        return self.dispatcher
+
+    # -- publishing ----------------------------------------------------------------------------
 
     async def _republish(self) -> None:
         """After a restart: continue every topic's sequence and re-send the newest decisions,
@@ -237,6 +376,9 @@ class Master:
             if topic == "stop":
                 log.info("master.stop", reason=msg.reason)
                 self._schedule_done()
+            elif topic == "weights":
+                log.info("weights.published", version=msg.version, method=msg.method,
+                         path=msg.path)
             elif not debug:
                 continue
             elif topic == "trainer":
@@ -246,10 +388,11 @@ class Master:
                           version=msg.version, load=msg.wait)
 
     def _schedule_done(self) -> None:
-        loop = asyncio.get_running_loop()
-        loop.call_later(self.config.master.stop_grace, self._done.set)
+        if self._done_timer is None:
+            loop = asyncio.get_running_loop()
+            self._done_timer = loop.call_later(self.config.master.stop_grace, self._done.set)
 
-    # -- handlers ------------------------------------------------------------------------------
+    # -- handlers: check, then commit ----------------------------------------------------------
 
     def _touch(self, ctx: CallContext, name: str | None = None) -> None:
         name = name or self._peers.get(ctx.peer)
@@ -257,37 +400,60 @@ class Master:
             return
         self._peers[ctx.peer] = name
         self.liveness.touch(name)
-        info = self.registry.get(name)
-        if info is not None and not info.get("alive", True) and info["role"] != "explorer":
+        reg = self.registry.get(name)
+        if reg is not None and not reg.alive and reg.role != "explorer":
             # an explorer's steps were given up when it died: it must register again
-            info["alive"] = True
-            log.info("component.back", name=name, role=info["role"])
+            reg.alive = True
+            log.info("component.back", name=name, role=reg.role)
+
+    def _check_terms(self, msg: Register) -> None:
+        """The master's config is the run's: refuse a component that believes otherwise."""
+        mine = self.config.terms(msg.role, msg.name)
+        wrong = []
+        for key, theirs in sorted(msg.terms.items()):
+            if key not in mine:
+                wrong.append(f"{key}: the master's config has no such key, {msg.role} "
+                             f"{msg.name} has {_show(theirs)}")
+            elif mine[key] != theirs:
+                wrong.append(f"{key}: master has {_show(mine[key])}, {msg.role} {msg.name} has "
+                             f"{_show(theirs)}")
+        if wrong:
+            log.warning("component.refused", name=msg.name, role=msg.role, mismatches=wrong)
+            raise RequestFailed("config_mismatch", "; ".join(wrong) + " (start it with the "
+                                                   "master's config, or restart the master)")
 
     async def _on_register(self, msg: Register, ctx: CallContext) -> Registered:
+        self._check_terms(msg)
         async with self._lock:
-            info = dict(name=msg.name, role=msg.role, address=msg.address, pid=msg.pid,
-                        host=msg.host, meta=msg.meta, registered_at=time.time(), alive=True)
-            self.registry[msg.name] = info
+            decisions = self._commit(msg)
             self._touch(ctx, msg.name)
-            self.journal.append("register", name=msg.name, info=info)
-            if msg.role == "explorer":
-                self.journal.append("join", name=msg.name)
-                await self._emit(self.clock.join(msg.name))
+            if msg.role == "trainer":
+                self._trainer_peer = ctx.peer
+            await self._emit(decisions)
             log.info("component.registered", name=msg.name, role=msg.role, pid=msg.pid)
-        return Registered(run_id=self.run_id, sync=self.config.sync.model_dump(),
-                          liveness=self.config.transport.liveness,
-                          publish_address=self.publish_address or "")
+        t = self.config.transport
+        return Registered(run_id=self.run_id, liveness=t.liveness,
+                          heartbeat_interval=t.heartbeat_interval,
+                          publish_address=connectable(self.publish_address),
+                          trainer_steps=self.clock.trainer_done)
+
+    def _refuse_dead_explorer(self, name: str) -> None:
+        """An explorer declared dead learns it from its next request and registers again."""
+        reg = self.registry.get(name)
+        if reg is not None and reg.role == "explorer" and not reg.alive:
+            raise RequestFailed("declared_dead", (
+                f"the master declared {name} dead (silent past transport.liveness) and leased "
+                "its tasks out again; register again to get a new step"))
 
     async def _on_heartbeat(self, msg: Heartbeat, ctx: CallContext) -> HeartbeatAck:
         self._touch(ctx, msg.name)
+        self._refuse_dead_explorer(msg.name)
         return HeartbeatAck(name="master")
 
     async def _on_lease(self, msg: LeaseTasks, ctx: CallContext) -> TaskLease:
         self._touch(ctx, msg.explorer)
-        if self.dispatcher is None:
-            raise RequestFailed("no_taskset", "the master has no taskset; set "
-                                              "master.taskset.path")
-        d = self.dispatcher
+        self._refuse_dead_explorer(msg.explorer)
+        d = self._need_taskset()
         lease = d.open_lease(msg.explorer, msg.step)
         if lease is None:
             refs = d.plan_lease(msg.count)
@@ -297,74 +463,104 @@ class Master:
                     if slot is None or not slot.finished:
                         log.info("tasks.exhausted", explorer=msg.explorer, step=msg.step,
                                  **d.counters())
-                        self.journal.append("exhausted", name=msg.explorer)
-                        await self._emit(self.clock.tasks_exhausted(msg.explorer))
+                        await self._emit(self._commit(TasksExhausted(explorer=msg.explorer)))
                 return TaskLease(lease_id="", tasks=[], deadline=time.time(), exhausted=True)
             now = time.time()
-            lease_id = d.new_lease_id()
-            deadline = now + self.config.master.task_lease_seconds
-            self.journal.append("lease", id=lease_id, explorer=msg.explorer, step=msg.step,
-                                refs=refs, deadline=deadline, granted_at=now)
-            lease = d.apply_lease(lease_id, msg.explorer, msg.step, refs, deadline, now)
-            self._lease_sizes[(msg.explorer, msg.step)] = len(refs)
+            leased = TasksLeased(lease_id=d.new_lease_id(), explorer=msg.explorer, step=msg.step,
+                                 refs=refs, granted_at=now,
+                                 deadline=now + self.config.master.task_lease_seconds)
+            self._commit(leased)
+            lease = d.leases[leased.lease_id]
         return TaskLease(lease_id=lease.lease_id, tasks=[d.task(r) for r in lease.refs],
                          deadline=lease.deadline, exhausted=d.exhausted)
 
     async def _on_release(self, msg: ReleaseTasks, ctx: CallContext) -> Ok:
         self._touch(ctx)
-        if self.dispatcher is None:
-            raise RequestFailed("no_taskset", "the master has no taskset")
+        d = self._need_taskset()
         async with self._lock:
-            if msg.lease_id in self.dispatcher.leases:  # else: done or expired already
-                self._expire(msg.lease_id, why=f"released: {msg.reason or 'no reason given'}")
+            lease = d.leases.get(msg.lease_id)
+            if lease is not None:  # else: done or expired already
+                self._commit(msg)
+                log.warning("lease.expired", lease_id=lease.lease_id, explorer=lease.explorer,
+                            tasks=len(lease.refs),
+                            why=f"released: {msg.reason or 'no reason given'}")
         return Ok()
 
     async def _on_complete(self, msg: CompleteTasks, ctx: CallContext) -> Ok:
         self._touch(ctx)
-        if self.dispatcher is None:
-            raise RequestFailed("no_taskset", "the master has no taskset")
-        d = self.dispatcher
+        d = self._need_taskset()
         if msg.lease_id in d.done_ids:
             return Ok()
         if msg.lease_id not in d.leases and msg.lease_id not in d.late:
-            raise RequestFailed("unknown_lease", f"the master never granted lease "
-                                                 f"{msg.lease_id!r}")
-        self.journal.append("complete", id=msg.lease_id)
-        d.apply_complete(msg.lease_id)
+            raise RequestFailed("unknown_lease", f"lease {msg.lease_id!r} is not open: never "
+                                "granted, or its explorer was declared dead and its tasks were "
+                                "leased out again")
+        self._commit(msg)
         return Ok()
 
     async def _on_explorer_step(self, msg: ExplorerStepDone, ctx: CallContext) -> Ok:
         self._touch(ctx, msg.explorer)
         async with self._lock:
             try:
-                groups = self._lease_sizes.get((msg.explorer, msg.step))
-                decisions = self.clock.explorer_done(msg.explorer, msg.step, msg.batch,
-                                                     msg.version, groups)
+                decisions = self._commit(msg)
+            except DeclaredDead as exc:
+                raise RequestFailed("declared_dead", str(exc)) from None
             except StepMismatch as exc:
                 raise RequestFailed("unexpected_step", str(exc)) from None
-            self._lease_sizes.pop((msg.explorer, msg.step), None)
-            self.journal.append("explorer_done", name=msg.explorer, step=msg.step,
-                                batch=msg.batch, version=msg.version, groups=groups,
-                                experiences=msg.experiences)
             await self._emit(decisions)
         return Ok()
 
+    def _check_trainer(self, ctx: CallContext, what: str) -> None:
+        """Only the client that registered as the trainer reports for it. After a master
+        restart the trainer is known from the journal by name but not by its connection: its
+        first report binds it again."""
+        if ctx.peer == self._trainer_peer:
+            return
+        if self._trainer_peer is None and any(
+                reg.role == "trainer" for reg in self.registry.values()):
+            self._trainer_peer = ctx.peer
+            log.info("trainer.rebound", peer=ctx.peer, why="first report since a master restart")
+            return
+        log.debug("trainer.report_refused", peer=ctx.peer, what=what)
+        raise RequestFailed("not_the_trainer", (
+            f"{what} from {ctx.peer}, which did not register as the trainer; only the component "
+            "that sent Register with role trainer reports trainer steps"))
+
     async def _on_trainer_step(self, msg: TrainerStepDone, ctx: CallContext) -> Ok:
+        self._check_trainer(ctx, f"TrainerStepDone(step={msg.step})")
         self._touch(ctx)
         async with self._lock:
-            self.journal.append("trainer_done", step=msg.step, version=msg.version)
-            await self._emit(self.clock.trainer_step_done(msg.step))
+            try:
+                self.clock.check_trainer_step(msg.step)
+            except StepMismatch as exc:
+                raise RequestFailed("unexpected_step", str(exc)) from None
+            await self._emit(self._commit(msg))
+        return Ok()
+
+    async def _on_trainer_resumed(self, msg: TrainerResumed, ctx: CallContext) -> Ok:
+        self._check_trainer(ctx, f"TrainerResumed(step={msg.step})")
+        self._touch(ctx)
+        async with self._lock:
+            before = self.clock.trainer_done
+            try:
+                decisions = self._commit(msg)
+            except StepMismatch as exc:
+                raise RequestFailed("resume_ahead", f"{exc}: its checkpoint {msg.checkpoint} "
+                                    "is newer than the master's journal (was the journal "
+                                    "lost?)") from None
+            if not self.clock.stopped and self._done_timer is not None:
+                self._done_timer.cancel()  # the run goes on: the steps after it are retrained
+                self._done_timer = None
+            log.info("trainer.resumed", step=msg.step, master_had=before,
+                     retrain=f"{msg.step}..{before - 1}" if before > msg.step else "nothing",
+                     checkpoint=msg.checkpoint, lineage=msg.lineage)
+            await self._emit(decisions)
         return Ok()
 
     async def _on_weights(self, msg: WeightsPublished, ctx: CallContext) -> Ok:
         self._touch(ctx)
         async with self._lock:
-            self.journal.append("published", version=msg.version, msg=msg.model_dump())
-            self._last_weights = msg
-            self._weights_events += 1
-            await self.publisher.publish("weights", msg)
-            log.info("weights.published", version=msg.version, method=msg.method, path=msg.path)
-            await self._emit(self.clock.published(msg.version))
+            await self._emit(self._commit(msg))
         return Ok()
 
     async def _on_status(self, msg: GetStatus, ctx: CallContext) -> Status:
@@ -373,17 +569,16 @@ class Master:
     def status(self) -> Status:
         now = time.monotonic()
         components = []
-        for name, info in sorted(self.registry.items()):
+        for name, reg in sorted(self.registry.items()):
             seen = self.liveness.last_seen.get(name)
-            components.append(dict(
-                name=name, role=info["role"], alive=info.get("alive", True), pid=info.get("pid"),
-                host=info.get("host"), address=info.get("address"),
-                silent_for=None if seen is None else round(now - seen, 3)))
-        counters = dict(self.clock.counters(), plan=self.plan.describe())
-        if self.dispatcher is not None:
-            counters.update(self.dispatcher.counters())
+            components.append(ComponentStatus(
+                name=name, role=reg.role, alive=reg.alive, pid=reg.pid, host=reg.host,
+                address=reg.address, silent_for=None if seen is None else round(now - seen, 3)))
+        tasks = {} if self.dispatcher is None else self.dispatcher.counters()
+        counters = RunCounters(plan=PlanKnobs(**self.plan.describe()), **self.clock.counters(),
+                               **tasks)
         leases = [] if self.dispatcher is None else [
-            lease.describe() for lease in self.dispatcher.leases.values()]
+            LeaseStatus(**lease.describe()) for lease in self.dispatcher.leases.values()]
         explorers = [slot.describe(self.clock.newest, self.clock.trainer_done)
                      for slot in self.clock.explorers.values()]
         return Status(run_id=self.run_id, components=components, counters=counters,
@@ -405,56 +600,29 @@ class Master:
         async with self._lock:
             for name in self.liveness.silent():
                 self.liveness.forget(name)
-                info = self.registry.get(name)
-                if info is None or not info.get("alive", True):
+                reg = self.registry.get(name)
+                if reg is None or not reg.alive:
                     continue
-                info["alive"] = False
-                log.warning("component.dead", name=name, role=info["role"],
+                log.warning("component.dead", name=name, role=reg.role,
                             silent_for=self.liveness.liveness)
-                if info["role"] == "explorer":
-                    self.journal.append("leave", name=name)
-                    await self._emit(self.clock.leave(name))
-                    if self.dispatcher is not None:
-                        for lease in self.dispatcher.held_by(name):
-                            self._expire(lease.lease_id, why="explorer dead")
+                self._m_dead.labels(reg.role).inc()
+                if reg.role != "explorer":
+                    reg.alive = False  # it is back as soon as it speaks (`_touch`)
+                    continue
+                held = [] if self.dispatcher is None else self.dispatcher.held_by(name)
+                await self._emit(self._commit(ExplorerLeft(explorer=name)))
+                for lease in held:
+                    self._m_leases_expired.labels("explorer dead").inc()
+                    log.warning("lease.expired", lease_id=lease.lease_id, explorer=name,
+                                tasks=len(lease.refs), why="explorer dead")
             if self.dispatcher is not None:
                 for lease in self.dispatcher.due(time.time()):
-                    self._expire(lease.lease_id, why="deadline")
+                    self._commit(LeaseExpired(lease_id=lease.lease_id))
+                    self._m_leases_expired.labels("deadline").inc()
+                    log.warning("lease.expired", lease_id=lease.lease_id,
+                                explorer=lease.explorer, tasks=len(lease.refs), why="deadline")
         # fsync off the event loop: it can take milliseconds, and barriers must not wait for it
         await asyncio.to_thread(self.journal.maybe_sync)
 
-    def _expire(self, lease_id: str, why: str) -> None:
-        lease = self.dispatcher.leases[lease_id]
-        self.journal.append("expire", id=lease_id)
-        self.dispatcher.apply_expire(lease_id)
-        log.warning("lease.expired", lease_id=lease_id, explorer=lease.explorer,
-                    tasks=len(lease.refs), why=why)
 
-
-def run_master(config: RunConfig) -> int:
-    """The `tandem-master` process: serve until done or SIGTERM/SIGINT; returns an exit code."""
-    from tandem.common.logging import configure_logging
-    from tandem.common.sockets import install_uvloop
-
-    configure_logging("master", level=config.logging.level, run_dir=config.run_dir,
-                      json_console=config.logging.json_console)
-    install_uvloop()
-
-    async def main() -> None:
-        master = Master(config)
-
-        def on_signal(sig: signal.Signals) -> None:
-            # a signal only sets a flag; serve() then closes the sockets and the journal
-            log.info("master.signal", signal=sig.name)
-            master.request_stop()
-
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, on_signal, sig)
-        await master.serve()
-
-    asyncio.run(main())
-    return 0
-
-
-__all__ = ["Master", "run_master", "total_steps_for"]
+__all__ = ["Master", "total_steps_for"]

@@ -79,6 +79,7 @@ def _r(x: float) -> float:
 class _Explorer:
     index: int
     rollout: float
+    load: float = 0.0  # seconds to load a checkpoint version
     free: float = 0.0
     step: int = 0  # next step (synchronous plans)
     held: int | None = None
@@ -103,18 +104,25 @@ class Simulator:
     """Replays `plan` for `steps` trainer steps with the given durations (seconds)."""
 
     def __init__(self, plan: SyncPlan, *, steps: int, rollout_times: list[float],
-                 train_time: float, sync_time: float = 0.0):
+                 train_time: float, sync_time: float = 0.0,
+                 load_times: list[float] | None = None):
+        """`sync_time` is the trainer's publish (checkpoint write, or the nccl broadcast all
+        lanes share); `load_times`, per explorer, a checkpoint load (default `sync_time`)."""
         if steps < 1:
             raise ValueError(f"--steps must be >= 1, got {steps}")
         if not rollout_times or any(r <= 0 for r in rollout_times):
             raise ValueError(f"rollout times must be > 0, got {rollout_times}")
         if train_time <= 0 or sync_time < 0:
             raise ValueError("train time must be > 0 and sync time >= 0")
+        loads = [sync_time] * len(rollout_times) if load_times is None else load_times
+        if len(loads) != len(rollout_times) or any(x < 0 for x in loads):
+            raise ValueError(f"need one load time >= 0 per explorer, got {loads}")
         self.plan = plan
         self.steps = steps
         self.train_time = train_time
         self.sync_time = sync_time
-        self.explorers = [_Explorer(i, r) for i, r in enumerate(rollout_times)]
+        self.explorers = [_Explorer(i, r, load) for i, (r, load)
+                          in enumerate(zip(rollout_times, loads))]
         self.blocks: list[Block] = []
         self.batches: list[_Batch] = []
         self.published: dict[int, float] = {0: 0.0}  # version -> time explorers may use it
@@ -152,9 +160,9 @@ class Simulator:
                     start = ex.free
                     if go.load:
                         start = max(start, self.published[go.version])
-                        self._add("sync", ex.lane, start, start + self.sync_time,
+                        self._add("sync", ex.lane, start, start + ex.load,
                                   version=go.version, method="checkpoint")
-                        start += self.sync_time
+                        start += ex.load
                     self._rollout(ex, e, e * n + ex.index, go.version, start)
                     ends[(e, ex.index)] = ex.free
                     progressed = True
@@ -229,9 +237,9 @@ class Simulator:
             go = plan.decide(step, newest=newest, held=ex.held, since_load=ex.since_load)
             assert go is not None, "the staleness bound was checked when choosing the start"
             if go.load:
-                self._add("sync", ex.lane, start, start + self.sync_time, version=go.version,
+                self._add("sync", ex.lane, start, start + ex.load, version=go.version,
                           method="checkpoint")
-                start += self.sync_time
+                start += ex.load
                 ex.since_load = 0
             ex.free = start
             self._rollout(ex, step, next_batch, go.version, start, count_step=False)
@@ -284,13 +292,14 @@ class Simulator:
 
 
 def simulate(plan: SyncPlan, *, steps: int, rollout_times: list[float], train_time: float,
-             sync_time: float = 0.0, compare: bool = True) -> Timeline:
+             sync_time: float = 0.0, compare: bool = True,
+             load_times: list[float] | None = None) -> Timeline:
     """Replay `plan`; with `compare`, also the synchronous preset, for the speedup."""
     timeline = Simulator(plan, steps=steps, rollout_times=rollout_times, train_time=train_time,
-                         sync_time=sync_time).run()
+                         sync_time=sync_time, load_times=load_times).run()
     if compare:
         baseline = Simulator(SyncPlan.preset("synchronous", batches_per_step=len(rollout_times)),
                              steps=steps, rollout_times=rollout_times, train_time=train_time,
-                             sync_time=sync_time).run()
+                             sync_time=sync_time, load_times=load_times).run()
         timeline.speedup_vs_synchronous = baseline.makespan / timeline.makespan
     return timeline

@@ -4,7 +4,10 @@ The supervisor picks free loopback ports, writes the resolved config into the ru
 master, buffer, reward service (when configured), trainer and explorers through their own CLIs
 (never by importing them), shows live progress, and stops everything on Ctrl-C, SIGTERM, a
 component's death (unless `up.restart: on-failure`) or the end of the run. Each child runs in
-its own session so stopping it also stops whatever it started.
+its own session so stopping it also stops whatever it started. Stopping goes explorers first,
+then the trainer (bounded by `up.trainer_stop_timeout`, so it can checkpoint), then the buffer,
+the reward service and the master. A restarted trainer gets the same argv: it always continues
+from its newest checkpoint.
 """
 
 from __future__ import annotations
@@ -19,14 +22,18 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import click
 import structlog
 import yaml
 
-from tandem.common.config import RunConfig, load_config
-from tandem.common.errors import ConfigError, PeerDead, RequestFailed
+from tandem.common.config import RunConfig
+from tandem.common.config.placement import machine_cores, resolve_placement
+from tandem.common.config.transport import move_secrets_to_env
+from tandem.common.errors import PeerDead, RequestFailed, TandemError
+from tandem.common.messages.master import Status
+
+from .startup import StartupClock
 
 log = structlog.get_logger(__name__)
 
@@ -58,6 +65,14 @@ def script(name: str) -> str:
                                "install the tandem packages into this environment")
 
 
+class MasterFailedToStart(TandemError):
+    """The master process exited before it answered; `code` is its exit code."""
+
+    def __init__(self, code: int, message: str):
+        self.code = code
+        super().__init__(message)
+
+
 @dataclass
 class Child:
     """One component process under supervision."""
@@ -69,11 +84,12 @@ class Child:
     proc: subprocess.Popen | None = None
     restarts: int = 0
     finished: bool = False
+    env: dict[str, str] = field(default_factory=dict)  # secrets kept out of the config file
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         out = open(self.log_path, "ab")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
         self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True, env=env)
         out.close()
@@ -102,7 +118,7 @@ class Progress:
     """What the live display and the final summary show."""
 
     started: float = field(default_factory=time.monotonic)
-    status: dict[str, Any] = field(default_factory=dict)
+    status: Status | None = None
     rewards: list[tuple[int, float]] = field(default_factory=list)  # (explorer step, mean)
     tokens: int = 0
 
@@ -142,6 +158,8 @@ class Supervisor:
         self.resume = resume
         self.live = sys.stdout.isatty() if live is None else live
         self.children: list[Child] = []
+        self.placement = resolve_placement(self.config)
+        self.startup = StartupClock()
         self.progress = Progress()
         self._stop_reason: str | None = None
 
@@ -150,20 +168,37 @@ class Supervisor:
     def prepare(self) -> Path:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         path = self.run_dir / "config.yaml"
-        path.write_text(yaml.safe_dump(self.config.model_dump(mode="json"), sort_keys=False))
+        data = self.config.model_dump(mode="json")
+        metrics = data["logging"]["metrics"]
+        if metrics["enabled"] is None:  # on under `tandem up` unless set, on free loopback
+            metrics["enabled"] = True   # ports unless one is given: runs on one host never clash
+            if "port" not in self.config.logging.metrics.model_fields_set:
+                metrics["port"] = 0
+        secrets = move_secrets_to_env(data)  # children get them in their environment
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(yaml.safe_dump(data, sort_keys=False))
         cfg = ["--config", str(path)]
         logs = self.run_dir / "logs"
 
+        self.placement = resolve_placement(self.config)
+
         def child(name: str, role: str, argv: list[str]) -> Child:
-            return Child(name, role, argv, logs / f"{name}.out")
+            # each child's share of the machine (`placement`) travels in its environment too
+            return Child(name, role, argv, logs / f"{name}.out",
+                         env={**secrets, **self.placement[name].env()})
 
         self.children = [child("master", "master", [script("tandem-master"), *cfg]),
                          child("buffer", "buffer", [script("tandem-buffer"), *cfg])]
         reward_service = self.config.up.reward_service
         if reward_service if reward_service is not None else self.config.reward.service:
             self.children.append(child("reward", "reward", [script("tandem-reward"), *cfg]))
+        nproc = self.placement["trainer"].nproc
+        launcher = [script("torchrun"), "--standalone", f"--nproc-per-node={nproc}"] \
+            if nproc > 1 else []
         self.children.append(child("trainer", "trainer", [
-            script("tandem-trainer"), *cfg, *(["--resume"] if self.resume else [])]))
+            *launcher, script("tandem-trainer"), *cfg, *(["--resume"] if self.resume else [])]))
         for explorer in self.config.explorers:
             self.children.append(child(explorer.name, "explorer", [
                 script("tandem-explorer"), *cfg, "--name", explorer.name]))
@@ -181,19 +216,51 @@ class Supervisor:
 
         self.prepare()
         master = self.children[0]
-        master.start()
+        # all at once: the others' imports and model loads overlap the master's start, and
+        # their Register waits in the socket's queue until the master binds
+        for child in self.children:
+            child.start()
+            self.startup.process_started(child.name)
         client = RpcClient(self.config.master.address, peer="master",
                            transport=self.config.transport, name="up")
+        probes = self._probe_startup(client, GetStatus)
         try:
             await self._wait_for_master(client, master)
-            for child in self.children[1:]:
-                child.start()
+            self.startup.mark_ready("master")
             log.info("up.started", run_dir=str(self.run_dir),
                      components=[c.name for c in self.children])
             return await self._watch(client, GetStatus)
         finally:
+            for task in probes:
+                task.cancel()
+            await asyncio.gather(*probes, return_exceptions=True)
             await client.close()
             self._stop_all()
+
+    def _probe_startup(self, master, GetStatus) -> list[asyncio.Task]:
+        """Background tasks that time each component's start-up (`StartupClock`)."""
+        from tandem.common.messages.buffer import GetBufferStats
+        from tandem.common.messages.reward import GetRewardStats
+
+        deadline = time.monotonic() + self.config.up.start_timeout
+        tasks = [asyncio.ensure_future(self.startup.watch_registry(master, GetStatus(),
+                                                                   deadline))]
+        for child in self.children:
+            if child.name in ("buffer", "reward"):
+                section, request = ((self.config.buffer, GetBufferStats()) if child.name == "buffer"
+                                    else (self.config.reward, GetRewardStats()))
+                tasks.append(asyncio.ensure_future(self._probe(child.name, section.address,
+                                                               request, deadline)))
+        return tasks
+
+    async def _probe(self, name: str, address: str, request, deadline: float) -> None:
+        from tandem.common.rpc import RpcClient
+
+        client = RpcClient(address, peer=name, transport=self.config.transport, name="up")
+        try:
+            await self.startup.probe(name, client, request, deadline)
+        finally:
+            await client.close()
 
     async def _wait_for_master(self, client, master: Child) -> None:
         from tandem.common.messages.master import GetStatus
@@ -201,19 +268,19 @@ class Supervisor:
         deadline = time.monotonic() + self.config.up.start_timeout
         while time.monotonic() < deadline:
             if master.returncode is not None:
-                raise click.ClickException(
-                    f"master exited with code {master.returncode} while starting:\n{master.tail()}")
+                raise MasterFailedToStart(
+                    master.returncode, f"master exited with code {master.returncode} while "
+                    f"starting: {master.tail(1)} (its log: {master.log_path})")
             if self._stop_reason:
                 raise click.Abort()
             try:
-                self.progress.status = (await client.call(GetStatus(), timeout=1.0, retries=0)
-                                        ).model_dump()
+                self.progress.status = await client.call(GetStatus(), timeout=1.0, retries=0)
                 return
             except PeerDead:
                 continue
-        raise click.ClickException(
-            f"master did not answer within {self.config.up.start_timeout:g}s "
-            f"(raise up.start_timeout):\n{master.tail()}")
+        raise TandemError(
+            f"master did not answer within {self.config.up.start_timeout:g}s; raise "
+            f"up.start_timeout if it is only slow (its log: {master.log_path})")
 
     async def _watch(self, client, GetStatus) -> int:
         display = _Display(self) if self.live else None
@@ -233,8 +300,8 @@ class Supervisor:
                 if outcome is not None:
                     return outcome
                 try:
-                    self.progress.status = (await client.call(
-                        GetStatus(), timeout=2.0, retries=0)).model_dump()
+                    self.progress.status = await client.call(GetStatus(), timeout=2.0,
+                                                             retries=0)
                 except (PeerDead, RequestFailed):
                     pass
                 self.progress.update_from_trace(self.run_dir)
@@ -258,7 +325,7 @@ class Supervisor:
             if child is master and code == 0:
                 # The master exits 0 on its own only when every step is done.
                 return self._finish()
-            if code == 0 and self._counters().get("stopped"):
+            if code == 0 and self._stopped():
                 child.finished = True
                 continue
             click.echo(f"\n{child.name} exited with code {code}; last lines of {child.log_path}:\n"
@@ -273,6 +340,8 @@ class Supervisor:
         return None
 
     def _finish(self) -> int:
+        # whoever is still running is stopped in order by _stop_all (the trainer, writing its
+        # last checkpoint after the master's Stop, then gets up.trainer_stop_timeout)
         deadline = time.monotonic() + self.config.up.stop_timeout
         while time.monotonic() < deadline and any(
                 c.returncode is None for c in self.children):
@@ -280,39 +349,65 @@ class Supervisor:
         failed = [c for c in self.children if c.returncode not in (None, 0)]
         for c in failed:
             click.echo(f"{c.name} exited with code {c.returncode}:\n{c.tail()}", err=True)
-        counters = self._counters()
-        done = counters.get("trainer_steps_done") == counters.get("total_steps")
+        status = self.progress.status
+        done = status is not None and (
+            status.counters.trainer_steps_done == status.counters.total_steps)
         return 0 if done and not failed else 1
 
-    def _counters(self) -> dict[str, Any]:
-        return self.progress.status.get("counters", {})
+    def _stopped(self) -> bool:
+        return self.progress.status is not None and self.progress.status.counters.stopped
+
+    def _stop_bound(self, child: Child) -> float:
+        up = self.config.up
+        return up.trainer_stop_timeout if child.role == "trainer" else up.stop_timeout
 
     def _stop_all(self) -> None:
-        for child in reversed(self.children):
-            child.signal(signal.SIGTERM)
-        deadline = time.monotonic() + self.config.up.stop_timeout
-        while time.monotonic() < deadline and any(c.returncode is None for c in self.children):
-            time.sleep(0.05)
-        for child in self.children:
-            if child.returncode is None:
-                log.warning("up.kill", component=child.name)
-                child.signal(signal.SIGKILL)
-                child.proc.wait(5)
+        """A stop is never a loss: explorers first (they hand their leases back), then the
+        trainer, which finishes or abandons its step and checkpoints while the buffer and the
+        master still answer it, then the rest. Each stage is SIGKILLed after its bound."""
+        started = [c for c in self.children if c.proc is not None]  # a failed start starts few
+        last = [c for c in reversed(started) if c.role not in ("explorer", "trainer")]
+        for stage in ([c for c in started if c.role == "explorer"],
+                      [c for c in started if c.role == "trainer"], last):
+            for child in stage:
+                child.signal(signal.SIGTERM)
+            start = time.monotonic()
+            while any(c.returncode is None and time.monotonic() - start < self._stop_bound(c)
+                      for c in stage):
+                time.sleep(0.05)
+            for child in stage:
+                if child.returncode is None:
+                    log.warning("up.kill", component=child.name,
+                                after=f"{self._stop_bound(child):g}s")
+                    child.signal(signal.SIGKILL)
+                    child.proc.wait(5)
 
     # -- what the user sees ------------------------------------------------------------------
 
     def status_line(self) -> str:
-        c = self._counters()
+        status = self.progress.status
         elapsed = time.monotonic() - self.progress.started
         reward = self.progress.rewards[-1][1] if self.progress.rewards else float("nan")
-        explorers = ", ".join(
-            f"{e['name']}: step {e.get('steps_done', 0)} v{e.get('held_version')}"
-            for e in self.progress.status.get("explorers", []))
-        return (f"[{elapsed:6.1f}s] trainer {c.get('trainer_steps_done', 0)}/"
-                f"{c.get('total_steps', '?')} v{c.get('newest_version', 0)} | reward {reward:.3f}"
-                f" | {explorers}")
+        if status is None:
+            return f"[{elapsed:6.1f}s] waiting for the master's status"
+        c = status.counters
+        explorers = ", ".join(f"{e.name}: step {e.steps_done} v{e.held_version}"
+                              for e in status.explorers)
+        return (f"[{elapsed:6.1f}s] trainer {c.trainer_steps_done}/{c.total_steps} "
+                f"v{c.newest_version} | reward {reward:.3f} | {explorers}")
 
-    def summary(self, code: int) -> list[tuple[str, str]]:
+    def placement_rows(self) -> list[tuple[str, str]]:
+        p = self.config.placement
+        cores = p.cores or machine_cores()
+        rows = [("placement", f"{p.policy} over {cores} cores")]
+        for child in self.children:
+            if child.name in self.placement:
+                rows.append((f"  {child.name}", self.placement[child.name].describe()))
+        return rows
+
+    def summary(self, code: int, *, png_in_background: bool = False) -> list[tuple[str, str]]:
+        """The closing table; `png_in_background` leaves drawing timeline.png to a detached
+        `tandem timeline` so the exit code does not wait for matplotlib."""
         from .timeline import load_timeline, render_png, summary_rows
 
         rows: list[tuple[str, str]] = [("result", "finished" if code == 0 else f"failed ({code})")]
@@ -321,12 +416,30 @@ class Supervisor:
             last = rewards[-10:]
             rows += [("reward first step / last 10 / best",
                       f"{rewards[0]:.3f} / {sum(last) / len(last):.3f} / {max(rewards):.3f}")]
+        run_seconds = None
         try:
             tl = load_timeline(self.run_dir)
+            run_seconds = tl.makespan
             rows += summary_rows(tl)
-            rows.append(("timeline", str(render_png(tl, self.run_dir / "timeline.png"))))
+            png = self.run_dir / "timeline.png"
+            if png_in_background:
+                subprocess.Popen([script("tandem"), "timeline", str(self.run_dir), "-o", str(png)],
+                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL, start_new_session=True)
+                rows.append(("timeline", f"{png} (drawing in the background)"))
+            else:
+                rows.append(("timeline", str(render_png(tl, png))))
         except click.ClickException:
             rows.append(("timeline", "no trace written"))
+        rows += self.placement_rows()
+        rows += self.startup.rows(run_seconds)
+        if self.config.logging.metrics.enabled is not False:
+            from tandem.common.metrics import served_endpoints
+
+            served = served_endpoints(self.run_dir)
+            if served:
+                rows += [("metrics", "Prometheus /metrics each component served")]
+                rows += [(f"  {name}", url) for name, url in served]
         checkpoints = self.run_dir / "checkpoints"
         if checkpoints.exists():
             rows.append(("checkpoints", str(checkpoints)))
@@ -349,20 +462,19 @@ class _Display:
         from rich.table import Table
 
         sup, p = self.sup, self.sup.progress
-        c = sup._counters()
+        status = p.status
         elapsed = time.monotonic() - p.started
-        done, total = c.get("trainer_steps_done", 0), c.get("total_steps") or 0
+        done, total, newest = ((status.counters.trainer_steps_done, status.counters.total_steps,
+                                status.counters.newest_version) if status else (0, 0, 0))
         remaining = elapsed / done * (total - done) if done else float("nan")
         table = Table(title=f"tandem up - {sup.run_dir}", title_justify="left")
         for col in ("lane", "step", "version", "staleness", "detail"):
             table.add_column(col)
-        for e in p.status.get("explorers", []):
-            running = e.get("running") or {}
-            table.add_row(e["name"], str(e.get("steps_done", 0)), str(e.get("held_version")),
-                          str(e.get("staleness")),
-                          "rolling out step %s" % running["step"] if running else "waiting")
+        for e in status.explorers if status else []:
+            table.add_row(e.name, str(e.steps_done), str(e.held_version), str(e.staleness),
+                          f"rolling out step {e.running.step}" if e.running else "waiting")
         reward = f"{p.rewards[-1][1]:.3f}" if p.rewards else "-"
-        table.add_row("trainer", f"{done}/{total}", str(c.get("newest_version", 0)), "",
+        table.add_row("trainer", f"{done}/{total}", str(newest), "",
                       f"reward mean {reward}")
         table.caption = (f"elapsed {elapsed:.0f}s, remaining ~{remaining:.0f}s, "
                          f"{p.tokens / max(elapsed, 1e-9):.0f} generated tokens/s")
@@ -372,8 +484,13 @@ class _Display:
         self.live.stop()
 
 
-def run_up(config: RunConfig, *, resume: bool = False, live: bool | None = None) -> int:
-    """Run `config` to the end under a Supervisor; returns the exit code."""
+def run_up(config: RunConfig, *, resume: bool = False, live: bool | None = None,
+           prog: str = "tandem up", png_in_background: bool = False) -> int:
+    """Run `config` to the end under a Supervisor; returns the exit code (a domain error that
+    stops it before the run begins is one line on stderr and exit code 1)."""
+    from tandem.common.cli import EXIT_FAILED, EXIT_USAGE, fail
+    from tandem.common.runlock import RunDirLock
+
     sup = Supervisor(config, resume=resume, live=live)
 
     async def main() -> int:
@@ -383,8 +500,14 @@ def run_up(config: RunConfig, *, resume: bool = False, live: bool | None = None)
             loop.add_signal_handler(sig, sup.request_stop, sig.name)
         return await sup.run()
 
-    code = asyncio.run(main())
-    for name, value in sup.summary(code):
+    try:
+        with RunDirLock(config.run_dir, "up"):  # one supervisor per run dir
+            code = asyncio.run(main())
+    except MasterFailedToStart as exc:  # its config was refused (2) or its start failed (1)
+        return fail(prog, exc, EXIT_USAGE if exc.code == EXIT_USAGE else EXIT_FAILED)
+    except TandemError as exc:
+        return fail(prog, exc, EXIT_FAILED)
+    for name, value in sup.summary(code, png_in_background=png_in_background):
         click.echo(f"{name:>28}: {value}")
     return code
 
@@ -397,8 +520,8 @@ def run_up(config: RunConfig, *, resume: bool = False, live: bool | None = None)
 @click.option("--plain", is_flag=True, help="print progress lines instead of a live panel")
 def up(config_path: str, overrides: tuple[str, ...], resume: bool, plain: bool) -> None:
     """Start a whole run on this machine as separate processes."""
-    try:
-        config = load_config(config_path, overrides)
-    except ConfigError as exc:
-        raise click.ClickException(str(exc)) from None
-    sys.exit(run_up(config, resume=resume, live=False if plain else None))
+    from tandem.common.cli import load_config_or_exit
+
+    config = load_config_or_exit("tandem up", config_path, overrides)
+    sys.exit(run_up(config, resume=resume, live=False if plain else None,
+                    png_in_background=True))

@@ -1,0 +1,155 @@
+"""`tandem deploy slurm`: one sbatch script that runs a whole run inside one allocation.
+
+Node 0 of the allocation runs the master, the buffer and (when `reward.service`) the reward
+service; the next `trainer_nodes` nodes run the trainer under torchrun (c10d rendezvous on the
+first of them, so no node needs its rank); the remaining nodes run the explorers, round-robin.
+Each component is its own `srun` step, so Slurm accounts, signals and kills each one; addresses
+are wired by host name from `scontrol show hostnames`, passed as `--set` overrides, and every
+server binds all interfaces of its own node.
+
+The run config is written into the script verbatim (a quoted here-document: nothing in it is
+expanded), with Curve secret keys replaced by `${env:...}` references that the components read
+from the environment sbatch passes on: the script refuses to start without them. When one step
+fails the script stops the others with SIGTERM and exits with its status; on SIGTERM (scancel, or
+`--signal` before the time limit) it passes the signal on, so every component stops cleanly and
+a later submission continues with `--resume`.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from tandem.common.config import RunConfig
+
+from .common import CURVE_SECRET_ENV, bind_overrides, component_config, reward_service, server_ports
+
+
+@dataclass(frozen=True)
+class SlurmOptions:
+    """What the run config does not say about the cluster."""
+
+    run_dir: str | None = None
+    trainer_nodes: int = 1
+    gpus_per_node: int = 0
+    explorer_nodes: int | None = None
+    time: str = "24:00:00"
+    partition: str | None = None
+    account: str | None = None
+    local_dir: str = "${TMPDIR:-/tmp}"
+
+
+def render_slurm(config: RunConfig, options: SlurmOptions) -> str:
+    """The sbatch script's text."""
+    if options.trainer_nodes < 1:
+        raise ValueError("--trainer-nodes must be at least 1")
+    explorer_nodes = (len(config.explorers) if options.explorer_nodes is None
+                      else options.explorer_nodes)
+    if explorer_nodes < 1:
+        raise ValueError("--explorer-nodes must be at least 1")
+    explorer_nodes = min(explorer_nodes, len(config.explorers))
+    nodes = 1 + options.trainer_nodes + explorer_nodes
+    run_dir = options.run_dir or str(Path(config.run_dir).absolute())
+    fetch = config.weights.transport == "fetch"
+    ports = server_ports(config)
+    q = shlex.quote
+
+    data = component_config(config, run_dir=run_dir, hosts={
+        "master": "localhost", "buffer": "localhost", "reward": "localhost",
+        "trainer": "localhost"})
+    config_text = yaml.safe_dump(data, sort_keys=False)
+    marker = "TANDEM_RUN_CONFIG"
+    while marker in config_text:
+        marker += "_"
+
+    head = ["#!/bin/bash", f"#SBATCH --job-name={config.name}", f"#SBATCH --nodes={nodes}",
+            "#SBATCH --ntasks-per-node=1", f"#SBATCH --time={options.time}",
+            "#SBATCH --signal=B:TERM@120",
+            "#SBATCH --output=tandem-%x-%j.out"]
+    if options.gpus_per_node:
+        head.append(f"#SBATCH --gpus-per-node={options.gpus_per_node}")
+    if options.partition:
+        head.append(f"#SBATCH --partition={options.partition}")
+    if options.account:
+        head.append(f"#SBATCH --account={options.account}")
+    lines = head + [
+        "# Rendered by `tandem deploy slurm`: submit with `sbatch THIS_FILE`.",
+        "set -euo pipefail", ""]
+    if config.transport.curve is not None:
+        for env in CURVE_SECRET_ENV.values():
+            lines.append(f': "${{{env}:?export {env} (the Curve secret key) before sbatch}}"')
+        lines.append("")
+    lines += [
+        'mapfile -t HOSTS < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
+        f"if (( ${{#HOSTS[@]}} < {nodes} )); then",
+        f'  echo "tandem: the allocation has ${{#HOSTS[@]}} nodes, this run needs {nodes}" >&2',
+        "  exit 2", "fi",
+        'CTRL="${HOSTS[0]}"',
+        f'TRAINER_HOSTS=("${{HOSTS[@]:1:{options.trainer_nodes}}}")',
+        f'EXPLORER_HOSTS=("${{HOSTS[@]:{1 + options.trainer_nodes}:{explorer_nodes}}}")',
+        f"RUN_DIR={q(run_dir)}",
+        'mkdir -p "$RUN_DIR"',
+        'CONFIG="$RUN_DIR/run.yaml"',
+        f"cat > \"$CONFIG\" <<'{marker}'",
+        config_text.rstrip("\n"),
+        marker, "",
+        "# every client reaches the servers by host name",
+        "CLIENT=(",
+        f'  --set "master.address=tcp://$CTRL:{ports["master"]}"',
+        f'  --set "master.publish_address=tcp://$CTRL:{ports["master-pub"]}"',
+        f'  --set "buffer.address=tcp://$CTRL:{ports["buffer"]}"',
+        f'  --set "reward.address=tcp://$CTRL:{ports["reward"]}"',
+        '  --set "weights.rendezvous_host=${TRAINER_HOSTS[0]}"',
+        f'  --set "weights.fetch_address=tcp://${{TRAINER_HOSTS[0]}}:{ports["fetch"]}"',
+        ")", "",
+        "PIDS=()",
+        "stop() { kill -TERM \"${PIDS[@]}\" 2>/dev/null || true; }",
+        "trap 'stop; wait; exit 143' TERM INT", ""]
+
+    def step(comment: str, srun: str, argv: list[str]) -> None:
+        lines.extend([f"# {comment}", f"{srun} \\", "  " + " ".join(argv) + " &",
+                      'PIDS+=("$!")', ""])
+
+    one = 'srun --nodes=1 --ntasks=1 --overlap --kill-on-bad-exit=1'
+    step("master", f'{one} --nodelist="$CTRL"',
+         ["tandem-master", '--config "$CONFIG"', '"${CLIENT[@]}"',
+          *[f"--set {q(s)}" for s in bind_overrides(config, "master")]])
+    step("buffer", f'{one} --nodelist="$CTRL"',
+         ["tandem-buffer", '--config "$CONFIG"', '"${CLIENT[@]}"',
+          *[f"--set {q(s)}" for s in bind_overrides(config, "buffer")]])
+    if reward_service(config):
+        step("reward service", f'{one} --nodelist="$CTRL"',
+             ["tandem-reward", '--config "$CONFIG"', '"${CLIENT[@]}"',
+              *[f"--set {q(s)}" for s in bind_overrides(config, "reward")]])
+    per_node = max(options.gpus_per_node, 1)
+    trainer_argv = ["torchrun", f"--nnodes={options.trainer_nodes}",
+                    f"--nproc-per-node={per_node}", "--rdzv-backend=c10d",
+                    '--rdzv-endpoint="${TRAINER_HOSTS[0]}:29500"',
+                    '--rdzv-id="$SLURM_JOB_ID"', "--no-python",
+                    "tandem-trainer", '--config "$CONFIG"', "--resume", '"${CLIENT[@]}"',
+                    *[f"--set {q(s)}" for s in bind_overrides(config, "trainer")]]
+    if options.gpus_per_node:
+        trainer_argv.append("--set trainer.device=cuda")
+    step("trainer: torchrun on every trainer node",
+         f'srun --nodes={options.trainer_nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 '
+         '--nodelist="$(IFS=,; echo "${TRAINER_HOSTS[*]}")"', trainer_argv)
+    for k, explorer in enumerate(config.explorers):
+        argv = ["tandem-explorer", '--config "$CONFIG"', f"--name {q(explorer.name)}",
+                '"${CLIENT[@]}"']
+        if fetch:
+            # nothing shared: the explorer keeps its weights on its own node
+            argv.append(f'--set "run_dir={options.local_dir}/tandem-$SLURM_JOB_ID/'
+                        f'{explorer.name}"')
+        step(f"explorer {explorer.name}",
+             f'{one} --nodelist="${{EXPLORER_HOSTS[{k % explorer_nodes}]}}"', argv)
+    lines += [
+        "# the run ends when every step has; the first failure stops the rest",
+        "status=0",
+        "for _ in \"${PIDS[@]}\"; do",
+        "  if ! wait -n; then status=1; stop; fi",
+        "done",
+        "exit \"$status\"", ""]
+    return "\n".join(lines)

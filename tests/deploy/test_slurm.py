@@ -1,0 +1,162 @@
+"""`tandem deploy slurm`: the sbatch script parses (bash -n), has one srun step per component
+on the right node, and runs as a job script against stand-in `scontrol`/`srun` commands: every
+step started with host-name addresses, a failing step stops the others and fails the job."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from tandem.common.config import RunConfig, validate
+from tandem.master.cli import tandem
+from tandem.master.deploy import SlurmOptions, render_slurm
+
+from deploy_config import CLIENT_SECRET, SERVER_SECRET, run_config
+
+HOSTS = ["node-a", "node-b", "node-c", "node-d"]
+
+
+def render(options: SlurmOptions | None = None, **sections) -> str:
+    config = validate(RunConfig, run_config(**sections))
+    return render_slurm(config, options or SlurmOptions(run_dir="/shared/run"))
+
+
+def srun_lines(script: str) -> list[str]:
+    lines = script.splitlines()
+    return [f"{line[:-2]} {lines[i + 1].strip()}" for i, line in enumerate(lines)
+            if line.startswith("srun ")]
+
+
+def test_script_is_valid_bash(tmp_path):
+    path = tmp_path / "run.sbatch"
+    path.write_text(render())
+    check = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, timeout=10)
+    assert check.returncode == 0, check.stderr
+
+
+def test_one_srun_step_per_component():
+    script = render()
+    assert "#SBATCH --nodes=4" in script
+    steps = srun_lines(script)
+    assert len(steps) == 6
+    master, buffer, reward, trainer, e0, e1 = steps
+    assert '--nodelist="$CTRL"' in master and "tandem-master" in master
+    assert "master.address=tcp://0.0.0.0:5550" in master
+    assert "tandem-buffer" in buffer and "tandem-reward" in reward
+    assert "torchrun --nnodes=1" in trainer and "--rdzv-backend=c10d" in trainer
+    assert "--no-python tandem-trainer" in trainer and "--resume" in trainer
+    assert "--name explorer-0" in e0 and '"${EXPLORER_HOSTS[0]}"' in e0
+    assert "--name explorer-1" in e1 and '"${EXPLORER_HOSTS[1]}"' in e1
+    assert 'scontrol show hostnames "$SLURM_JOB_NODELIST"' in script
+
+
+def test_secrets_never_in_the_script():
+    script = render()
+    assert SERVER_SECRET not in script and CLIENT_SECRET not in script
+    assert "${env:TANDEM_CURVE_SERVER_SECRET}" in script
+
+
+def test_explorers_share_nodes_round_robin():
+    script = render(SlurmOptions(run_dir="/r", explorer_nodes=1, trainer_nodes=2,
+                                 gpus_per_node=4))
+    assert "#SBATCH --nodes=4" in script and "#SBATCH --gpus-per-node=4" in script
+    trainer = [s for s in srun_lines(script) if "torchrun" in s][0]
+    assert "--nodes=2" in trainer and "--nproc-per-node=4" in trainer
+    explorers = [s for s in srun_lines(script) if "tandem-explorer" in s]
+    assert all('"${EXPLORER_HOSTS[0]}"' in s for s in explorers)
+
+
+FAKE_SRUN = """#!/bin/bash
+# stands in for srun: records the node and the command, then plays the component
+node=""
+while [[ "$1" == --* ]]; do
+  case "$1" in --nodelist=*) node="${1#--nodelist=}";; esac
+  shift
+done
+trap 'echo "TERM $1" >> "$SRUN_LOG"; kill $! 2>/dev/null; exit 143' TERM
+echo "$node $*" >> "$SRUN_LOG"
+if [[ "$*" == *"$FAIL_ON"* ]]; then sleep 0.5; exit 3; fi
+sleep "$STEP_SECONDS" & wait $!
+"""
+
+
+def run_job(tmp_path: Path, script: str, fail_on: str = "never",
+            step_seconds: float = 0.2) -> tuple[subprocess.CompletedProcess, list[str]]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "scontrol").write_text("#!/bin/sh\nprintf '%s\\n' " + " ".join(HOSTS) + "\n")
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    for tool in ("scontrol", "srun"):
+        (bin_dir / tool).chmod(0o755)
+    job = tmp_path / "run.sbatch"
+    job.write_text(script)
+    log = tmp_path / "srun.log"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SRUN_LOG": str(log),
+           "SLURM_JOB_NODELIST": "node-[a-d]", "SLURM_JOB_ID": "77", "FAIL_ON": fail_on,
+           "STEP_SECONDS": str(step_seconds), "TANDEM_CURVE_SERVER_SECRET": "s",
+           "TANDEM_CURVE_CLIENT_SECRET": "c"}
+    done = subprocess.run(["bash", str(job)], env=env, capture_output=True, text=True,
+                          timeout=30, cwd=tmp_path)
+    return done, log.read_text().splitlines() if log.exists() else []
+
+
+def test_job_starts_every_step_wired_by_host_name(tmp_path):
+    done, calls = run_job(tmp_path, render(SlurmOptions(run_dir=str(tmp_path / "run"))))
+    assert done.returncode == 0, done.stderr
+    by_command = {shlex.split(c)[1]: c for c in calls}
+    assert by_command["tandem-master"].startswith("node-a ")
+    assert by_command["tandem-buffer"].startswith("node-a ")
+    assert by_command["torchrun"].startswith("node-b ")
+    assert "--rdzv-endpoint=node-b:29500" in by_command["torchrun"]
+    explorers = sorted(c for c in calls if "tandem-explorer" in c)
+    assert [c.split()[0] for c in explorers] == ["node-c", "node-d"]
+    for call in explorers:
+        assert "master.address=tcp://node-a:5550" in call
+        assert "buffer.address=tcp://node-a:5560" in call
+        assert "weights.fetch_address=tcp://node-b:5580" in call
+        assert "run_dir=/tmp/tandem-77/" in call or "tandem-77/" in call
+    config = validate(RunConfig, __import__("yaml").safe_load(
+        (tmp_path / "run" / "run.yaml").read_text()) | {"transport": {}})
+    assert config.run_dir == str(tmp_path / "run")
+
+
+def test_a_failing_step_stops_the_others_and_fails_the_job(tmp_path):
+    script = render(SlurmOptions(run_dir=str(tmp_path / "run")))
+    done, calls = run_job(tmp_path, script, fail_on="tandem-buffer", step_seconds=20)
+    assert done.returncode == 1
+    stopped = sorted(c.split()[1] for c in calls if c.startswith("TERM"))
+    # every other step got SIGTERM (and the job did not wait out their 20 s)
+    assert stopped == ["tandem-explorer", "tandem-explorer", "tandem-master", "tandem-reward",
+                       "torchrun"]
+
+
+def test_job_refuses_to_start_without_the_secret(tmp_path):
+    script = render(SlurmOptions(run_dir=str(tmp_path / "run")))
+    job = tmp_path / "run.sbatch"
+    job.write_text(script)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_CURVE")}
+    done = subprocess.run(["bash", str(job)], env=env, capture_output=True, text=True,
+                          timeout=10)
+    assert done.returncode != 0
+    assert "export TANDEM_CURVE_SERVER_SECRET" in done.stderr
+
+
+def test_cli_writes_the_script(tmp_path, write_config):
+    out = tmp_path / "job.sbatch"
+    result = CliRunner().invoke(tandem, ["deploy", "slurm", str(write_config()), "-o", str(out),
+                                         "--run-dir", "/shared/r", "--partition", "gpu"])
+    assert result.exit_code == 0, result.output
+    assert "#SBATCH --partition=gpu" in out.read_text()
+    assert os.access(out, os.X_OK)
+
+
+@pytest.mark.parametrize("flag", ["--trainer-nodes=0", "--explorer-nodes=0"])
+def test_cli_rejects_bad_node_counts(tmp_path, write_config, flag):
+    result = CliRunner().invoke(tandem, ["deploy", "slurm", str(write_config()), flag])
+    assert result.exit_code == 2
+    assert "must be at least 1" in result.output

@@ -1,0 +1,107 @@
+"""Peers that speak the master protocol over real sockets, shared by the master's tests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+
+from tandem.common.config import load_config
+from tandem.common.messages.master import (
+    CompleteTasks,
+    ExplorerStepDone,
+    LeaseTasks,
+    Register,
+    TrainerStepDone,
+    WeightsPublished,
+    barrier_topic,
+)
+from tandem.common.pubsub import Subscriber
+from tandem.common.rpc import RpcClient
+from tandem.master.service import Master
+
+
+def write_tasks(path: Path, n: int) -> Path:
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"id": f"t{i}", "prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n")
+    return path
+
+
+def make_config(tmp_path: Path, *overrides: str, tasks: int = 40):
+    taskset = write_tasks(tmp_path / "tasks.jsonl", tasks)
+    return load_config(None, [
+        f"run_dir={tmp_path / 'run'}", "master.address=tcp://127.0.0.1:0",
+        "master.publish_address=tcp://127.0.0.1:0", f"master.taskset.path={taskset}",
+        "master.taskset.id_field=id", "master.stop_grace=0.2", "transport.liveness=1.0",
+        "transport.heartbeat_interval=0.1", "explorers.0.batch_size=4", *overrides])
+
+
+class Peer:
+    """A component speaking the master protocol over real sockets (as an explorer would)."""
+
+    def __init__(self, master: Master, name: str, role: str, topics: list[str]):
+        self.name, self.role = name, role
+        self.rpc = RpcClient(master.address, peer="master", name=name)
+        self.sub = Subscriber(master.publish_address, topics=topics,
+                              snapshot=RpcClient(master.address, peer="master", name=name + "-s"),
+                              resync_interval=0.2)
+
+    async def start(self):
+        await self.sub.start()
+        return await self.rpc.call(Register(name=self.name, role=self.role, pid=os.getpid()),
+                                   timeout=2)
+
+    async def next(self, kind: str, timeout: float = 3.0):
+        while True:
+            ev = await self.sub.recv(timeout, what=kind)
+            if ev.topic.startswith(kind) or ev.topic == "stop":
+                return ev.body
+
+    async def close(self):
+        await self.sub.close()
+        await self.sub.snapshot_client.close()
+        await self.rpc.close()
+
+
+async def explorer_loop(master: Master, name: str, steps_seen: list, batch_size: int = 4):
+    peer = Peer(master, name, "explorer", [barrier_topic(name), "stop"])
+    await peer.start()
+    try:
+        last = -1
+        while True:
+            msg = await peer.next("barrier")
+            if msg.TYPE == "master.stop":
+                return
+            if msg.batch <= last:
+                continue  # a repeat
+            last = msg.batch
+            lease = await peer.rpc.call(LeaseTasks(explorer=name, count=batch_size,
+                                                   step=msg.step), timeout=2)
+            await asyncio.sleep(0.01)  # "roll out"
+            await peer.rpc.call(CompleteTasks(lease_id=lease.lease_id), timeout=2)
+            steps_seen.append((name, msg.step, msg.version, msg.wait,
+                               [t.id for t in lease.tasks]))
+            await peer.rpc.call(ExplorerStepDone(explorer=name, step=msg.step, batch=msg.batch,
+                                                 version=msg.version), timeout=2)
+    finally:
+        await peer.close()
+
+
+async def trainer_loop(master: Master, trained: list, method: str = "checkpoint"):
+    peer = Peer(master, "trainer", "trainer", ["trainer", "stop"])
+    await peer.start()
+    try:
+        while True:
+            msg = await peer.next("trainer")
+            if msg.TYPE == "master.stop":
+                return
+            await asyncio.sleep(0.01)  # "train"
+            trained.append((msg.step, msg.publish, msg.groups))
+            await peer.rpc.call(TrainerStepDone(step=msg.step, version=msg.step + 1), timeout=2)
+            if msg.publish is not None:
+                await peer.rpc.call(WeightsPublished(version=msg.publish, method=method,
+                                                     path=f"weights/v{msg.publish}"), timeout=2)
+    finally:
+        await peer.close()

@@ -1,0 +1,65 @@
+"""Only the registered trainer reports trainer steps, and only steps the clock released: a
+stranger's TrainerStepDone, or one for a step never released, is refused and counts nothing."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from tandem.common.errors import RequestFailed
+from tandem.common.messages.master import (
+    CompleteTasks,
+    ExplorerStepDone,
+    LeaseTasks,
+    Register,
+    TrainerResumed,
+    TrainerStepDone,
+)
+from tandem.common.rpc import RpcClient
+from tandem.master.service import Master
+
+sys.path.insert(0, str(Path(__file__).parent))
+from master_peers import make_config  # noqa: E402
+
+
+async def test_step_reports_come_from_the_trainer_and_for_released_steps(
+        tmp_path, zmq_sockets_closed):
+    master = Master(make_config(tmp_path, "sync.preset=synchronous", "master.total_steps=40"))
+    await master.start()
+    explorer = RpcClient(master.address, peer="master", name="explorer-0")
+    trainer = RpcClient(master.address, peer="master", name="trainer")
+    stranger = RpcClient(master.address, peer="master", name="stranger")
+    try:
+        # no trainer has registered: nobody's step report counts
+        with pytest.raises(RequestFailed) as err:
+            await stranger.call(TrainerStepDone(step=0, version=1), timeout=2)
+        assert err.value.code == "not_the_trainer" and "register" in err.value.message
+        await trainer.call(Register(name="trainer", role="trainer"), timeout=2)
+        await explorer.call(Register(name="explorer-0", role="explorer"), timeout=2)
+        # the trainer itself may not report a step the clock has not released
+        with pytest.raises(RequestFailed) as err:
+            await trainer.call(TrainerStepDone(step=0, version=1), timeout=2)
+        assert err.value.code == "unexpected_step" and "released" in err.value.message
+        lease = await explorer.call(LeaseTasks(explorer="explorer-0", count=4, step=0), timeout=2)
+        await explorer.call(CompleteTasks(lease_id=lease.lease_id), timeout=2)
+        await explorer.call(ExplorerStepDone(explorer="explorer-0", step=0, batch=0, version=0),
+                            timeout=2)
+        assert master.clock.trainer_go == 1  # step 0 released
+        for step in range(40):  # the attack of issue 14: every step, from a stranger
+            with pytest.raises(RequestFailed, match="not_the_trainer|registered"):
+                await stranger.call(TrainerStepDone(step=step, version=step + 1), timeout=2)
+        with pytest.raises(RequestFailed, match="step 5"):
+            await trainer.call(TrainerStepDone(step=5, version=6), timeout=2)
+        with pytest.raises(RequestFailed) as err:
+            await stranger.call(TrainerResumed(step=0, checkpoint="x"), timeout=2)
+        assert err.value.code == "not_the_trainer"
+        assert master.clock.trainer_done == 0 and not master.clock.stopped
+        await trainer.call(TrainerStepDone(step=0, version=1), timeout=2)
+        await trainer.call(TrainerStepDone(step=0, version=1), timeout=2)  # a resend: no-op
+        assert master.clock.trainer_done == 1
+    finally:
+        for client in (explorer, trainer, stranger):
+            await client.close()
+        await master.close()
