@@ -1,9 +1,15 @@
-"""Experience factories for the buffer tests (conftest puts this folder on sys.path)."""
+"""Experience factories and a served Buffer for the buffer tests (conftest puts this folder on
+sys.path)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
+from tandem.buffer import Buffer
+from tandem.common.config import load_config
 from tandem.common.messages import Experience, experience_id, group_id
+from tandem.common.rpc import RpcClient
 
 
 def make_experience(task: str, index: int, version: int = 0, *, reward: float = 0.0,
@@ -35,3 +41,29 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
+
+
+def config_for(tmp_path, *overrides):
+    return load_config(None, [f"run_dir={tmp_path}", "buffer.synchronous=normal", *overrides])
+
+
+class Running:
+    """A Buffer serving on a random port, and a client talking to it."""
+
+    def __init__(self, config):
+        self.buffer = Buffer(config, address="tcp://127.0.0.1:0")
+
+    async def __aenter__(self):
+        address = await self.buffer.start()
+        self.serving = asyncio.create_task(self.buffer.serve())
+        self.client = RpcClient(address, peer="buffer", name="test")
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.client.close()
+        self.buffer.request_stop()
+        await self.serving
+        await self.buffer.close()
+
+    async def call(self, msg, timeout=5.0):
+        return await self.client.call(msg, timeout=timeout, retries=0, timeout_key="test")

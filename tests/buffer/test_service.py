@@ -7,41 +7,11 @@ import time
 
 import pytest
 
-from buffer_helpers import make_group
-from tandem.buffer import Buffer
-from tandem.common.config import load_config
+from buffer_helpers import Running, config_for, make_group
 from tandem.common.errors import RequestFailed
 from tandem.common.messages import (
     AckLease, BufferStats, GetBufferStats, PutExperiences, ReleaseLease, SampleGroups,
 )
-from tandem.common.rpc import RpcClient
-
-
-def config_for(tmp_path, *overrides):
-    return load_config(None, [f"run_dir={tmp_path}", "buffer.synchronous=normal", *overrides])
-
-
-class Running:
-    """A Buffer serving on a random port, and a client talking to it."""
-
-    def __init__(self, config):
-        self.buffer = Buffer(config, address="tcp://127.0.0.1:0")
-
-    async def __aenter__(self):
-        address = await self.buffer.start()
-        self.serving = asyncio.create_task(self.buffer.serve())
-        self.client = RpcClient(address, peer="buffer", name="test")
-        return self
-
-    async def __aexit__(self, *exc):
-        await self.client.close()
-        self.buffer.stop()
-        await self.serving
-        await self.buffer.close()
-
-    async def call(self, msg, timeout=5.0):
-        return await self.client.call(msg, timeout=timeout, retries=0, timeout_key="test")
-
 
 async def test_put_sample_ack_release_over_the_wire(tmp_path, zmq_sockets_closed):
     groups = make_group("a", 4, tokens=4096, prompt_len=96) + make_group("b", 4)

@@ -1,5 +1,5 @@
-"""A stateful hypothesis test: random put/sample/ack/release/expire sequences against SqliteStore
-and a plain in-memory model of the buffer semantics (tandem.buffer.store's docstring).
+"""A stateful hypothesis test: random put/sample/ack/release/expire/rewind sequences against
+SqliteStore and a plain in-memory model of the buffer semantics (tandem.buffer.store's docstring).
 
 The model is deliberately naive (dicts and sorted lists); every reply of the store and its
 counts must agree with it after every step.
@@ -45,6 +45,7 @@ class ModelGroup:
     state: str = "waiting"
     uses: int = 0
     priority: float = 0.0
+    use_steps: list[int] = field(default_factory=list)  # the trainer step of each use
 
     def order_key(self, policy: str) -> tuple:
         if policy == "fifo":
@@ -68,6 +69,7 @@ class BufferModel(RuleBasedStateMachine):
         self.ended: list[str] = []
         self.dropped_stale = 0
         self.next_seq = 1
+        self.step = 0  # the trainer step the next ack records
 
     def teardown(self):
         self.store.close_sync()
@@ -195,13 +197,40 @@ class BufferModel(RuleBasedStateMachine):
             except UnknownLease:
                 return
             raise AssertionError(f"{'ack' if ack else 'release'} of ended lease {lease_id} passed")
-        self.run(call(lease_id))
+        self.run(self.store.ack(lease_id, self.step) if ack else call(lease_id))
         for gid in self.leases.pop(lease_id)[1]:
             group = self.groups[gid]
             if ack:
                 group.uses += 1
+                group.use_steps.append(self.step)
             group.state = "consumed" if group.uses >= REUSE else "ready"
+        self.step += ack
         self.ended.append(lease_id)
+
+    @rule(data=st.data())
+    def rewind(self, data):
+        to = data.draw(st.integers(0, self.step))
+        outcome = self.run(self.store.rewind(to))
+        self.expire()
+        assert outcome.leases_released == len(self.leases)
+        for _, gids in self.leases.values():
+            for gid in gids:
+                self.groups[gid].state = "ready"
+        self.ended.extend(self.leases)
+        self.leases.clear()
+        again = uses = 0
+        for group in self.groups.values():
+            undone = sum(step >= to for step in group.use_steps)
+            if not undone:
+                continue
+            uses += undone
+            group.use_steps = [step for step in group.use_steps if step < to]
+            group.uses -= undone
+            if group.state == "consumed":
+                group.state = "ready"
+                again += 1
+        assert (outcome.groups, outcome.uses) == (again, uses)
+        self.step = to
 
     @rule(seconds=st.sampled_from([1.0, 5.0, 10.0]))
     def wait(self, seconds):

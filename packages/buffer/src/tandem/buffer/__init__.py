@@ -1,18 +1,26 @@
 """tandem-buffer: the durable experience store the explorers fill and the trainer samples.
 
-- `ExperienceStore`: the store interface and its semantics (groups, leases, staleness, replay).
-- `SqliteStore`: the embedded default, one SQLite file in WAL mode with group commit.
-- `Buffer`: the RPC service around a store (`await Buffer(config).serve()`), CLI `tandem-buffer`.
+- `ExperienceStore`: the store interface and its semantics (groups, leases, staleness, replay,
+  rewind), and the typed errors its operations raise.
+- `SqliteStore`: the embedded default, one SQLite file in WAL mode, written by one
+  `GroupCommitWriter` thread, its finished rows deleted by a `Pruner`.
+- `Buffer`: the RPC service around a store (`await Buffer(config).serve()`), CLI `tandem-buffer`;
+  it maps the store's errors to reply codes (`REPLY_CODES`).
 """
 
 from .policy import group_priority
-from .service import Buffer
-from .sqlite import SqliteStore, StoreClosed
+from .pruner import Pruner
+from .service import REPLY_CODES, Buffer
+from .sqlite import SqliteStore
 from .store import (
-    BadPut, BufferFull, ExperienceStore, Lease, NotEnoughExperiences, PutOutcome, UnknownLease,
+    BadPut, BufferFull, ExperienceStore, Lease, NotEnoughExperiences, PutOutcome, RewindOutcome,
+    RewindTooFar, StoreError, UnknownLease,
 )
+from .writer import GroupCommitWriter, StoreClosed
 
 __all__ = [
-    "BadPut", "Buffer", "BufferFull", "ExperienceStore", "Lease", "NotEnoughExperiences",
-    "PutOutcome", "SqliteStore", "StoreClosed", "UnknownLease", "group_priority",
+    "BadPut", "Buffer", "BufferFull", "ExperienceStore", "GroupCommitWriter", "Lease",
+    "NotEnoughExperiences", "Pruner", "PutOutcome", "REPLY_CODES", "RewindOutcome",
+    "RewindTooFar", "SqliteStore", "StoreClosed", "StoreError", "UnknownLease",
+    "group_priority",
 ]

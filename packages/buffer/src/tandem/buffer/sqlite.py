@@ -1,104 +1,45 @@
 """`SqliteStore`: the embedded default `ExperienceStore`, one SQLite file in WAL mode.
 
-One thread owns the connection. Callers enqueue operations; the thread takes everything queued
-(up to `commit_batch`), runs each inside its own savepoint of one transaction, commits once and
-only then resolves every caller's future. Concurrent puts therefore share one fsync (group
-commit), and every reply describes committed state. An operation that fails rolls back its own
-savepoint and nothing else. Counters (unconsumed, dropped as stale, kept rows) live in a table,
-so they commit and roll back with the rows they count.
-
-Two kinds of upkeep stay off the request path: deleting the rows of consumed groups runs in
-small transactions of its own once no request has come for 20 ms (or, in a store that is never
-idle, in a larger one every 5 s), and WAL checkpoints (with their fsync of the database file)
-run on a second connection in a second thread.
+This module is the SQL of the store's operations. Each `_op_*` runs on the writer thread inside
+its own savepoint (`writer.GroupCommitWriter`: group commit, fsync policy, the connection's
+lifetime); row retention is the pruner's (`pruner.Pruner`); the schema and counters are in
+`schema`. Serialising a put and deserialising a lease happen on the caller's thread.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import fcntl
-import os
-import queue
-import sqlite3
-import threading
 import time
 import uuid
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import msgpack
 import structlog
 
 from tandem.common.config import BufferConfig
-from tandem.common.errors import RequestFailed, TandemError
 from tandem.common.messages import BufferStats, Experience
 
+from . import schema
 from .policy import group_priority
+from .pruner import Pruner
 from .rows import from_row, to_row
+from .schema import bump, chunks, counter, marks
 from .store import (
     POLICIES, STATES, BadPut, BufferFull, ExperienceStore, Lease, NotEnoughExperiences,
-    PutOutcome, UnknownLease,
+    PutOutcome, RewindOutcome, RewindTooFar, UnknownLease,
 )
+from .writer import GroupCommitWriter
 
 log = structlog.get_logger(__name__)
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS experiences (
-    seq INTEGER PRIMARY KEY,
-    id TEXT NOT NULL UNIQUE,
-    group_id TEXT NOT NULL,
-    meta BLOB NOT NULL,
-    tokens BLOB NOT NULL,
-    action_mask BLOB NOT NULL,
-    logprobs BLOB NOT NULL,
-    nbytes INTEGER NOT NULL
-);
-CREATE INDEX IF NOT EXISTS experiences_group ON experiences(group_id);
-CREATE TABLE IF NOT EXISTS groups (
-    seq INTEGER PRIMARY KEY,
-    group_id TEXT NOT NULL UNIQUE,
-    task_id TEXT NOT NULL,
-    version INTEGER NOT NULL,
-    size INTEGER NOT NULL,
-    count INTEGER NOT NULL,
-    state TEXT NOT NULL,
-    uses INTEGER NOT NULL DEFAULT 0,
-    priority REAL NOT NULL DEFAULT 0,
-    lease_id TEXT,
-    nbytes INTEGER NOT NULL,
-    done_seq INTEGER,
-    pruned INTEGER NOT NULL DEFAULT 0
-);
-CREATE INDEX IF NOT EXISTS groups_order ON groups(state, uses, version, seq);
-CREATE INDEX IF NOT EXISTS groups_priority ON groups(state, uses, priority DESC, seq);
-CREATE INDEX IF NOT EXISTS groups_version ON groups(state, version);
-CREATE INDEX IF NOT EXISTS groups_lease ON groups(lease_id) WHERE lease_id IS NOT NULL;
-CREATE INDEX IF NOT EXISTS groups_done ON groups(done_seq)
-    WHERE done_seq IS NOT NULL AND pruned = 0;
-CREATE TABLE IF NOT EXISTS leases (lease_id TEXT PRIMARY KEY, expires_at REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
-INSERT OR IGNORE INTO counters VALUES
-    ('unconsumed', 0), ('dropped_stale', 0), ('kept_done', 0), ('done_seq', 0);
-"""
 
 _ORDER = {
     "fifo": "version ASC, seq ASC",
     "newest": "version DESC, seq DESC",
     "priority": "priority DESC, seq ASC",
 }
-_CHUNK = 500  # host parameters per IN (...) list
-_PRUNE_STEP = 8  # finished groups whose rows one idle upkeep transaction deletes
-_IDLE = 0.02  # seconds without requests before upkeep starts (an ack is often followed by a sample)
-_PRUNE_AT_LEAST_EVERY = 5.0  # seconds; a store never idle still deletes (a larger step) this often
-_CHECKPOINT_EVERY = 1.0  # seconds between passive WAL checkpoints
-_STOP = object()
-
-
-class StoreClosed(TandemError):
-    """The store was closed; no more operations are accepted."""
 
 
 @dataclass(slots=True)
@@ -114,20 +55,19 @@ class PreparedPut:
     given: int  # experiences in the request, repeats included
 
 
-@dataclass(slots=True)
-class _Op:
-    fn: Callable[..., Any]
-    args: tuple
-    future: concurrent.futures.Future
+class LeasedRows(NamedTuple):
+    """A lease as the writer thread made it: experience rows still serialised."""
 
-
-def _chunks(items: list, size: int = _CHUNK):
-    for i in range(0, len(items), size):
-        yield items[i:i + size]
+    lease_id: str
+    expires_at: float
+    group_ids: list[str]
+    rows: list[tuple]
+    dropped_stale: int
+    holder: str | None
 
 
 class SqliteStore(ExperienceStore):
-    """Experiences in one SQLite file (WAL); see the module docstring for the threading model."""
+    """Experiences in one SQLite file (WAL), written by one `GroupCommitWriter` thread."""
 
     def __init__(self, path: str | Path, *, capacity: int = 1_000_000, retry_after: float = 0.5,
                  policy: str = "fifo", priority: str = "reward_variance",
@@ -144,25 +84,12 @@ class SqliteStore(ExperienceStore):
         self.priority_key = priority_key
         self.lease_seconds = lease_seconds
         self.reuse = reuse
-        self.keep_consumed = keep_consumed
-        self.synchronous = synchronous
-        self.commit_batch = commit_batch
         self.clock = clock
-        self.commits = 0  # transactions committed, for tests and the benchmark
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._closed = False
-        self._close_lock = threading.Lock()
-        self._conn: sqlite3.Connection | None = None
-        self._synced = False  # whether the connection is at synchronous=FULL now
-        # monotonic time since which finished groups have rows beyond keep_consumed, or None
-        self._prune_due: float | None = None
-        self._stopping = threading.Event()
-        self._checkpointer: threading.Thread | None = None
-        opened: concurrent.futures.Future = concurrent.futures.Future()
-        self._thread = threading.Thread(
-            target=self._run, args=(opened,), name=f"sqlite-store:{self.path.name}", daemon=True)
-        self._thread.start()
-        opened.result()  # re-raises a failure to open or migrate the database
+        self.leases_expired = 0  # a running total, for the buffer's /metrics
+        self.pruner = Pruner(keep_consumed)
+        self.writer = GroupCommitWriter(self.path, synchronous=synchronous,
+                                        commit_batch=commit_batch, setup=self._setup,
+                                        upkeep=self.pruner)
 
     @classmethod
     def from_config(cls, config: BufferConfig, run_dir: str | Path,
@@ -175,265 +102,108 @@ class SqliteStore(ExperienceStore):
                    keep_consumed=config.keep_consumed, synchronous=config.synchronous,
                    commit_batch=config.commit_batch, clock=clock)
 
-    # ---- the writer thread ----------------------------------------------------------------
+    def _setup(self, conn) -> None:
+        schema.create(conn)
+        self.pruner.arm_if_needed(conn)
 
-    def _open(self) -> sqlite3.Connection:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        # One store per database: a second buffer on the same file would only fail later, one
-        # "database is locked" at a time. The kernel drops the lock when the process dies.
-        self._lock = open(f"{self.path}.lock", "w")
-        try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock.close()
-            raise TandemError(f"another buffer is using {self.path} (it holds {self.path}.lock); "
-                              "stop it, or point buffer.db or run_dir elsewhere") from None
-        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute(f"PRAGMA synchronous={self.synchronous.upper()}")
-        self._synced = self.synchronous == "full"
-        conn.execute("PRAGMA foreign_keys=OFF")
-        conn.execute("PRAGMA cache_size=-65536")  # 64 MiB of page cache
-        conn.execute("PRAGMA wal_autocheckpoint=0")  # the checkpointer thread does it
-        conn.execute("PRAGMA journal_size_limit=67108864")
-        conn.executescript(SCHEMA)
-        self._conn = conn
-        if self._counter("kept_done") > self.keep_consumed:
-            self._prune_due = time.monotonic()
-        return conn
+    @property
+    def commits(self) -> int:
+        """Transactions committed, for tests and the benchmark."""
+        return self.writer.commits
 
-    def _checkpoint_loop(self) -> None:
-        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-        try:
-            while not self._stopping.wait(_CHECKPOINT_EVERY):
-                try:
-                    conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
-                except sqlite3.Error as exc:
-                    log.warning("buffer.checkpoint_failed", db=str(self.path), error=str(exc))
-        finally:
-            conn.close()
+    # ---- the ExperienceStore interface ------------------------------------------------------
 
-    def _run(self, opened: concurrent.futures.Future) -> None:
-        try:
-            self._open()
-        except Exception as exc:
-            if not isinstance(exc, TandemError):
-                exc = TandemError(f"cannot open the buffer database {self.path} (buffer.db): {exc}")
-            opened.set_exception(exc)
-            return
-        self._checkpointer = threading.Thread(
-            target=self._checkpoint_loop, name=f"sqlite-checkpoint:{self.path.name}", daemon=True)
-        self._checkpointer.start()
-        opened.set_result(None)
-        stop = False
-        while not stop:
-            due = self._prune_due
-            if due is not None and time.monotonic() - due > _PRUNE_AT_LEAST_EVERY:
-                self._prune_step(8 * _PRUNE_STEP)  # busy without pause: catch up anyway
-            try:
-                batch = [self._queue.get(timeout=None if due is None else _IDLE)]
-            except queue.Empty:  # idle: delete some consumed rows, then look again
-                self._prune_step(_PRUNE_STEP)
-                continue
-            while len(batch) < self.commit_batch:
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            stop = any(item is _STOP for item in batch)
-            ops = [item for item in batch if item is not _STOP]
-            if ops:
-                try:
-                    self._execute(ops)
-                except Exception as exc:  # never leave a caller waiting on a dead thread
-                    log.exception("buffer.store_failed", db=str(self.path))
-                    for op in ops:
-                        if not op.future.done():
-                            op.future.set_exception(TandemError(
-                                f"buffer database {self.path}: {type(exc).__name__}: {exc}"))
-        while True:  # anything enqueued after the stop marker
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is not _STOP:
-                item.future.set_exception(StoreClosed(f"buffer store {self.path} is closed"))
-        while self._prune_due is not None:
-            self._prune_step(8 * _PRUNE_STEP)
-        self._stopping.set()
-        self._checkpointer.join()
-        try:
-            self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        except sqlite3.Error as exc:  # the WAL stays; the next open recovers from it
-            log.warning("buffer.checkpoint_failed", db=str(self.path), error=str(exc))
-        self._conn.close()
-        self._lock.close()
-
-    def _prune_step(self, max_groups: int) -> None:
-        conn = self._conn
-        try:
-            if self._synced:
-                conn.execute("PRAGMA synchronous=NORMAL")
-                self._synced = False
-            conn.execute("BEGIN IMMEDIATE")
-            more = self._prune(max_groups)
-            conn.execute("COMMIT")
-        except sqlite3.Error as exc:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            log.warning("buffer.prune_failed", db=str(self.path), error=str(exc))
-            more = False  # tried again when the next group finishes
-        self._prune_due = time.monotonic() if more else None
-
-    def _execute(self, ops: list[_Op]) -> None:
-        conn = self._conn
-        now = self.clock()
-        results: list[tuple[concurrent.futures.Future, Any]] = []
+    async def put(self, experiences: list[Experience], group_sizes: list[int]) -> PutOutcome:
         # Only commits that store experiences need an fsync: a lease or ack lost to a power
         # failure re-serves a group once (at-least-once), while a lost put would lose data the
         # explorer was told is safe. A process crash loses neither (WAL, even unsynced).
-        durable = self.synchronous == "full" and any(op.fn == self._op_put for op in ops)
-        try:
-            if durable != self._synced:
-                conn.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
-                self._synced = durable
-            conn.execute("BEGIN IMMEDIATE")
-            for op in ops:
-                if not op.future.set_running_or_notify_cancel():
-                    continue  # the caller gave up before we started; a put is simply not done
-                conn.execute("SAVEPOINT op")
-                try:
-                    value = op.fn(now, *op.args)
-                except Exception as exc:
-                    conn.execute("ROLLBACK TO op")
-                    value = exc
-                conn.execute("RELEASE op")
-                results.append((op.future, value))
-            conn.execute("COMMIT")
-            self.commits += 1
-        except sqlite3.Error as exc:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            log.error("buffer.commit_failed", db=str(self.path), error=str(exc), ops=len(ops))
-            failure = TandemError(f"buffer database {self.path} failed to commit: {exc}")
-            for op in ops:
-                future = op.future
-                if future.done():
-                    continue
-                if future.running() or future.set_running_or_notify_cancel():
-                    future.set_exception(failure)
-            return
-        for future, value in results:
-            if isinstance(value, BaseException):
-                future.set_exception(value)
-            else:
-                future.set_result(value)
+        return await self.writer.call(self._op_put, self.prepare_put(experiences, group_sizes),
+                                      durable=True)
 
-    def _submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        with self._close_lock:
-            if self._closed:
-                raise StoreClosed(f"buffer store {self.path} is closed")
-            self._queue.put(_Op(fn, args, future))
-        return future
+    async def sample(self, num_groups: int, *, policy: str | None = None,
+                     min_version: int | None = None, max_version: int | None = None,
+                     lease_seconds: float | None = None, holder: str | None = None) -> Lease:
+        if num_groups < 1:
+            raise BadPut(f"num_groups must be at least 1, got {num_groups}")
+        if policy is not None and policy not in POLICIES:
+            raise BadPut(f"unknown sampling policy {policy!r}; choose one of {POLICIES}")
+        leased = await self.writer.call(self._op_sample, num_groups, policy or self.policy,
+                                        min_version, max_version, lease_seconds, holder)
+        return self.lease_from(leased)
 
-    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.wrap_future(self._submit(fn, *args))
+    @staticmethod
+    def lease_from(leased: LeasedRows) -> Lease:
+        """The lease, its experiences deserialised off the writer thread."""
+        return Lease(lease_id=leased.lease_id, expires_at=leased.expires_at,
+                     group_ids=leased.group_ids, dropped_stale=leased.dropped_stale,
+                     experiences=[from_row(*row) for row in leased.rows], holder=leased.holder)
 
-    # ---- counters and small helpers (writer thread only) ----------------------------------
+    async def ack(self, lease_id: str, step: int | None = None) -> None:
+        await self.writer.call(self._op_ack, lease_id, step)
 
-    def _counter(self, name: str) -> int:
-        row = self._conn.execute("SELECT value FROM counters WHERE name = ?", (name,)).fetchone()
-        return row[0]
+    async def release(self, lease_id: str) -> None:
+        await self.writer.call(self._op_release, lease_id)
 
-    def _bump(self, name: str, delta: int) -> int:
-        row = self._conn.execute(
-            "UPDATE counters SET value = value + ? WHERE name = ? RETURNING value",
-            (delta, name)).fetchone()
-        return row[0]
+    async def release_holder(self, holder: str) -> int:
+        return await self.writer.call(self._op_release_holder, holder)
 
-    def _finish_group(self, group_id: str, state: str) -> None:
-        """Mark a group consumed or stale: it stops counting as unconsumed, its rows may go."""
-        done = self._bump("done_seq", 1)
-        row = self._conn.execute(
-            "UPDATE groups SET state = ?, lease_id = NULL, done_seq = ? WHERE group_id = ? "
-            "RETURNING count", (state, done, group_id)).fetchone()
-        self._bump("unconsumed", -row[0])
-        self._bump("kept_done", row[0])
-        if self._prune_due is None:
-            self._prune_due = time.monotonic()
+    async def rewind(self, step: int) -> RewindOutcome:
+        if step < 0:
+            raise BadPut(f"rewind step must be at least 0, got {step}")
+        return await self.writer.call(self._op_rewind, step, durable=True)
 
-    def _prune(self, max_groups: int) -> bool:
-        """Delete rows of finished groups, oldest first, while more than `keep_consumed`
-        experiences' rows are kept; at most `max_groups` groups. Returns whether more remain."""
-        kept = self._counter("kept_done")
-        rows = self._conn.execute(
-            "SELECT group_id, count FROM groups WHERE done_seq IS NOT NULL AND pruned = 0 "
-            "ORDER BY done_seq LIMIT ?", (max_groups,)).fetchall()
-        freed = 0
-        for group_id, count in rows:
-            if kept - freed <= self.keep_consumed:
-                break
-            self._conn.execute("DELETE FROM experiences WHERE group_id = ?", (group_id,))
-            self._conn.execute("UPDATE groups SET pruned = 1 WHERE group_id = ?", (group_id,))
-            freed += count
-        self._bump("kept_done", -freed)
-        return kept - freed > self.keep_consumed
+    async def checkpointed(self, step: int) -> None:
+        if step < 0:
+            raise BadPut(f"checkpoint step must be at least 0, got {step}")
+        await self.writer.call(self._op_checkpointed, step, durable=True)
 
-    def _expire(self, now: float) -> None:
-        expired = [r[0] for r in self._conn.execute(
-            "SELECT lease_id FROM leases WHERE expires_at <= ?", (now,))]
-        for lease_id in expired:
-            self._conn.execute(
-                "UPDATE groups SET state = 'ready', lease_id = NULL WHERE lease_id = ?",
-                (lease_id,))
-            self._conn.execute("DELETE FROM leases WHERE lease_id = ?", (lease_id,))
-        if expired:
-            log.warning("buffer.leases_expired", leases=len(expired))
+    async def ready_groups(self, min_version: int | None = None,
+                           max_version: int | None = None) -> int:
+        return await self.writer.call(self._op_ready, min_version, max_version)
 
-    def _drop_stale(self, min_version: int) -> int:
-        rows = self._conn.execute(
-            "SELECT group_id, count FROM groups "
-            "WHERE state IN ('waiting', 'ready') AND version < ?", (min_version,)).fetchall()
-        for group_id, _ in rows:
-            self._finish_group(group_id, "stale")
-        dropped = sum(count for _, count in rows)
-        if dropped:
-            self._bump("dropped_stale", dropped)
-            log.info("buffer.dropped_stale", experiences=dropped, groups=len(rows),
-                     min_version=min_version)
-        return dropped
+    async def stats(self) -> BufferStats:
+        return await self.writer.call(self._op_stats)
 
-    def _lease_exists(self, lease_id: str) -> bool:
-        return self._conn.execute(
-            "SELECT 1 FROM leases WHERE lease_id = ?", (lease_id,)).fetchone() is not None
+    def close_sync(self) -> None:
+        """Finish queued operations, then close the connection; idempotent."""
+        self.writer.close()
 
-    def _version_filter(self, min_version: int | None, max_version: int | None
-                        ) -> tuple[str, tuple]:
-        clause, params = "", ()
-        if min_version is not None:
-            clause, params = clause + " AND version >= ?", params + (min_version,)
-        if max_version is not None:
-            clause, params = clause + " AND version <= ?", params + (max_version,)
-        return clause, params
+    async def close(self) -> None:
+        await asyncio.to_thread(self.close_sync)
 
-    def _count_ready(self, min_version: int | None, max_version: int | None) -> int:
-        clause, params = self._version_filter(min_version, max_version)
-        return self._conn.execute(
-            f"SELECT count(*) FROM groups WHERE state = 'ready'{clause}", params).fetchone()[0]
+    @staticmethod
+    def prepare_put(experiences: list[Experience], group_sizes: list[int]) -> PreparedPut:
+        """Serialise a put off the writer thread (the first of repeated ids wins)."""
+        if len(group_sizes) != len(experiences):
+            raise ValueError(f"{len(experiences)} experiences but {len(group_sizes)} group sizes")
+        put = PreparedPut([], [], [], [], [], [], len(experiences))
+        seen: set[str] = set()
+        for exp, size in zip(experiences, group_sizes):
+            if exp.id in seen:
+                continue
+            seen.add(exp.id)
+            put.rows.append(to_row(exp))
+            put.sizes.append(size)
+            put.versions.append(exp.policy_version)
+            put.task_ids.append(exp.task_id)
+            put.rewards.append(exp.reward)
+            put.infos.append(exp.info)
+        return put
 
-    # ---- operations (writer thread; `now` is the transaction's clock) ---------------------
+    # ---- operations (writer thread, each in its own savepoint) ------------------------------
 
-    def _op_put(self, now: float, put: PreparedPut) -> PutOutcome:
+    @property
+    def _conn(self):
+        return self.writer.conn
+
+    def _op_put(self, put: PreparedPut) -> PutOutcome:
         conn = self._conn
         rows, sizes, versions, task_ids = put.rows, put.sizes, put.versions, put.task_ids
         outcome = PutOutcome(duplicates=put.given - len(rows))  # repeats inside the batch
         existing: set[str] = set()
-        ids = [r[0] for r in rows]
-        for chunk in _chunks(ids):
-            marks = ",".join("?" * len(chunk))
+        for chunk in chunks([r[0] for r in rows]):
             existing.update(r[0] for r in conn.execute(
-                f"SELECT id FROM experiences WHERE id IN ({marks})", chunk))
+                f"SELECT id FROM experiences WHERE id IN ({marks(chunk)})", chunk))
         per_group: dict[str, list[int]] = defaultdict(list)
         for i, row in enumerate(rows):
             per_group[row[1]].append(i)
@@ -453,7 +223,11 @@ class SqliteStore(ExperienceStore):
                 (group_id,)).fetchone()
             if group is not None:
                 g_size, g_count, g_state, g_version, g_task = group
-                if (g_size, g_version, g_task) != (size, version, task_id):
+                # a task rolled out again (its explorer died after the put) repeats the stored
+                # ids under newer weights: a duplicate, whatever version it names
+                repeat = g_state in ("consumed", "stale") or all(
+                    rows[i][0] in existing for i in members)
+                if (g_size, g_task) != (size, task_id) or (g_version != version and not repeat):
                     raise BadPut(
                         f"group {group_id} holds group_size {g_size}, version {g_version}, task "
                         f"{g_task!r}; this put says group_size {size}, version {version}, task "
@@ -469,16 +243,16 @@ class SqliteStore(ExperienceStore):
             members = [i for i in members if rows[i][0] not in existing]
             if not members:
                 continue
-            if group is not None:
-                if g_count + len(members) > size:
-                    raise BadPut(f"group {group_id} would hold {g_count + len(members)} "
+            held = group[1] if group is not None else 0
+            if held + len(members) > size:
+                if group is not None:
+                    raise BadPut(f"group {group_id} would hold {held + len(members)} "
                                  f"experiences but its group_size is {size}")
-            elif len(members) > size:
                 raise BadPut(f"group {group_id} would hold {len(members)} experiences but its "
                              f"group_size is {size}")
             plans.append((group_id, group, members))
             inserts.extend(rows[i] for i in members)
-        unconsumed = self._counter("unconsumed")
+        unconsumed = counter(conn, "unconsumed")
         if unconsumed + len(inserts) > self.capacity:
             raise BufferFull(
                 f"buffer full: {unconsumed} unconsumed experiences, {len(inserts)} more would "
@@ -506,11 +280,147 @@ class SqliteStore(ExperienceStore):
                                [put.infos[i] for i in members])
             elif count == size:
                 self._complete(group_id)
-        self._bump("unconsumed", len(inserts))
+        bump(conn, "unconsumed", len(inserts))
         if outcome.dropped_stale:
-            self._bump("dropped_stale", outcome.dropped_stale)
+            bump(conn, "dropped_stale", outcome.dropped_stale)
         outcome.stored = len(inserts)
         return outcome
+
+    def _op_sample(self, num_groups: int, policy: str, min_version: int | None,
+                   max_version: int | None, lease_seconds: float | None,
+                   holder: str | None) -> LeasedRows:
+        conn = self._conn
+        now = self.clock()
+        self._expire(now)
+        dropped = self._drop_stale(min_version) if min_version is not None else 0
+        clause, params = self._version_filter(min_version, max_version)
+        chosen: list[str] = []
+        # Groups used fewer times first; each level is one index range, found by min() (a
+        # DISTINCT over all ready groups would cost time linear in the store's size).
+        uses = conn.execute("SELECT min(uses) FROM groups WHERE state = 'ready'").fetchone()[0]
+        while uses is not None and len(chosen) < num_groups:
+            chosen.extend(r[0] for r in conn.execute(
+                f"SELECT group_id FROM groups WHERE state = 'ready' AND uses = ?{clause} "
+                f"ORDER BY {_ORDER[policy]} LIMIT ?", (uses, *params, num_groups - len(chosen))))
+            uses = conn.execute("SELECT min(uses) FROM groups WHERE state = 'ready' AND uses > ?",
+                                (uses,)).fetchone()[0]
+        if len(chosen) < num_groups:  # every admissible ready group was found: that is all
+            raise NotEnoughExperiences(len(chosen), num_groups, dropped)  # the drop still commits
+        lease_id = uuid.uuid4().hex
+        expires_at = now + (lease_seconds or self.lease_seconds)
+        conn.execute("INSERT INTO leases (lease_id, expires_at, holder) VALUES (?, ?, ?)",
+                     (lease_id, expires_at, holder))
+        rank = {g: i for i, g in enumerate(chosen)}
+        rows = []
+        for chunk in chunks(chosen):
+            conn.execute(f"UPDATE groups SET state = 'leased', lease_id = ? "
+                         f"WHERE group_id IN ({marks(chunk)})", (lease_id, *chunk))
+            rows.extend(conn.execute(
+                f"SELECT id, group_id, meta, tokens, action_mask, logprobs, seq FROM experiences "
+                f"WHERE group_id IN ({marks(chunk)})", chunk))
+        rows.sort(key=lambda r: (rank[r[1]], r[6]))
+        return LeasedRows(lease_id, expires_at, chosen, [r[:6] for r in rows], dropped, holder)
+
+    def _op_ack(self, lease_id: str, step: int | None) -> None:
+        conn = self._conn
+        self._expire(self.clock())
+        if not self._lease_exists(lease_id):
+            raise UnknownLease(lease_id)
+        groups = conn.execute(
+            "SELECT group_id, uses FROM groups WHERE lease_id = ?", (lease_id,)).fetchall()
+        for group_id, uses in groups:
+            if step is not None:
+                conn.execute("INSERT INTO uses (group_id, step) VALUES (?, ?)", (group_id, step))
+            if uses + 1 >= self.reuse:
+                conn.execute("UPDATE groups SET uses = ?, step = ? WHERE group_id = ?",
+                             (uses + 1, step, group_id))
+                self._finish_group(group_id, "consumed")
+            else:
+                conn.execute("UPDATE groups SET uses = ?, state = 'ready', lease_id = NULL "
+                             "WHERE group_id = ?", (uses + 1, group_id))
+        conn.execute("DELETE FROM leases WHERE lease_id = ?", (lease_id,))
+
+    def _op_release(self, lease_id: str) -> None:
+        self._expire(self.clock())
+        if not self._lease_exists(lease_id):
+            raise UnknownLease(lease_id)
+        self._return_leases([lease_id])
+
+    def _op_release_holder(self, holder: str) -> int:
+        self._expire(self.clock())
+        leases = [r[0] for r in self._conn.execute(
+            "SELECT lease_id FROM leases WHERE holder = ?", (holder,))]
+        self._return_leases(leases)
+        if leases:
+            log.info("buffer.leases_released", holder=holder, leases=len(leases))
+        return len(leases)
+
+    def _op_rewind(self, step: int) -> RewindOutcome:
+        conn = self._conn
+        self._expire(self.clock())
+        leases = [r[0] for r in conn.execute("SELECT lease_id FROM leases")]
+        self._return_leases(leases)
+        undone = conn.execute(
+            "SELECT u.group_id, count(*), g.state, g.pruned, g.count FROM uses u "
+            "JOIN groups g ON g.group_id = u.group_id WHERE u.step >= ? GROUP BY u.group_id",
+            (step,)).fetchall()
+        gone = sum(1 for _, _, state, pruned, _ in undone if pruned and state == "consumed")
+        if gone:
+            raise RewindTooFar(step, gone, counter(conn, "checkpoint_step"))
+        outcome = RewindOutcome(leases_released=len(leases))
+        for group_id, n, state, _, count in undone:
+            outcome.uses += n
+            if state == "consumed":
+                conn.execute("UPDATE groups SET uses = uses - ?, state = 'ready', step = NULL, "
+                             "done_seq = NULL WHERE group_id = ?", (n, group_id))
+                bump(conn, "unconsumed", count)
+                bump(conn, "kept_done", -count)
+                outcome.groups += 1
+            else:  # ready with uses left (replay), or stale: only the count of uses changes
+                conn.execute("UPDATE groups SET uses = uses - ? WHERE group_id = ?",
+                             (n, group_id))
+        conn.execute("DELETE FROM uses WHERE step >= ?", (step,))
+        schema.set_counter(conn, "checkpoint_step", min(step, counter(conn, "checkpoint_step")))
+        log.info("buffer.rewound", step=step, groups=outcome.groups, uses=outcome.uses,
+                 leases_released=outcome.leases_released)
+        return outcome
+
+    def _op_checkpointed(self, step: int) -> None:
+        schema.set_counter(self._conn, "checkpoint_step", step)
+        self.pruner.arm_if_needed(self._conn)
+
+    def _op_ready(self, min_version: int | None, max_version: int | None) -> int:
+        self._expire(self.clock())
+        clause, params = self._version_filter(min_version, max_version)
+        return self._conn.execute(
+            f"SELECT count(*) FROM groups WHERE state = 'ready'{clause}", params).fetchone()[0]
+
+    def _op_stats(self) -> BufferStats:
+        conn = self._conn
+        self._expire(self.clock())
+        by_state = dict.fromkeys(STATES, 0)
+        groups_by_state = dict.fromkeys(STATES, 0)
+        for state, experiences, groups in conn.execute(
+                "SELECT state, sum(count), count(*) FROM groups GROUP BY state"):
+            by_state[state] = experiences
+            groups_by_state[state] = groups
+        by_version = {version: n for version, n in conn.execute(
+            "SELECT version, sum(count) FROM groups WHERE state IN ('waiting', 'ready', 'leased') "
+            "GROUP BY version ORDER BY version")}
+        stored_bytes = conn.execute(
+            "SELECT coalesce(sum(nbytes), 0) FROM groups WHERE pruned = 0").fetchone()[0]
+        db_bytes = sum(p.stat().st_size for p in (self.path, Path(f"{self.path}-wal"))
+                       if p.exists())
+        return BufferStats(
+            by_state=by_state, by_version=by_version,
+            oldest_version=min(by_version) if by_version else None,
+            newest_version=max(by_version) if by_version else None,
+            bytes=stored_bytes, groups_waiting=groups_by_state["waiting"],
+            groups_ready=groups_by_state["ready"], dropped_stale=counter(conn, "dropped_stale"),
+            capacity=self.capacity,
+            leases=conn.execute("SELECT count(*) FROM leases").fetchone()[0], db_bytes=db_bytes)
+
+    # ---- helpers (writer thread) --------------------------------------------------------------
 
     def _complete(self, group_id: str, rewards: list[float] | None = None,
                   infos: list[dict] | None = None) -> None:
@@ -526,168 +436,54 @@ class SqliteStore(ExperienceStore):
         self._conn.execute("UPDATE groups SET state = 'ready', priority = ? WHERE group_id = ?",
                            (priority, group_id))
 
-    def _op_sample(self, now: float, num_groups: int, policy: str | None,
-                   min_version: int | None, max_version: int | None,
-                   lease_seconds: float | None) -> tuple | NotEnoughExperiences:
+    def _finish_group(self, group_id: str, state: str) -> None:
+        """Mark a group consumed or stale: it stops counting as unconsumed, its rows may go."""
         conn = self._conn
-        policy = policy or self.policy
-        if policy not in POLICIES:
-            raise BadPut(f"unknown sampling policy {policy!r}; choose one of {POLICIES}")
-        self._expire(now)
-        dropped = self._drop_stale(min_version) if min_version is not None else 0
-        clause, params = self._version_filter(min_version, max_version)
-        chosen: list[str] = []
-        # Groups used fewer times first; each level is one index range, found by min() (a
-        # DISTINCT over all ready groups would cost time linear in the store's size).
-        uses = conn.execute("SELECT min(uses) FROM groups WHERE state = 'ready'").fetchone()[0]
-        while uses is not None and len(chosen) < num_groups:
-            chosen.extend(r[0] for r in conn.execute(
-                f"SELECT group_id FROM groups WHERE state = 'ready' AND uses = ?{clause} "
-                f"ORDER BY {_ORDER[policy]} LIMIT ?", (uses, *params, num_groups - len(chosen))))
-            uses = conn.execute("SELECT min(uses) FROM groups WHERE state = 'ready' AND uses > ?",
-                                (uses,)).fetchone()[0]
-        if len(chosen) < num_groups:  # every admissible ready group was found: that is all
-            # returned, not raised: the stale drop above must commit
-            return NotEnoughExperiences(len(chosen), num_groups, dropped)
-        lease_id = uuid.uuid4().hex
-        expires_at = now + (lease_seconds or self.lease_seconds)
-        conn.execute("INSERT INTO leases (lease_id, expires_at) VALUES (?, ?)",
-                     (lease_id, expires_at))
-        rank = {g: i for i, g in enumerate(chosen)}
-        rows = []
-        for chunk in _chunks(chosen):
-            marks = ",".join("?" * len(chunk))
-            conn.execute(f"UPDATE groups SET state = 'leased', lease_id = ? "
-                         f"WHERE group_id IN ({marks})", (lease_id, *chunk))
-            rows.extend(conn.execute(
-                f"SELECT id, group_id, meta, tokens, action_mask, logprobs, seq FROM experiences "
-                f"WHERE group_id IN ({marks})", chunk))
-        rows.sort(key=lambda r: (rank[r[1]], r[6]))
-        return lease_id, expires_at, chosen, [r[:6] for r in rows], dropped
+        done = bump(conn, "done_seq", 1)
+        count = conn.execute(
+            "UPDATE groups SET state = ?, lease_id = NULL, done_seq = ? WHERE group_id = ? "
+            "RETURNING count", (state, done, group_id)).fetchone()[0]
+        bump(conn, "unconsumed", -count)
+        bump(conn, "kept_done", count)
+        self.pruner.arm()
 
-    def _op_ack(self, now: float, lease_id: str) -> None | UnknownLease:
-        self._expire(now)
-        if not self._lease_exists(lease_id):
-            return UnknownLease(lease_id)
-        groups = self._conn.execute(
-            "SELECT group_id, uses FROM groups WHERE lease_id = ?", (lease_id,)).fetchall()
-        for group_id, uses in groups:
-            if uses + 1 >= self.reuse:
-                self._conn.execute("UPDATE groups SET uses = ? WHERE group_id = ?",
-                                   (uses + 1, group_id))
-                self._finish_group(group_id, "consumed")
-            else:
-                self._conn.execute(
-                    "UPDATE groups SET uses = ?, state = 'ready', lease_id = NULL "
-                    "WHERE group_id = ?", (uses + 1, group_id))
-        self._conn.execute("DELETE FROM leases WHERE lease_id = ?", (lease_id,))
-        return None
+    def _return_leases(self, lease_ids: list[str]) -> None:
+        """Put the leases' groups back to ready without a use and forget the leases."""
+        for chunk in chunks(lease_ids):
+            self._conn.execute("UPDATE groups SET state = 'ready', lease_id = NULL "
+                               f"WHERE lease_id IN ({marks(chunk)})", chunk)
+            self._conn.execute(f"DELETE FROM leases WHERE lease_id IN ({marks(chunk)})", chunk)
 
-    def _op_release(self, now: float, lease_id: str) -> None | UnknownLease:
-        self._expire(now)
-        if not self._lease_exists(lease_id):
-            return UnknownLease(lease_id)
-        self._conn.execute("UPDATE groups SET state = 'ready', lease_id = NULL WHERE lease_id = ?",
-                           (lease_id,))
-        self._conn.execute("DELETE FROM leases WHERE lease_id = ?", (lease_id,))
-        return None
+    def _expire(self, now: float) -> None:
+        expired = [r[0] for r in self._conn.execute(
+            "SELECT lease_id FROM leases WHERE expires_at <= ?", (now,))]
+        self._return_leases(expired)
+        if expired:
+            self.leases_expired += len(expired)
+            log.warning("buffer.leases_expired", leases=len(expired))
 
-    def _op_ready(self, now: float, min_version: int | None, max_version: int | None) -> int:
-        self._expire(now)
-        return self._count_ready(min_version, max_version)
+    def _drop_stale(self, min_version: int) -> int:
+        rows = self._conn.execute(
+            "SELECT group_id, count FROM groups "
+            "WHERE state IN ('waiting', 'ready') AND version < ?", (min_version,)).fetchall()
+        for group_id, _ in rows:
+            self._finish_group(group_id, "stale")
+        dropped = sum(count for _, count in rows)
+        if dropped:
+            bump(self._conn, "dropped_stale", dropped)
+            log.info("buffer.dropped_stale", experiences=dropped, groups=len(rows),
+                     min_version=min_version)
+        return dropped
 
-    def _op_stats(self, now: float) -> BufferStats:
-        conn = self._conn
-        self._expire(now)
-        by_state = dict.fromkeys(STATES, 0)
-        groups_by_state = dict.fromkeys(STATES, 0)
-        for state, experiences, groups in conn.execute(
-                "SELECT state, sum(count), count(*) FROM groups GROUP BY state"):
-            by_state[state] = experiences
-            groups_by_state[state] = groups
-        by_version = {version: n for version, n in conn.execute(
-            "SELECT version, sum(count) FROM groups WHERE state IN ('waiting', 'ready', 'leased') "
-            "GROUP BY version ORDER BY version")}
-        stored_bytes = conn.execute(
-            "SELECT coalesce(sum(nbytes), 0) FROM groups WHERE pruned = 0").fetchone()[0]
-        db_bytes = sum(os.path.getsize(p) for p in (self.path, Path(f"{self.path}-wal"))
-                       if os.path.exists(p))
-        return BufferStats(
-            by_state=by_state, by_version=by_version,
-            oldest_version=min(by_version) if by_version else None,
-            newest_version=max(by_version) if by_version else None,
-            bytes=stored_bytes, groups_waiting=groups_by_state["waiting"],
-            groups_ready=groups_by_state["ready"], dropped_stale=self._counter("dropped_stale"),
-            capacity=self.capacity,
-            leases=conn.execute("SELECT count(*) FROM leases").fetchone()[0], db_bytes=db_bytes)
-
-    # ---- the ExperienceStore interface ------------------------------------------------------
+    def _lease_exists(self, lease_id: str) -> bool:
+        return self._conn.execute(
+            "SELECT 1 FROM leases WHERE lease_id = ?", (lease_id,)).fetchone() is not None
 
     @staticmethod
-    def prepare_put(experiences: list[Experience], group_sizes: list[int]) -> PreparedPut:
-        """Serialise a put off the writer thread (the first of repeated ids wins)."""
-        if len(group_sizes) != len(experiences):
-            raise ValueError(f"{len(experiences)} experiences but {len(group_sizes)} group sizes")
-        put = PreparedPut([], [], [], [], [], [], len(experiences))
-        seen: set[str] = set()
-        for exp, size in zip(experiences, group_sizes):
-            if exp.id in seen:
-                continue
-            seen.add(exp.id)
-            put.rows.append(to_row(exp))
-            put.sizes.append(size)
-            put.versions.append(exp.policy_version)
-            put.task_ids.append(exp.task_id)
-            put.rewards.append(exp.reward)
-            put.infos.append(exp.info)
-        return put
-
-    async def put(self, experiences: list[Experience], group_sizes: list[int]) -> PutOutcome:
-        return await self._call(self._op_put, self.prepare_put(experiences, group_sizes))
-
-    async def sample(self, num_groups: int, *, policy: str | None = None,
-                     min_version: int | None = None, max_version: int | None = None,
-                     lease_seconds: float | None = None) -> Lease:
-        if num_groups < 1:
-            raise BadPut(f"num_groups must be at least 1, got {num_groups}")
-        result = await self._call(self._op_sample, num_groups, policy, min_version, max_version,
-                                  lease_seconds)
-        return self.lease_from(result)
-
-    @staticmethod
-    def lease_from(result: tuple | RequestFailed) -> Lease:
-        """Build the lease (deserialising experiences off the writer thread) or raise."""
-        if isinstance(result, RequestFailed):
-            raise result
-        lease_id, expires_at, group_ids, rows, dropped = result
-        return Lease(lease_id=lease_id, expires_at=expires_at, group_ids=group_ids,
-                     experiences=[from_row(*row) for row in rows], dropped_stale=dropped)
-
-    async def ack(self, lease_id: str) -> None:
-        failure = await self._call(self._op_ack, lease_id)
-        if failure is not None:
-            raise failure
-
-    async def release(self, lease_id: str) -> None:
-        failure = await self._call(self._op_release, lease_id)
-        if failure is not None:
-            raise failure
-
-    async def ready_groups(self, min_version: int | None = None,
-                           max_version: int | None = None) -> int:
-        return await self._call(self._op_ready, min_version, max_version)
-
-    async def stats(self) -> BufferStats:
-        return await self._call(self._op_stats)
-
-    def close_sync(self) -> None:
-        """Finish queued operations, then close the connection; idempotent."""
-        with self._close_lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._queue.put(_STOP)
-        self._thread.join()
-
-    async def close(self) -> None:
-        await asyncio.to_thread(self.close_sync)
+    def _version_filter(min_version: int | None, max_version: int | None) -> tuple[str, tuple]:
+        clause, params = "", ()
+        if min_version is not None:
+            clause, params = clause + " AND version >= ?", params + (min_version,)
+        if max_version is not None:
+            clause, params = clause + " AND version <= ?", params + (max_version,)
+        return clause, params
