@@ -20,11 +20,12 @@ import yaml
 
 from component_process import ComponentProcess
 from tandem.common.messages.buffer import AckLease, SampleGroups
-from tandem.common.messages.master import TrainerGo, TrainerStepDone, WeightsPublished
+from tandem.common.messages.master import (
+    Register, TrainerGo, TrainerStepDone, WeightsPublished)
 from tandem.common.pubsub import Subscriber
 from tandem.common.rpc import RpcClient
 from tandem.common.trace import read_trace
-from tandem.common.weights import WeightPublisher
+from tandem.weights import WeightPublisher
 
 BIN = Path(sys.executable).parent
 
@@ -81,6 +82,7 @@ async def play_trainer(master: str, publish: str, buffer: str, run_dir: str, mod
     buf = RpcClient(buffer, peer="buffer", name="trainer-b")
     sub = Subscriber(publish, topics=["trainer"], snapshot=snap, resync_interval=0.2)
     try:
+        await rpc.call(Register(name="trainer", role="trainer"), timeout=5)
         for _ in range(2):
             go = (await sub.recv(60, what="trainer go")).body
             assert isinstance(go, TrainerGo)

@@ -19,11 +19,12 @@ from tandem.common.config import load_config
 from tandem.common.errors import WaitTimeout
 from tandem.buffer import Buffer
 from tandem.common.messages.buffer import GetBufferStats, SampleGroups
-from tandem.common.messages.master import TrainerGo, TrainerStepDone, WeightsPublished
+from tandem.common.messages.master import (
+    Register, TrainerGo, TrainerStepDone, WeightsPublished)
 from tandem.common.pubsub import Subscriber
 from tandem.common.rpc import RpcClient
 from tandem.common.trace import read_trace
-from tandem.common.weights import WeightBroadcaster, WeightPublisher, engine_member
+from tandem.weights import WeightBroadcaster, WeightPublisher, engine_member
 from tandem.explorer.sampling import SamplingParams
 from tandem.explorer.service import Explorer
 from tandem.explorer.transformers_engine import TransformersEngine
@@ -63,6 +64,7 @@ async def play_trainer(config, master_address, publish_address, trained: Transfo
     publisher = WeightPublisher(config.run_dir)
     sender = WeightBroadcaster(timeout=30) if config.sync.method == "nccl" else None
     try:
+        await rpc.call(Register(name="trainer", role="trainer"), timeout=5)
         while True:
             ev = (await sub.recv(30, what="trainer go")).body
             if not isinstance(ev, TrainerGo):
@@ -117,6 +119,7 @@ async def test_two_steps_with_a_sync_point_waiting_for_weights(tmp_path, tiny_mo
             sample = await client.call(SampleGroups(num_groups=4), timeout=5)
     finally:
         trainer.cancel()
+        await explorer.close()
         await buffer.close()
         await master.close()
 
@@ -171,6 +174,8 @@ async def test_two_explorers_with_their_own_engines_and_batch_sizes(tmp_path, ti
             stats = await client.call(GetBufferStats(), timeout=5)
     finally:
         trainer.cancel()
+        for e in explorers:
+            await e.close()
         await buffer.close()
         await master.close()
         for e in engines + [trained]:
@@ -205,18 +210,19 @@ async def test_stop_request_drains_the_running_step_or_abandons_it(tmp_path, tin
             stats = await client.call(GetBufferStats(), timeout=5)
         status = master.status()
     finally:
+        await explorer.close()
         await buffer.close()
         await master.close()
         engine.close()
     if drain:
         # the step finished: stored, its lease completed, reported to the master
         assert explorer.steps_done == 1 and stats.groups_ready == 2
-        assert status.counters["batches_done"] == 1 and not status.leases
+        assert status.counters.batches_done == 1 and not status.leases
     else:
         # abandoned at once: nothing stored, and the lease handed back to the master at once
         assert explorer.steps_done == 0 and stats.groups_ready == 0
-        assert status.counters["batches_done"] == 0
-        assert not status.leases and status.counters["leases_expired"] == 1
+        assert status.counters.batches_done == 0
+        assert not status.leases and status.counters.leases_expired == 1
 
 
 async def test_a_stalled_sync_point_fails_after_sync_timeout_naming_the_key(tmp_path,
@@ -234,6 +240,7 @@ async def test_a_stalled_sync_point_fails_after_sync_timeout_naming_the_key(tmp_
         with pytest.raises(WaitTimeout, match="sync.timeout") as info:
             await asyncio.wait_for(explorer.serve(), 30)
     finally:
+        await explorer.close()
         await buffer.close()
         await master.close()
         engine.close()

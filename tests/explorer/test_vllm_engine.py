@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from tandem.common.messages.weights import GroupRendezvous
 from tandem.explorer.sampling import SamplingParams
 from tandem.explorer.vllm_engine import VLLMEngine
 from tandem.explorer.weights import WeightLoader
@@ -101,12 +102,13 @@ async def test_weight_loader_lets_vllm_workers_fetch_weights(tmp_path):
     stats = await loader.load(3, "checkpoint")
     assert stats["tensors"] == 7 and engine.version == 3
     assert llm.calls[-1] == ("rpc", "tandem_load_checkpoint", (str(tmp_path), 3))
-    rendezvous = {"session": "s1", "epoch": 1, "members": ["explorer-0/w0"],
-                  "host": "127.0.0.1", "port": 1}
+    rendezvous = GroupRendezvous(session="s1", epoch=1, members=["explorer-0/w0"],
+                                 host="127.0.0.1", port=1)
     stats = await loader.load(4, "nccl", rendezvous)
     assert stats["tensors"] == 7 and engine.version == 4
     assert [c[1] for c in llm.calls[-2:]] == ["tandem_join", "tandem_receive"]
-    assert llm.calls[-2][2] == (rendezvous, "explorer-0", 5.0)
+    # a plain map crosses into vLLM's worker processes
+    assert llm.calls[-2][2] == (rendezvous.model_dump(), "explorer-0", 5.0)
     await loader.load(5, "nccl", rendezvous)  # same group: no second join
     assert [c[1] for c in llm.calls[-2:]] == ["tandem_receive", "tandem_receive"]
     await loader.close()

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from tandem.common.weights import WeightBroadcaster, WeightPublisher, WeightsError, engine_member
+from tandem.weights import WeightBroadcaster, WeightPublisher, WeightsError, engine_member
 from tandem.explorer.sampling import SamplingParams
 from tandem.explorer.transformers_engine import TransformersEngine
 from tandem.explorer.weights import WeightLoader
@@ -70,10 +70,10 @@ def test_broadcast_load_makes_outputs_the_trainers(engine, trained):
 
     async def explorer():
         loader = WeightLoader(engine, run_dir="unused", explorer="explorer-0", timeout=20)
-        loader.offer_group(rendezvous.model_dump())  # announced before the sync point
+        loader.offer_group(rendezvous)  # announced before the sync point
         got = []
         for version in (1, 2):
-            await loader.load(version, "nccl", rendezvous.model_dump())
+            await loader.load(version, "nccl", rendezvous)
             got.append(outputs(engine))
         await loader.close()
         return got

@@ -7,7 +7,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from tandem.common.messages.experience import Task, experience_id, group_id
+from tandem.common.messages.experience import Task, repeat_id, task_group_id
 from tandem.common.messages.reward import Score, ScoreItem
 from tandem.explorer.sampling import SamplingParams
 from tandem.explorer.templates import PromptTemplate
@@ -40,7 +40,8 @@ def check_experience(exp, *, group_size):
     assert np.all(exp.logprobs[exp.action_mask == 0] == 0.0)
     assert np.all(exp.logprobs[exp.action_mask == 1] <= 0.0)
     assert exp.info["group_size"] == group_size
-    assert exp.group_id == group_id(exp.task_id, exp.policy_version)
+    # named by the task's place in the run, never by the weights or the explorer
+    assert exp.group_id.startswith(f"{exp.task_id}@e{exp.info['epoch']}.")
     # the message validates its own lengths; a round trip through pydantic must hold
     type(exp).model_validate(exp.model_dump())
 
@@ -52,14 +53,14 @@ def test_single_turn_groups_samples_and_rewards(engine):
     tasks = [Task(id=f"t{i}", payload={"question": f"{i}+{i}=", "answer": str(2 * i)})
              for i in range(3)]
     ctx = RolloutContext(engine=engine, sampling=SamplingParams(max_tokens=12, seed=0),
-                         repeat_times=4, explorer="explorer-0", run="run1/explorer-0",
+                         repeat_times=4, explorer="explorer-0", run="run1",
                          scorer=scorer, step=5)
     exps = asyncio.run(wf.run(tasks, ctx))
     assert len(exps) == 12 and len({e.id for e in exps}) == 12
     for i, task in enumerate(tasks):
         group = exps[4 * i:4 * i + 4]
-        assert {e.group_id for e in group} == {f"t{i}@v2"}
-        assert [e.id for e in group] == [experience_id(task.id, k, 2, "run1/explorer-0")
+        assert {e.group_id for e in group} == {task_group_id("run1", 0, f"t{i}")}
+        assert [e.id for e in group] == [repeat_id(task_group_id("run1", 0, task.id), k)
                                          for k in range(4)]
         prompt = engine.tokenizer(f"{i}+{i}=").input_ids
         for e in group:
@@ -90,6 +91,32 @@ def test_unknown_workflow_and_bad_args_are_clear_errors(engine):
         create_workflow("multi_turn", engine.tokenizer, {"env": "chess"})
 
 
+def test_a_task_rolled_out_again_elsewhere_with_newer_weights_fills_the_same_group(engine):
+    # An explorer that died after its put (or was declared dead) has its tasks leased again,
+    # by its restart or another explorer, under newer weights: the buffer must see the same
+    # experience ids and store nothing new, so no task is trained twice.
+    wf = create_workflow("single_turn", engine.tokenizer, {"prompt_key": "question"})
+    tasks = [Task(id="t0", payload={"question": "1+1=", "answer": "2"}, epoch=1)]
+    runs = []
+    for version, explorer in ((3, "explorer-0"), (5, "explorer-1")):
+        engine.version = version
+        ctx = RolloutContext(engine=engine, sampling=SamplingParams(max_tokens=4, seed=version),
+                             repeat_times=2, explorer=explorer, run="run1",
+                             scorer=DigitCountScorer(), step=version)
+        runs.append(asyncio.run(wf.run(tasks, ctx)))
+    first, again = runs
+    assert [e.id for e in first] == [e.id for e in again]
+    assert {e.group_id for e in first} == {e.group_id for e in again}
+    assert [e.policy_version for e in again] == [5, 5]
+    # the same task in another epoch, or another run, is another group
+    other_epoch = Task(id="t0", payload=tasks[0].payload, epoch=2)
+    ctx = RolloutContext(engine=engine, sampling=SamplingParams(max_tokens=4), repeat_times=2,
+                         explorer="explorer-0", run="run1", scorer=DigitCountScorer())
+    assert {e.group_id for e in asyncio.run(wf.run([other_epoch], ctx))}.isdisjoint(
+        {e.group_id for e in first})
+    assert task_group_id("run2", 1, "t0") != first[0].group_id
+
+
 def test_multi_turn_masks_environment_tokens_and_keeps_the_budget(engine):
     # The random tiny model never writes a valid guess, so every turn draws the environment's
     # "invalid" feedback: episodes alternate model tokens (mask 1) and feedback (mask 0).
@@ -99,9 +126,9 @@ def test_multi_turn_masks_environment_tokens_and_keeps_the_budget(engine):
     tasks = [Task(id="g0", payload={"secret": 7, "low": 1, "high": 10}),
              Task(id="g1", payload={"seed": 3})]
     ctx = RolloutContext(engine=engine, sampling=SamplingParams(max_tokens=10, seed=1),
-                         repeat_times=2, explorer="explorer-0", run="r")
+                         repeat_times=2, explorer="explorer-0", run="run1")
     exps = asyncio.run(wf.run(tasks, ctx))
-    assert len(exps) == 4 and [e.group_id for e in exps] == ["g0@v0"] * 2 + ["g1@v0"] * 2
+    assert len(exps) == 4 and [e.group_id for e in exps] == [task_group_id("run1", 0, t) for t in ("g0", "g0", "g1", "g1")]
     feedback = engine.tokenizer("<feedback>invalid: write <guess>N</guess></feedback>\n",
                                 add_special_tokens=False).input_ids
     for e in exps:

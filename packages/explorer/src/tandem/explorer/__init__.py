@@ -1,7 +1,8 @@
 """tandem-explorer: inference engines, workflows and environments, rollouts into experiences,
 loading new weights. Heavy modules (torch, transformers) load on first use of what needs them.
 
-- `Engine`, `Completion`, `create_engine` (engine), `TransformersEngine` (transformers_engine)
+- `Engine`, `TensorEngine`, `WorkerFetchEngine`, `Completion` (engine), `create_engine`
+  (engines), `TransformersEngine` (transformers_engine), `VLLMEngine` (vllm_engine)
 - `SamplingParams`, `policy_logprobs` (sampling): the one definition of a behaviour logprob
 - `create_workflow`, `SingleTurn`, `MultiTurn`, `RolloutContext` (workflows)
 - `Calculator`, `GuessNumber` and the environment registry (environments)
@@ -12,8 +13,9 @@ from importlib import import_module
 from typing import Any
 
 _EXPORTS = {
-    "Engine": "engine", "Completion": "engine", "create_engine": "engine",
-    "TransformersEngine": "transformers_engine",
+    "Engine": "engine", "TensorEngine": "engine", "WorkerFetchEngine": "engine",
+    "Completion": "engine", "create_engine": "engines",
+    "TransformersEngine": "transformers_engine", "VLLMEngine": "vllm_engine",
     "SamplingParams": "sampling", "policy_logprobs": "sampling",
     "create_workflow": "workflows", "SingleTurn": "workflows", "MultiTurn": "workflows",
     "RolloutContext": "workflows",

@@ -1,15 +1,17 @@
 """The inference engine interface every explorer rolls out through.
 
 An engine turns prompts into completions with the log-probability of every sampled token under
-the sampling policy (see `tandem.explorer.sampling`), and takes new weights as an iterable of
-(name, tensor), whichever way they travelled (checkpoint files or a broadcast).
+the sampling policy (see `tandem.explorer.sampling`). How it takes new weights is its type:
+`TensorEngine` (an iterable of (name, tensor), whichever way they travelled) or
+`WorkerFetchEngine` (its workers load a checkpoint or join the broadcast themselves).
+`tandem.explorer.engines.create_engine` builds the one a config names.
 """
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-import asyncio
 from typing import Any, Callable, Iterable, Literal, Sequence
 
 import numpy as np
@@ -43,13 +45,14 @@ class Completion:
 
 
 class Engine(ABC):
-    """Generates completions and takes new weights; `version` is the weights' policy version."""
+    """Generates completions; `version` is the policy version of the weights it samples with.
+
+    New weights reach an engine one of two ways, and every engine is exactly one of them:
+    a `TensorEngine` takes (name, tensor) pairs that this process received, a `WorkerFetchEngine`
+    has its own worker processes fetch them. The `WeightLoader` picks the way by that type.
+    """
 
     version: int = 0
-    #: True when the engine's own worker processes fetch new weights (vLLM): the WeightLoader
-    #: then calls `fetch_checkpoint` or `join_group` + `fetch_broadcast` instead of streaming
-    #: tensors through this process into `load_weights`.
-    workers_fetch_weights: bool = False
 
     @property
     @abstractmethod
@@ -64,6 +67,13 @@ class Engine(ABC):
         Runs off the event loop, so the caller's heartbeats and subscriptions keep going.
         """
 
+    def close(self) -> None:
+        """Release the model and any worker thread."""
+
+
+class TensorEngine(Engine):
+    """An engine that holds its model in this process and takes weights as tensors."""
+
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, Any]], version: int) -> int:
         """Copy (name, tensor) pairs into the model and set `version`; returns tensors loaded."""
@@ -77,33 +87,20 @@ class Engine(ABC):
         """
         return await asyncio.to_thread(lambda: self.load_weights(source(), version))
 
+
+class WorkerFetchEngine(Engine):
+    """An engine whose worker processes fetch new weights themselves (vLLM's workers):
+    tensors never pass through the explorer's process."""
+
+    @abstractmethod
     async def fetch_checkpoint(self, run_dir: str, version: int) -> int:
-        """Workers load `run_dir/weights/v{version}` themselves (`workers_fetch_weights`)."""
-        raise NotImplementedError
+        """Workers load `run_dir/weights/v{version}`; returns tensors loaded per worker."""
 
+    @abstractmethod
     async def join_group(self, rendezvous: dict[str, Any], explorer: str, timeout: float) -> None:
-        """Workers join the trainer's broadcast group (`workers_fetch_weights`)."""
-        raise NotImplementedError
+        """Workers join the trainer's broadcast group (a `GroupRendezvous` as a plain map: it
+        crosses into the worker processes)."""
 
+    @abstractmethod
     async def fetch_broadcast(self, version: int) -> int:
-        """Workers receive `version` from the trainer's broadcast (`workers_fetch_weights`)."""
-        raise NotImplementedError
-
-    def close(self) -> None:
-        """Release the model and any worker thread."""
-
-
-def create_engine(config, model_config) -> Engine:
-    """The engine an `explorers[i].engine` section asks for, loading `model.path` from disk."""
-    if config.kind == "transformers":
-        from .transformers_engine import TransformersEngine
-
-        return TransformersEngine.from_pretrained(
-            model_config.path, device=config.device, dtype=model_config.dtype,
-            max_batch=config.max_batch, **config.options)
-    if config.kind == "vllm":
-        from .vllm_engine import VLLMEngine
-
-        return VLLMEngine.from_pretrained(model_config.path, dtype=model_config.dtype,
-                                          **config.options)
-    raise ValueError(f"engine.kind {config.kind!r}: expected transformers or vllm")
+        """Workers receive `version` from the trainer's broadcast; returns tensors loaded."""

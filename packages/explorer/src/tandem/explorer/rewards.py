@@ -8,8 +8,11 @@ function's score a named component); a workflow may pass `fn`/`functions` per it
 from __future__ import annotations
 
 import asyncio
+import math
+from importlib.metadata import entry_points
 from typing import Any, Protocol
 
+from tandem.common.errors import ProtocolError, TandemError
 from tandem.common.messages.reward import Score, ScoreBatch, ScoreItem
 
 
@@ -20,19 +23,26 @@ class RewardScorer(Protocol):
 
 
 class InProcessScorer:
-    """The reward functions of `tandem.reward` (its `LocalScorer`), run in this process."""
+    """The reward functions run in this process: the scorer tandem-reward registers under the
+    `tandem.scorers` entry point `local` (its `LocalScorer`), found by that name so the explorer
+    never imports another component."""
 
     def __init__(self, reward_config: Any):
-        try:
-            from tandem.reward import LocalScorer
-        except ImportError:
-            raise RuntimeError(
+        found = entry_points(group="tandem.scorers", name="local")
+        if not found:
+            raise TandemError(
                 "reward functions in-process need tandem-reward installed "
-                "(pip install tandem-explorer[reward]); or set reward.service: true") from None
-        self._scorer = LocalScorer(config=reward_config)
+                "(pip install tandem-explorer[reward]); or set reward.service: true")
+        local_scorer = next(iter(found)).load()
+        self._scorer = local_scorer(config=reward_config)
 
     async def score(self, items: list[ScoreItem]) -> list[Score]:
         return list(await self._scorer.score(items))
+
+    @property
+    def stats(self) -> dict[str, dict[str, float]]:
+        """Running totals per function: evaluated, timeouts, errors, seconds."""
+        return self._scorer.stats
 
     async def close(self) -> None:
         await self._scorer.close()
@@ -50,14 +60,18 @@ class ServiceScorer:
 
     async def score(self, items: list[ScoreItem]) -> list[Score]:
         size = self.config.max_batch
+        # Resent (same request id, so the service scores it once) every reward.timeout: a
+        # service killed with the request in flight never answers it, its restart does.
+        attempts = max(1, math.ceil(self.config.request_timeout / self.config.timeout))
         replies = await asyncio.gather(*(
             self.client.call(ScoreBatch(items=items[i:i + size]),
-                             timeout=self.config.request_timeout, retries=0,
+                             timeout=self.config.request_timeout / attempts,
+                             retries=attempts - 1, ttl=self.config.request_timeout,
                              timeout_key="reward.request_timeout")
             for i in range(0, len(items), size)))
         scores = [s for reply in replies for s in reply.scores]
         if len(scores) != len(items):
-            raise RuntimeError(
+            raise ProtocolError(
                 f"reward service returned {len(scores)} scores for {len(items)} items")
         return scores
 

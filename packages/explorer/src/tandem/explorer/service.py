@@ -8,6 +8,11 @@ One step, as the master protocol has it (`tandem.common.messages.master`):
 The master alone decides when a step may start and with which weights (`SyncPlan`); the
 explorer waits only for its barrier, up to `sync.timeout`. Generation runs on the engine's
 thread, so heartbeats and the subscription keep going while a batch is being sampled.
+
+An explorer the master declared dead (silent past `transport.liveness`, e.g. paused) learns it
+from a refused heartbeat or report (`declared_dead`), registers again and carries on: the
+tasks of the batch it was rolling out were leased out again, and since experience ids name
+the task's place in the run, whatever it already put is stored once.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any
 import structlog
 
 from tandem.common.config import RunConfig
-from tandem.common.errors import PeerDead, RequestFailed, WaitTimeout
+from tandem.common.errors import PeerDead, RequestFailed, TandemError, WaitTimeout
 from tandem.common.heartbeat import Heartbeater
 from tandem.common.messages.buffer import PutExperiences
 from tandem.common.messages.experience import Experience
@@ -31,16 +36,19 @@ from tandem.common.messages.master import (
     ExplorerStepDone,
     LeaseTasks,
     Register,
+    Registered,
     ReleaseTasks,
     Stop,
     TrainerGo,
     WeightsPublished,
 )
+from tandem.common.metrics import MetricsEndpoint
 from tandem.common.pubsub import Subscriber
 from tandem.common.rpc import RpcClient
 from tandem.common.trace import Tracer
 
-from .engine import Engine, create_engine
+from .engine import Engine
+from .engines import create_engine
 from .rewards import RewardScorer, create_scorer
 from .sampling import SamplingParams
 from .weights import WeightLoader
@@ -50,7 +58,7 @@ log = structlog.get_logger(__name__)
 
 
 class Explorer:
-    """One explorer as a component: `await Explorer(config, name).serve()`.
+    """One explorer as a component: `await Explorer(config, name).serve()`, then `close()`.
 
     `engine` and `scorer` may be handed in (an embedding program that already holds a model);
     otherwise they are built from the config when the explorer starts.
@@ -81,73 +89,127 @@ class Explorer:
         self._latest_weights: WeightsPublished | None = None
         self._step_task: asyncio.Task | None = None
         self._lease_id: str | None = None  # leased, not yet completed
+        self._declared_dead = asyncio.Event()  # the master refused us as dead: register again
+        self.rejoins = 0
         self._wait_task: asyncio.Task | None = None
         self._owns_engine = engine is None
         self._owns_scorer = scorer is None
         self._closed = False
+        index = [e.name for e in config.explorers].index(name)
+        self.metrics = MetricsEndpoint(config.logging.metrics, "explorer", name, index=index,
+                                       run_dir=config.run_dir)
+        self.metrics.observe_spans(self.tracer)
+        self.metrics.gauge_fn("steps", "explorer steps rolled out", lambda: self.steps_done)
+        self.metrics.gauge_fn("version", "weights version the engine holds",
+                              lambda: self.engine.version if self.engine is not None else -1)
+        self.metrics.gauge_fn(
+            "reward", "in-process reward scoring by function: evaluated, timeouts, errors, "
+            "seconds (running totals)",
+            lambda: {(fn, stat): v for fn, stats in getattr(self.scorer, "stats", {}).items()
+                     for stat, v in stats.items()}, labels=("function", "stat"))
 
     # -- lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> None:
         """Load the engine, register with the master, subscribe to its decisions."""
+        self.metrics.start()
         if self.engine is None:
-            self.engine = await asyncio.to_thread(create_engine, self.cfg.engine, self.config.model)
+            try:
+                self.engine = await asyncio.to_thread(create_engine, self.cfg.engine,
+                                                      self.config.model)
+            except (OSError, ValueError) as exc:  # no model folder, bad engine options
+                raise TandemError(f"explorer {self.name} cannot load its engine: {exc}") from None
         self.workflow = create_workflow(self.cfg.workflow, self.engine.tokenizer,
                                         self.cfg.workflow_args)
         if self.scorer is None and isinstance(self.workflow, SingleTurn):
             self.scorer = create_scorer(self.config.reward, self.config.transport, name=self.name)
+        fetcher = None
+        if self.config.weights.transport == "fetch":
+            from tandem.weights.fetch import WeightFetcher
+
+            fetcher = WeightFetcher.from_config(self.config, self.name)
         self.loader = WeightLoader(self.engine, run_dir=self.config.run_dir, explorer=self.name,
                                    timeout=self.config.sync.timeout,
-                                   device=self.cfg.engine.device)
-        reply = await self.master.call(
-            Register(name=self.name, role="explorer", pid=os.getpid(), host=socket.gethostname(),
-                     meta={"batch_size": self.cfg.batch_size, "repeat_times": self.cfg.repeat_times,
-                           "workflow": self.cfg.workflow, "engine": self.cfg.engine.kind,
-                           "device": self.cfg.engine.device, "version": self.engine.version}),
-            timeout_key="transport.rpc_timeout")
-        self.run_id = reply.run_id
+                                   device=self.cfg.engine.device, fetcher=fetcher)
+        log.info("explorer.connecting", explorer=self.name, master=self.config.master.address,
+                 buffer=self.config.buffer.address)
+        reply = await self._register()
         publish = reply.publish_address or self.config.master.publish_address
         self.subscriber = Subscriber(
             publish, topics=[f"barrier.{self.name}", "weights", "trainer", "stop"],
             transport=self.config.transport, snapshot=self.master)
         await self.subscriber.start()
-        t = self.config.transport
+        # the master's liveness, so both sides agree on when silence means death
         self.heartbeater = Heartbeater(self.master, name=self.name, role="explorer",
-                                       interval=t.heartbeat_interval, liveness=t.liveness)
+                                       interval=reply.heartbeat_interval, liveness=reply.liveness,
+                                       on_refused=self._on_refused)
         self.heartbeater.start()
         log.info("explorer.started", explorer=self.name, run_id=self.run_id,
                  workflow=self.cfg.workflow, batch_size=self.cfg.batch_size,
                  repeat_times=self.cfg.repeat_times, version=self.engine.version)
 
+    async def _register(self) -> Registered:
+        reply = await self.master.call(
+            Register(name=self.name, role="explorer", pid=os.getpid(), host=socket.gethostname(),
+                     meta={"batch_size": self.cfg.batch_size, "repeat_times": self.cfg.repeat_times,
+                           "workflow": self.cfg.workflow, "engine": self.cfg.engine.kind,
+                           "device": self.cfg.engine.device, "version": self.engine.version},
+                     terms=self.config.terms("explorer", self.name)),
+            timeout_key="transport.rpc_timeout")  # refused (config_mismatch) unless it agrees
+        self.run_id = reply.run_id
+        return reply
+
+    def _on_refused(self, exc: RequestFailed) -> None:
+        if exc.code == "declared_dead":
+            self._declared_dead.set()
+
+    async def _register_again(self, why: str) -> None:
+        """The master declared this explorer dead while it was alive: register again and take
+        the next step it grants (the batch in flight went back to the master)."""
+        self._declared_dead.clear()
+        self._lease_id = None  # expired with us: the master leased its tasks out again
+        log.warning("explorer.declared_dead", explorer=self.name, why=why,
+                    hint="raise transport.liveness if the explorer is paused this long")
+        await self._register()
+        self.rejoins += 1
+        log.info("explorer.registered_again", explorer=self.name, times=self.rejoins)
+
     async def serve(self) -> None:
-        """Roll out steps until the master says stop, the tasks run out, or `request_stop()`."""
+        """Roll out steps until the master says stop, the tasks run out, or `request_stop()`;
+        the caller then calls `close()`."""
+        if self._stopping:
+            return  # stopped before it began: nothing to load or register
+        # a stop while registering (the master may not be up yet) ends the wait at once
+        self._wait_task = asyncio.create_task(self.start())
         try:
-            await self.start()
-            while not self._stopping:
-                self._wait_task = asyncio.create_task(self._next_barrier())
-                try:
-                    barrier = await self._wait_task
-                except asyncio.CancelledError:
-                    if self._stopping:
-                        break
-                    raise
-                if barrier is None:
+            await self._wait_task
+        except asyncio.CancelledError:
+            if self._stopping:
+                return
+            raise
+        while not self._stopping:
+            self._wait_task = asyncio.create_task(self._next_barrier())
+            try:
+                barrier = await self._wait_task
+            except asyncio.CancelledError:
+                if self._stopping:
                     break
-                self._step_task = asyncio.create_task(self._run_step(barrier))
-                try:
-                    more = await self._step_task
-                except asyncio.CancelledError:
-                    if self._stopping:
-                        log.warning("explorer.step_abandoned", explorer=self.name,
-                                    step=barrier.step, why="drain_seconds passed after SIGTERM; "
-                                    "its tasks go back to the master")
-                        await self._release_lease("explorer stopped mid-step")
-                        break
-                    raise
-                if not more:
+                raise
+            if barrier is None:
+                break
+            self._step_task = asyncio.create_task(self._run_step(barrier))
+            try:
+                more = await self._step_task
+            except asyncio.CancelledError:
+                if self._stopping:
+                    log.warning("explorer.step_abandoned", explorer=self.name,
+                                step=barrier.step, why="drain_seconds passed after SIGTERM; "
+                                "its tasks go back to the master")
+                    await self._release_lease("explorer stopped mid-step")
                     break
-        finally:
-            await self.close()
+                raise
+            if not more:
+                break
 
     async def _release_lease(self, reason: str) -> None:
         """Hand an unfinished lease back at once (best effort: if the master cannot be reached,
@@ -188,6 +250,7 @@ class Explorer:
         await self.buffer.close()
         if self.engine is not None and self._owns_engine:
             self.engine.close()
+        self.metrics.close()
         self.tracer.close()
         log.info("explorer.closed", explorer=self.name, steps=self.steps_done,
                  reason=self.stop_reason or ("signal" if self._stopping else "done"))
@@ -206,17 +269,25 @@ class Explorer:
         deadline = time.monotonic() + timeout
         start = time.time()
         while True:
+            if self._declared_dead.is_set():
+                await self._register_again("a heartbeat was refused while waiting for a barrier")
+                deadline = time.monotonic() + timeout
             remaining = deadline - time.monotonic()
             try:
+                # in slices of a second or less, so a refused heartbeat is acted on at once
                 event = await self.subscriber.recv(
-                    max(remaining, 0.0), what=f"barrier for {self.name} (master)",
+                    min(max(remaining, 0.0), 1.0), what=f"barrier for {self.name} (master)",
                     timeout_key="sync.timeout")
             except WaitTimeout:
+                if time.monotonic() < deadline:
+                    continue
+                dead = (f" (the master declared it dead {self.rejoins} times and it registered "
+                        "again)" if self.rejoins else "")
                 raise WaitTimeout(
                     f"{self.name}: no barrier and no trainer progress from the master at "
-                    f"{self.subscriber.address} for {timeout:g}s after step {self.steps_done}; "
-                    "are the master and the trainer running? raise sync.timeout if they are "
-                    "only slow") from None
+                    f"{self.subscriber.address} for {timeout:g}s after step {self.steps_done}"
+                    f"{dead}; are the master and the trainer running? raise sync.timeout if "
+                    "they are only slow") from None
             msg = event.body
             if isinstance(msg, Stop):
                 self.stop_reason = msg.reason
@@ -245,16 +316,22 @@ class Explorer:
                                   method=barrier.method) as attrs:
                 stats = await self.loader.load(barrier.version, barrier.method, rendezvous)
                 attrs.update(stats)
-        lease = await self.master.call(
-            LeaseTasks(explorer=self.name, count=self.cfg.batch_size, step=barrier.step),
-            timeout_key="transport.rpc_timeout")
+        try:
+            lease = await self.master.call(
+                LeaseTasks(explorer=self.name, count=self.cfg.batch_size, step=barrier.step),
+                timeout_key="transport.rpc_timeout")
+        except RequestFailed as exc:
+            if exc.code != "declared_dead":
+                raise
+            self._declared_dead.set()
+            return True  # the next barrier wait registers again
         if not lease.tasks:
             log.info("explorer.tasks_exhausted", explorer=self.name, step=barrier.step)
             return False
         self._lease_id = lease.lease_id
         ctx = RolloutContext(engine=engine, sampling=self.sampling,
                              repeat_times=self.cfg.repeat_times, explorer=self.name,
-                             run=f"{self.run_id}/{self.name}", step=barrier.step,
+                             run=self.run_id, step=barrier.step,
                              scorer=self.scorer, version=barrier.version)
         t0 = time.time()
         with self.tracer.span("rollout", step=barrier.step, version=barrier.version,
@@ -272,14 +349,24 @@ class Explorer:
                                    timeout_key="transport.rpc_timeout")
             self._lease_id = None
         except RequestFailed as exc:
-            # The lease ran out during a slow rollout: the experiences are stored (ids are
-            # deterministic, so a re-roll of the same tasks is stored once) and the step counts.
+            # The lease ran out during a slow rollout, or we were declared dead: the
+            # experiences are stored, and a re-roll of the same tasks (ids name the task's place
+            # in the run) stores nothing new.
+            self._lease_id = None
             log.warning("explorer.lease_lost", explorer=self.name, lease=lease.lease_id,
                         error=str(exc), hint="raise master.task_lease_seconds")
-        await self.master.call(
-            ExplorerStepDone(explorer=self.name, step=barrier.step, version=barrier.version,
-                             batch=barrier.batch, experiences=len(experiences), metrics=metrics),
-            timeout_key="transport.rpc_timeout")
+        try:
+            await self.master.call(
+                ExplorerStepDone(explorer=self.name, step=barrier.step, version=barrier.version,
+                                 batch=barrier.batch, experiences=len(experiences),
+                                 metrics=metrics),
+                timeout_key="transport.rpc_timeout")
+        except RequestFailed as exc:
+            if exc.code != "declared_dead":
+                raise
+            # the batch was given up; its tasks are rolled out again and stored once
+            self._declared_dead.set()
+            return True
         self._done_batches.add(barrier.batch)
         self.steps_done += 1
         log.info("explorer.step", explorer=self.name, step=barrier.step, batch=barrier.batch,

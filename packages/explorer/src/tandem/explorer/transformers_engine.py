@@ -20,17 +20,16 @@ import numpy as np
 import structlog
 import torch
 
-from tandem.common.hf import load_tokenizer
+from tandem.weights import model_dtype
+from tandem.weights.hf import load_tokenizer
 
-from .engine import Completion, Engine, Prompt
+from .engine import Completion, Prompt, TensorEngine
 from .sampling import SamplingParams, sample_tokens
 
 log = structlog.get_logger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-
-class TransformersEngine(Engine):
+class TransformersEngine(TensorEngine):
     """The embedded default engine, on CPU or one CUDA device."""
 
     def __init__(self, model: Any, tokenizer: Any, *, device: str = "cpu", max_batch: int = 64,
@@ -58,8 +57,7 @@ class TransformersEngine(Engine):
         if not (path / "config.json").is_file():
             raise FileNotFoundError(
                 f"model.path {str(path)!r} is not a Hugging Face model folder (no config.json)")
-        if dtype not in _DTYPES:
-            raise ValueError(f"model.dtype {dtype!r}: expected one of {sorted(_DTYPES)}")
+        torch_dtype = model_dtype(dtype)
         seed = int(options.pop("seed", 0))
         attn = options.pop("attn_implementation", "sdpa")
         threads = options.pop("threads", None)
@@ -71,7 +69,7 @@ class TransformersEngine(Engine):
             torch.set_num_threads(int(threads))
         tokenizer = load_tokenizer(path)
         model = AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=_DTYPES[dtype], local_files_only=True, attn_implementation=attn)
+            str(path), dtype=torch_dtype, local_files_only=True, attn_implementation=attn)
         return cls(model, tokenizer, device=device, max_batch=max_batch, seed=seed)
 
     @property

@@ -6,7 +6,7 @@ the probability *after* temperature and top-k/top-p, which is tandem's definitio
 `tandem.explorer.sampling`), so the trainer's importance ratios start at 1.
 
 New weights never pass through this process: vLLM's own workers fetch them through tandem's
-worker extension (`tandem.common.weights.vllm`), called with `LLM.collective_rpc`: from the
+worker extension (`tandem.explorer.vllm_worker`), called with `LLM.collective_rpc`: from the
 run dir for checkpoint syncs, or by joining the trainer's broadcast group. vLLM cannot run on
 the development machine (no GPU); `tests/explorer/test_vllm_engine.py` checks this module
 against a stand-in for the `vllm` package and runs the real thing where vLLM and CUDA exist.
@@ -18,18 +18,17 @@ import asyncio
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-from .engine import Completion, Engine, Prompt
+from .engine import Completion, Prompt, WorkerFetchEngine
 from .sampling import SamplingParams
 
 
-class VLLMEngine(Engine):
-    """An `Engine` over `vllm.LLM`; generation and weight loads run on one worker thread."""
-
-    workers_fetch_weights = True
+class VLLMEngine(WorkerFetchEngine):
+    """An engine over `vllm.LLM` whose workers fetch weights; generation and weight loads run
+    one at a time."""
 
     def __init__(self, llm: Any, *, workers: int = 1):
         self.llm = llm
@@ -47,7 +46,7 @@ class VLLMEngine(Engine):
         except ImportError:
             raise RuntimeError("engine.kind: vllm needs vLLM installed (pip install vllm) and a "
                                "GPU; use engine.kind: transformers otherwise") from None
-        from tandem.common.weights.vllm import vllm_engine_kwargs
+        from .vllm_worker import vllm_engine_kwargs
 
         llm = vllm.LLM(model=str(path), tokenizer=str(path), dtype=dtype, seed=seed,
                        logprobs_mode="processed_logprobs", **vllm_engine_kwargs(), **options)
@@ -96,10 +95,6 @@ class VLLMEngine(Engine):
                           token_ids=tokens, logprobs=logprobs, text=sample.text,
                           finish_reason=reason, stop=stop,
                           timings={"generate_s": seconds})
-
-    def load_weights(self, weights: Iterable[tuple[str, Any]], version: int) -> int:
-        raise RuntimeError("VLLMEngine takes weights in its own workers: use fetch_checkpoint "
-                           "or join_group + fetch_broadcast (the WeightLoader does)")
 
     def _rpc(self, method: str, *args: Any) -> list[Any]:
         with self._lock:

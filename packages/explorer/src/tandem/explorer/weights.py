@@ -9,11 +9,10 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
-from typing import Any
-
 import structlog
 
-from tandem.common.weights import (
+from tandem.common.messages.weights import GroupRendezvous
+from tandem.weights import (
     GroupAbandoned,
     WeightReceiver,
     WeightSubscriber,
@@ -21,7 +20,7 @@ from tandem.common.weights import (
     engine_member,
 )
 
-from .engine import Engine
+from .engine import Engine, TensorEngine, WorkerFetchEngine
 
 log = structlog.get_logger(__name__)
 
@@ -30,40 +29,48 @@ class WeightLoader:
     """One explorer's way to new weights: `await load(version, method, rendezvous)`."""
 
     def __init__(self, engine: Engine, *, run_dir: str | Path, explorer: str, timeout: float,
-                 device: str = "cpu"):
-        self.engine = engine
+                 device: str = "cpu", fetcher=None):
+        if not isinstance(engine, (TensorEngine, WorkerFetchEngine)):
+            raise TypeError(f"{type(engine).__name__} is neither a TensorEngine nor a "
+                            "WorkerFetchEngine: it has no way to take new weights")
+        self.engine: TensorEngine | WorkerFetchEngine = engine
         self.subscriber = WeightSubscriber(run_dir)
         self.explorer = explorer
         self.member = engine_member(explorer)
         self.timeout = timeout
         self.device = device
         self.run_dir = str(run_dir)
+        self.fetcher = fetcher  # weights.transport: fetch (a tandem.weights.fetch.WeightFetcher)
         self.receiver: WeightReceiver | None = None
         self._joining: asyncio.Task | None = None
         self._worker_group: tuple | None = None  # the group the engine's workers joined
 
     async def load_checkpoint(self, version: int) -> int:
         """Load `weights/v{version}` (checked against its manifest first)."""
-        if self.engine.workers_fetch_weights:
+        if self.fetcher is not None:
+            # no shared filesystem: bring the version into this explorer's run_dir first
+            await self.fetcher.fetch(version)
+        if isinstance(self.engine, WorkerFetchEngine):
             return await self.engine.fetch_checkpoint(self.run_dir, version)
         return await self.engine.update_weights(lambda: self.subscriber.load(version), version)
 
-    def offer_group(self, rendezvous: dict[str, Any] | None) -> None:
+    def offer_group(self, rendezvous: GroupRendezvous | None) -> None:
         """A rendezvous was announced: join it in the background if it names this engine.
 
         The trainer's first broadcast of an epoch waits for every member, so joining as soon as
         the group is announced (not at the sync point) keeps that wait short.
         """
-        if not rendezvous or self.member not in rendezvous.get("members", []):
+        if rendezvous is None or self.member not in rendezvous.members:
             return
-        if self.engine.workers_fetch_weights:
-            key = (rendezvous.get("session"), rendezvous.get("epoch"))
+        if isinstance(self.engine, WorkerFetchEngine):
+            key = (rendezvous.session, rendezvous.epoch)
             if key != self._worker_group:
                 if self._joining is not None and not self._joining.done():
                     self._joining.cancel()
                 self._worker_group = key
                 self._joining = asyncio.create_task(
-                    self.engine.join_group(rendezvous, self.explorer, self.timeout),
+                    # a plain map: it crosses into vLLM's worker processes
+                    self.engine.join_group(rendezvous.model_dump(), self.explorer, self.timeout),
                     name=f"weights-join-{key[1]}")
             return
         if self.receiver is not None and self.receiver.matches(rendezvous):
@@ -78,10 +85,10 @@ class WeightLoader:
         self._joining = asyncio.create_task(asyncio.to_thread(receiver.join),
                                             name=f"weights-join-{receiver.epoch}")
 
-    async def load_broadcast(self, version: int, rendezvous: dict[str, Any] | None) -> int:
+    async def load_broadcast(self, version: int, rendezvous: GroupRendezvous | None) -> int:
         """Receive `version` from the trainer's broadcast, joining its group first if needed."""
         self.offer_group(rendezvous)
-        if self.engine.workers_fetch_weights:
+        if isinstance(self.engine, WorkerFetchEngine):
             if self._worker_group is None:
                 raise WeightsError(f"{self.explorer}: asked to load version {version} by "
                                    "broadcast but no weight group naming it was announced")
@@ -103,7 +110,7 @@ class WeightLoader:
             self._close_receiver()
             raise
 
-    async def load(self, version: int, method: str, rendezvous: dict[str, Any] | None = None
+    async def load(self, version: int, method: str, rendezvous: GroupRendezvous | None = None
                    ) -> dict[str, float]:
         """Load `version` by `method`; returns what the sync span records."""
         start = time.perf_counter()
@@ -124,6 +131,8 @@ class WeightLoader:
             self.receiver = None
 
     async def close(self) -> None:
+        if self.fetcher is not None:
+            await self.fetcher.close()
         if self._joining is not None:
             self._joining.cancel()
             await asyncio.gather(self._joining, return_exceptions=True)

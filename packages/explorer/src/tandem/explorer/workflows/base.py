@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from tandem.common.messages.experience import Experience, Task, experience_id, group_id
+from tandem.common.messages.experience import Experience, Task, repeat_id, task_group_id
 
 from ..engine import Engine
 from ..rewards import RewardScorer
@@ -25,7 +25,7 @@ class RolloutContext:
     sampling: SamplingParams
     repeat_times: int
     explorer: str
-    run: str = "local"
+    run: str = "local"  # the master's run id: with a task's epoch and id, it names its group
     step: int = 0
     scorer: RewardScorer | None = None
     version: int | None = None  # defaults to the engine's
@@ -84,10 +84,11 @@ def make_experience(task: Task, index: int, traj: Trajectory, ctx: RolloutContex
                     reward: float, rewards: dict[str, float], info: dict[str, Any]) -> Experience:
     """An experience per DESIGN §3, with the group size the buffer needs to close a group."""
     version = ctx.policy_version
+    group = task_group_id(ctx.run, task.epoch, task.id)
     return Experience(
-        id=experience_id(task.id, index, version, ctx.run),
+        id=repeat_id(group, index),
         task_id=task.id,
-        group_id=group_id(task.id, version),
+        group_id=group,
         tokens=np.asarray(traj.tokens, dtype=np.int32),
         prompt_len=len(traj.prompt_ids),
         action_mask=np.asarray(traj.action_mask, dtype=np.uint8),

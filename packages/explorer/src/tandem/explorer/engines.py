@@ -1,0 +1,27 @@
+"""The engines an explorer can run, by `explorers[i].engine.kind`: the one place that names them.
+
+Apart from `engine.py` (the interfaces) so that an engine module imports its interface and
+nothing imports back: each engine loads only when asked for, with its heavy dependencies.
+"""
+
+from __future__ import annotations
+
+from tandem.common.config import EngineConfig, ModelConfig
+
+from .engine import Engine
+
+
+def create_engine(config: EngineConfig, model_config: ModelConfig) -> Engine:
+    """The engine an `explorers[i].engine` section asks for, loading `model.path` from disk."""
+    if config.kind == "transformers":
+        from .transformers_engine import TransformersEngine
+
+        return TransformersEngine.from_pretrained(
+            model_config.path, device=config.device, dtype=model_config.dtype,
+            max_batch=config.max_batch, **config.options)
+    if config.kind == "vllm":
+        from .vllm_engine import VLLMEngine
+
+        return VLLMEngine.from_pretrained(model_config.path, dtype=model_config.dtype,
+                                          **config.options)
+    raise ValueError(f"engine.kind {config.kind!r}: expected transformers or vllm")
