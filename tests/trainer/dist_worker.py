@@ -2,10 +2,12 @@
 
 Rank 0 drives (train_step twice, policy_weights, save_checkpoint for FSDP2, close); rank 1
 follows its commands, receiving each batch as tensors. Then a third step by a trainer resumed
-from the FSDP2 checkpoint. argv: model path, experiences JSON, output folder; rank 0 writes the
-published weights and the metrics of each run.
+from the FSDP2 checkpoint, and two DDP steps of two PPO epochs of two mini-batches each (every
+rank must split the batch alike). argv: model path, experiences JSON, output folder; rank 0
+writes the published weights and the metrics of each run.
 """
 
+import asyncio
 import json
 import sys
 from pathlib import Path
@@ -25,12 +27,13 @@ batch = [Experience(**{**r, "tokens": np.array(r["tokens"], dtype=np.int32),
                        "logprobs": np.array(r["logprobs"], dtype=np.float32)}) for r in rows]
 info = distributed.from_env()
 distributed.init(info, torch.device("cpu"), timeout=60)
-for mode in ("ddp", "fsdp", "fsdp-resumed"):
+for mode in ("ddp", "fsdp", "fsdp-resumed", "ddp-ppo"):
     resume = mode == "fsdp-resumed"
     config = RunConfig.model_validate({
         "model": {"path": model_path}, "run_dir": str(out / ("fsdp" if resume else mode)),
         "trainer": {"parallel": mode.split("-")[0], "micro_batch_tokens": 24, "lr": 1e-3,
-                    "tensorboard": False, "off_policy": {"proximal": True}},
+                    "tensorboard": False, "off_policy": {"proximal": True},
+                    **({"ppo_epochs": 2, "mini_batches": 2} if mode == "ddp-ppo" else {})},
     })
     trainer = Trainer(config, dist_info=info, resume=resume)
     reduces = []
@@ -44,12 +47,13 @@ for mode in ("ddp", "fsdp", "fsdp-resumed"):
         trainer.learner.wrapped.register_comm_hook(None, counting_hook)
     if not info.is_main:
         trainer.follow()
+        asyncio.run(trainer.close())
         continue
     metrics = [trainer.train_step(batch) for _ in range(1 if resume else 2)]
     weights = dict(trainer.policy_weights())
     if mode.startswith("fsdp"):
         trainer.save_checkpoint()
-    trainer.close()
+    asyncio.run(trainer.close())
     torch.save(weights, out / f"{mode}.pt")
     (out / f"{mode}.json").write_text(json.dumps({"metrics": metrics, "reduces": len(reduces)}))
 distributed.shutdown()

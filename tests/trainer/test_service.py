@@ -23,7 +23,7 @@ import torch
 import yaml
 
 from tandem.common.config import load_config
-from tandem.common.errors import PeerDead
+from tandem.common.errors import PeerDead, TandemError
 from tandem.common.messages.buffer import GetBufferStats, PutExperiences
 from tandem.common.messages.experience import Experience, experience_id, group_id
 from tandem.common.messages.master import (
@@ -32,7 +32,7 @@ from tandem.common.heartbeat import Heartbeater
 from tandem.common.pubsub import Subscriber
 from tandem.common.rpc import RpcClient
 from tandem.common.trace import read_trace
-from tandem.common.weights import WeightReceiver, WeightSubscriber, engine_member
+from tandem.weights import WeightReceiver, WeightSubscriber, engine_member
 from tandem.trainer.trainer import Trainer
 
 BIN = Path(sys.executable).parent
@@ -104,7 +104,7 @@ async def play_explorer(cfg, tokenizer, puts: list, received: dict) -> None:
                     if ev.TYPE == "master.weights":
                         announced[ev.version] = ev
                 rendezvous = announced[msg.version].rendezvous
-                if receiver is None or receiver.rendezvous.model_dump() != rendezvous:
+                if receiver is None or not receiver.matches(rendezvous):
                     receiver = WeightReceiver(rendezvous, engine_member(name), timeout=60)
                     await asyncio.to_thread(receiver.join)
                 received[msg.version] = await asyncio.to_thread(
@@ -186,16 +186,18 @@ async def run_scenario(tmp_path, tiny_model_path, tokenizer, method: str, check,
             assert code == 0, (tmp_path / "trainer.log").read_text()[-3000:]
         else:
             trainer = Trainer(cfg)
-            await asyncio.wait_for(asyncio.gather(trainer.run(), explorer), timeout=120)
+            try:
+                await asyncio.wait_for(asyncio.gather(trainer.serve(), explorer), timeout=120)
+            finally:
+                await trainer.close()
             assert trainer.step == 3
-            trainer.close()
         assert [p[0] for p in puts] == [0, 1, 2]
         assert [p[1] for p in puts] == [0, 1, 2]  # synchronous: batch e rolled out with version e
 
         stats = await probe_b.call(GetBufferStats(), timeout=5)
         assert stats.groups_ready == 0 and stats.by_state["leased"] == 0
         status = await probe_m.call(GetStatus(), timeout=5)
-        assert status.counters["trainer_steps_done"] == 3
+        assert status.counters.trainer_steps_done == 3
         assert (run_dir / "checkpoints" / "step_00000003" / "model" / "model.safetensors").exists()
         assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
         spans = [s for s in read_trace(run_dir) if s["component"] == "trainer"]
@@ -246,22 +248,59 @@ async def test_trainer_broadcasts_weights_to_the_explorer_at_sync_points(
     await run_scenario(tmp_path, tiny_model_path, tokenizer, "nccl", check)
 
 
-def test_a_version_already_on_disk_is_announced_not_rewritten(tmp_path, tiny_model_path,
-                                                              fixed_batch, make_config):
+async def test_versions_of_a_lost_lineage_are_moved_aside_and_never_announced(
+        tmp_path, tiny_model_path, fixed_batch, make_config):
     cfg = make_config(tiny_model_path, run_dir=tmp_path)
+    lost = Trainer(cfg)
+    try:  # a lineage that published versions 1 and 2, then died without a checkpoint
+        for version in (1, 2):
+            lost.train_step(fixed_batch)
+            lost._publish_checkpoint(version)
+        lost_v1 = WeightSubscriber(tmp_path).manifest(1).created_at
+    finally:
+        await lost.close()
+    trainer = Trainer(cfg)  # resumes at step 0
+    try:
+        with pytest.raises(TandemError, match="did not write it"):
+            trainer._publish_checkpoint(1)  # never announced as this lineage's own
+        assert trainer._supersede_versions(trainer.step) == [1, 2]
+        assert WeightSubscriber(tmp_path).versions() == []
+        assert not [p for p in (tmp_path / "weights").iterdir() if p.name.startswith(".trash")]
+        trainer.train_step(fixed_batch)
+        trainer._publish_checkpoint(1)
+        mine = dict(WeightSubscriber(tmp_path).load(1))
+        assert mine.keys() == {n for n, _ in trainer.policy_weights()}
+        assert all(torch.equal(mine[n], t) for n, t in trainer.policy_weights())
+        assert WeightSubscriber(tmp_path).manifest(1).created_at > lost_v1  # written anew
+    finally:
+        await trainer.close()
+
+
+async def test_a_resumed_trainer_writes_its_checkpoints_version_when_retention_deleted_it(
+        tmp_path, tiny_model_path, fixed_batch, make_config):
+    cfg = make_config(tiny_model_path, run_dir=tmp_path)
+    cfg = cfg.model_copy(update={"weights": cfg.weights.model_copy(update={"keep_versions": 1})})
+    lost = Trainer(cfg)
+    try:  # checkpoint at step 1, then versions 2 and 3; retention keeps v3 only
+        lost.train_step(fixed_batch)
+        lost._publish_checkpoint(1)
+        lost.save_checkpoint()
+        for version in (2, 3):
+            lost.train_step(fixed_batch)
+            lost._publish_checkpoint(version)
+        assert WeightSubscriber(tmp_path).versions() == [3]
+    finally:
+        await lost.close()
     trainer = Trainer(cfg)
     try:
-        trainer.train_step(fixed_batch)
-        first = trainer._publish_checkpoint(1)
-        written = (first / "manifest.json").stat().st_mtime_ns
-        trainer.train_step(fixed_batch)
-        # a restarted trainer asked for version 1 again: the one on disk stands
-        assert trainer._publish_checkpoint(1) == first
-        assert (first / "manifest.json").stat().st_mtime_ns == written
-        published = dict(WeightSubscriber(tmp_path).load(1))
-        assert published.keys() == {n for n, _ in trainer.policy_weights()}
+        assert trainer.step == 1 and trainer._supersede_versions(1) == [3]
+        path = trainer._current_version(1)
+        assert WeightSubscriber(tmp_path).versions() == [1]
+        mine = dict(WeightSubscriber(tmp_path).load(1))
+        assert all(torch.equal(mine[n], t) for n, t in trainer.policy_weights())
+        assert trainer._current_version(1) == path  # there now: announced as it is
     finally:
-        trainer.close()
+        await trainer.close()
 
 
 @pytest.mark.slow

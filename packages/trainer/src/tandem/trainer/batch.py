@@ -154,3 +154,22 @@ def shard_rows(lengths: Sequence[int], world_size: int, unit: int = 1) -> list[l
         shards[rank] += u
         load[rank] += sum(lengths[r] for r in u)
     return [sorted(s) for s in shards]
+
+
+def mini_batch_rows(n_rows: int, mini_batches: int, unit: int = 1,
+                    seed: Sequence[int] = (0,)) -> list[list[int]]:
+    """Shuffle rows (in units of `unit`, so DPO pairs stay together) and deal them into
+    `mini_batches` parts of near-equal size, each part's rows in ascending order.
+
+    The shuffle is a pure function of `seed`, so every rank of a torchrun job computes the same
+    split with no communication. One part is the whole batch in its own order, unshuffled: one
+    mini-batch is exactly the step without mini-batches.
+    """
+    n_units = n_rows // unit
+    if mini_batches < 1 or mini_batches > n_units:
+        raise ValueError(f"{mini_batches} mini-batches from {n_units} sequences")
+    if mini_batches == 1:
+        return [list(range(n_rows))]
+    order = np.random.default_rng(list(seed)).permutation(n_units)
+    parts = np.array_split(order, mini_batches)
+    return [sorted(int(u) * unit + k for u in part for k in range(unit)) for part in parts]

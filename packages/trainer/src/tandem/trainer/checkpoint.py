@@ -5,10 +5,11 @@
         value_head.safetensors    PPO value head (gae only)
         optimizer.pt              AdamW state, keyed by parameter name (portable across ranks)
         scheduler.pt, rng.pt      LR schedule position; torch / numpy / python RNG states
-        trainer_state.json        step and version
+        trainer_state.json        step, version and lineage (the trainer incarnation that wrote it)
 
 A checkpoint is written into a hidden temporary folder and renamed into place, so a crash never
-leaves a half-written `step_*`. Only files this trainer wrote are read back with `torch.load`,
+leaves a half-written `step_*`. A complete checkpoint is never overwritten: one already at the
+same step (another lineage's) is moved aside to `superseded/step_N.<lineage>` first. Only files this trainer wrote are read back with `torch.load`,
 and with `weights_only=True`.
 """
 
@@ -79,7 +80,29 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save(learner: "Learner", root: Path) -> Path | None:
+def lineage_of(path: Path) -> str:
+    """The lineage id a checkpoint's trainer_state.json names ("unknown" for older ones)."""
+    try:
+        return str(json.loads((path / "trainer_state.json").read_text()).get("lineage")
+                   or "unknown")
+    except (OSError, ValueError):
+        return "unknown"
+
+
+def _move_aside(final: Path, lineage: str | None) -> None:
+    """Keep a complete checkpoint that a save at the same step would replace."""
+    if not (final / "trainer_state.json").exists():
+        shutil.rmtree(final, ignore_errors=True)  # not a complete checkpoint
+        return
+    theirs = lineage_of(final)
+    aside = final.parent / "superseded" / f"{final.name}.{theirs}.{int(time.time() * 1000)}"
+    aside.parent.mkdir(exist_ok=True)
+    os.replace(final, aside)
+    log.warning("checkpoint.superseded", path=str(final), moved_to=str(aside), lineage=theirs,
+                by=lineage)
+
+
+def save(learner: "Learner", root: Path, *, lineage: str | None = None) -> Path | None:
     """Collective: every rank gathers; rank 0 writes `root/step_N` and prunes old ones."""
     model_state = full_model_state(learner.actor, learner.mode)
     optim_state = get_optimizer_state_dict(learner.actor, learner.optimizer, options=_full())
@@ -107,12 +130,14 @@ def save(learner: "Learner", root: Path) -> Path | None:
         torch.save(learner.scheduler.state_dict(), tmp / "scheduler.pt")
         torch.save(_rng_state(), tmp / "rng.pt")
         (tmp / "trainer_state.json").write_text(json.dumps(
-            {"step": step, "version": learner.version, "saved_at": time.time()}))
+            {"step": step, "version": learner.version, "saved_at": time.time(),
+             "lineage": lineage}))
         for path in tmp.rglob("*"):
             if path.is_file():
                 with open(path, "rb") as f:
                     os.fsync(f.fileno())
-        shutil.rmtree(final, ignore_errors=True)
+        if final.exists():
+            _move_aside(final, lineage)
         os.replace(tmp, final)
         done = sorted((p for p in root.glob("step_*") if p.is_dir()),
                       key=lambda p: int(p.name.split("_")[1]))

@@ -1,7 +1,8 @@
 """`tandem-trainer --config run.yaml [--set key=value ...] [--resume]`: the trainer process.
 
 Under torchrun every rank runs this same command; rank 0 talks to the master, the buffer and the
-weight path, the other ranks follow it (see docs/trainer.md).
+weight path, the other ranks follow it (see docs/trainer.md). Exit codes as every tandem CLI:
+0 done or stopped, 1 failed at run time, 2 bad config; a domain error is one line.
 """
 
 from __future__ import annotations
@@ -10,69 +11,45 @@ import sys
 
 import click
 
+from tandem.common.cli import config_options, load_config_or_exit, run_component
 
-@click.command()
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
-              help="run config YAML (model, trainer, sync, weights, master, buffer sections)")
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
-              help="override a config value, e.g. --set trainer.lr=1e-6 (repeatable)")
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@config_options("`model`, `trainer`, `sync`, `weights`, `master`, `buffer`", "trainer.lr=1e-6")
 @click.option("--resume", is_flag=True,
-              help="continue from the newest checkpoint in run_dir/checkpoints (exactly)")
+              help="accepted for older command lines: the trainer always continues from the "
+                   "newest checkpoint in run_dir/checkpoints, at or below the master's count")
 def main(config_path: str | None, overrides: tuple[str, ...], resume: bool) -> None:
     """Train the policy on experiences from the buffer, on the master's schedule."""
-    import asyncio
-    import signal
-
-    from tandem.common.config import load_config
-    from tandem.common.errors import TandemError
-    from tandem.common.logging import configure_logging
-
-    try:
-        config = load_config(config_path, overrides)
-    except TandemError as exc:
-        click.echo(f"tandem-trainer: {exc}", err=True)
-        sys.exit(2)
+    config = load_config_or_exit("tandem-trainer", config_path, overrides)
 
     from . import distributed as dd
 
     info = dd.from_env()
-    component = "trainer" if info.rank == 0 else f"trainer-rank{info.rank}"
-    configure_logging(component, level=config.logging.level, run_dir=config.run_dir,
-                      json_console=config.logging.json_console)
 
-    import transformers
+    def build():
+        import transformers
 
-    from tandem.common.sockets import install_uvloop
+        from tandem.common.errors import TandemError
 
-    from .trainer import Trainer
+        from .trainer import Trainer
 
-    transformers.utils.logging.disable_progress_bar()
-    trainer = None
-    try:
+        transformers.utils.logging.disable_progress_bar()
         device = dd.resolve_device(config.trainer.device, info)
         # a collective may wait out a whole publication (sync.timeout) or a training step
         dd.init(info, device, timeout=config.sync.timeout + 600.0)
-        trainer = Trainer(config, resume=resume, dist_info=info)
-        if not info.is_main:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 decides when the group stops
-            trainer.follow()
-            return
+        try:
+            return Trainer(config, dist_info=info)
+        except OSError as exc:  # no model folder, an unreadable checkpoint
+            raise TandemError(f"trainer cannot load its model (model.path "
+                              f"{config.model.path}): {exc}") from None
 
-        async def run() -> None:
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, trainer.request_stop)
-            await trainer.run()
-
-        install_uvloop()
-        asyncio.run(run())
-    except TandemError as exc:
-        click.echo(f"tandem-trainer: {exc}", err=True)
-        sys.exit(1)
+    name = "trainer" if info.rank == 0 else f"trainer-rank{info.rank}"
+    try:
+        code = run_component("tandem-trainer", config, name, build)
     finally:
-        if trainer is not None:
-            trainer.close()
         dd.shutdown()
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -9,17 +9,21 @@ every decoder layer and the root); on CPU (gloo) it is replicated with DDP, unle
 
 from __future__ import annotations
 
+import gc
 import os
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Iterator
 
+import structlog
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from tandem.common.errors import ConfigError
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -55,9 +59,38 @@ def init(info: DistInfo, device: torch.device, timeout: float) -> None:
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
 
 
-def shutdown() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+# How long the last barrier waits for the other ranks before this one leaves anyway.
+SHUTDOWN_BARRIER_SECONDS = 30.0
+
+
+def shutdown(timeout: float = SHUTDOWN_BARRIER_SECONDS) -> None:
+    """Leave the process group in an order that cannot deadlock; every rank calls it last.
+
+    Destroying a gloo group joins its worker threads, with the GIL held by whoever drops the
+    group's last reference. A worker that has just finished a collective still holds that
+    collective's tensors for a moment; when it drops the last reference to a tensor whose Python
+    object is gone, it needs the GIL to free it, and the join never returns (issue 14 item 8:
+    the rank hung for ever after `trainer.stopped`). So, in this order:
+
+    1. the data-parallel wrapper is gone already (`Learner.release`), so DDP's reducer does not
+       hold the group past this point and free it later from a finaliser;
+    2. every tensor of this module's own collectives outlives the group (`_command`,
+       `_last_batch`), so a worker never frees a Python-owned tensor;
+    3. a barrier with a timeout: every rank is past its last collective, and gloo's workers
+       finish the barrier, which owns no Python tensor;
+    4. `destroy_process_group()` drops the group here, at a known point, with idle workers.
+    """
+    if not dist.is_initialized():
+        return
+    gc.collect()  # a wrapper kept only by a reference cycle lets go of the group now
+    try:
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=timedelta(seconds=timeout))
+        else:
+            dist.barrier()
+    except RuntimeError as exc:  # a rank that died or hung: leave without it
+        log.warning("dist.barrier_failed", timeout=timeout, error=str(exc).splitlines()[0])
+    dist.destroy_process_group()
 
 
 def resolve_device(spec: str, info: DistInfo) -> torch.device:
@@ -123,15 +156,22 @@ STEP, PUBLISH, CHECKPOINT, STOP, KEEPALIVE = 1, 2, 3, 4, 5
 KEEPALIVE_SECONDS = 10.0
 
 
+# The tensors of the last collectives live as long as the module (see `shutdown`): the command
+# channel reuses one buffer, and each batch's tensors are kept until the next batch replaces them.
+_command = torch.zeros(2, dtype=torch.long)
+_last_batch: tuple[torch.Tensor, ...] = ()
+
+
 def send_command(command: int, arg: int = 0) -> None:
     """Rank 0: tell every rank what comes next."""
-    dist.broadcast(torch.tensor([command, arg], dtype=torch.long), src=0)
+    _command[0], _command[1] = command, arg
+    dist.broadcast(_command, src=0)
 
 
 def recv_command() -> tuple[int, int]:
-    buf = torch.zeros(2, dtype=torch.long)
-    dist.broadcast(buf, src=0)
-    return int(buf[0]), int(buf[1])
+    dist.broadcast(_command, src=0)
+    command, arg = _command.tolist()
+    return command, arg
 
 
 def broadcast_experiences(experiences: list | None) -> list:
@@ -165,6 +205,8 @@ def broadcast_experiences(experiences: list | None) -> list:
         tokens = torch.zeros(n_tokens, dtype=torch.long)
         action = torch.zeros(n_action, dtype=torch.long)
         logprobs = torch.zeros(n_action, dtype=torch.float32)
+    global _last_batch
+    _last_batch = (sizes, header, rewards, tokens, action, logprobs)
     for tensor in (header, rewards, tokens, action, logprobs):
         dist.broadcast(tensor, src=0)
     if dist.get_rank() == 0:

@@ -2,7 +2,8 @@
 
 `Learner.step(experiences)` is a whole trainer step: build the batch, drop uninformative groups,
 recompute what the update needs (proximal logprobs, reference logprobs, values), compute
-advantages, then forward/backward over micro-batches, clip, and take one optimiser step.
+advantages, then for each of `ppo_epochs` epochs shuffle the batch into `mini_batches` parts and
+take one optimiser update per part (forward/backward over micro-batches, clip, step).
 Under torchrun every rank calls it with the same experiences and trains its own share.
 """
 
@@ -30,10 +31,11 @@ from .algorithms import (
     ADVANTAGES, POLICY_LOSSES, AdvantageInputs, Aggregator, PolicyInputs, ValueHead,
     behaviour_weights, informative_rows, kl_estimate, value_loss)
 from .algorithms.masked import masked_mean
-from .batch import TrainBatch, build_batch, dpo_pairs, plan_micro_batches, shard_rows
+from .batch import (
+    TrainBatch, build_batch, dpo_pairs, mini_batch_rows, plan_micro_batches, shard_rows)
 from .distributed import DistInfo, gradient_sync, resolve_device, wrap
 from .forward import Actor, token_logprobs
-from .metrics import MetricAccumulator
+from .metrics import MetricAccumulator, combine_updates
 
 log = structlog.get_logger(__name__)
 
@@ -116,9 +118,17 @@ class Learner:
 
     def step(self, experiences: Sequence[Experience]) -> dict[str, float]:
         """One trainer step on these experiences (whole groups); returns its metrics."""
+        if self.mode == "released":
+            raise RuntimeError("Learner.step after release(): this learner has left training")
         tc = self.tc
         start = time.perf_counter()
         batch = build_batch(experiences, self.pad_id)
+        sampled = batch.num_groups if tc.loss == "dpo" else batch.size  # DPO splits by pair
+        if tc.mini_batches > sampled:
+            what = "pairs" if tc.loss == "dpo" else "sequences"
+            raise ConfigError([
+                f"trainer.mini_batches: {tc.mini_batches} mini-batches, but step "
+                f"{self.step_count} has only {sampled} {what}; lower trainer.mini_batches"])
         metrics = self._batch_metrics(batch)
         if tc.dynamic_sampling:
             keep, dropped = informative_rows(batch.rewards, batch.groups)
@@ -149,6 +159,45 @@ class Learner:
         acc = MetricAccumulator()
         self._prepare(batch, mine, n_micro, acc)
         metrics["time/prepare_s"] = time.perf_counter() - prep_start
+        metrics.update(acc.result(self.dist.world_size))
+
+        # The PPO inner loop: every update clips against the same anchor (the batch's behaviour
+        # or proximal logprobs), so the ratio leaves 1 only from the second update on.
+        n_mini = min(tc.mini_batches, batch.size // unit)  # dynamic sampling may drop groups
+        seed = tc.seed if tc.seed is not None else self.config.seed
+        updates = []
+        for epoch in range(tc.ppo_epochs):
+            for rows in mini_batch_rows(batch.size, n_mini, unit, (seed, self.step_count, epoch)):
+                mb = batch if len(rows) == batch.size else batch.select(rows)
+                updates.append(self._update(mb, unit))
+        self.scheduler.step()
+        self.step_count += 1
+
+        metrics.update(combine_updates(updates))
+        skipped = sum(u.get("train/skipped_nonfinite", 0.0) for u in updates)
+        if skipped:
+            metrics["train/skipped_nonfinite"] = skipped
+        if len(updates) > 1:
+            metrics["train/updates"] = float(len(updates))
+            metrics["batch/mini_batches"] = float(n_mini)
+        elapsed = time.perf_counter() - start
+        metrics["time/step_s"] = elapsed
+        metrics["throughput/tokens_per_s"] = float(batch.lengths.sum()) / elapsed
+        return metrics
+
+    def _update(self, batch: TrainBatch, unit: int) -> dict[str, float]:
+        """One optimiser update on `batch` (the step's batch or one mini-batch of it): forward
+        and backward over micro-batches, each rank its own share, clip, optimiser step."""
+        tc = self.tc
+        lengths = batch.lengths.tolist()
+        shards = shard_rows(lengths, self.dist.world_size, unit)
+        plans = [[[shard[i] for i in mb] for mb in
+                  plan_micro_batches([lengths[r] for r in shard], tc.micro_batch_tokens, unit)]
+                 for shard in shards]
+        mine = plans[self.dist.rank]
+        n_micro = max(len(p) for p in plans)
+        acc = MetricAccumulator()
+        metrics: dict[str, float] = {}
 
         agg = Aggregator(tc.aggregation, total_tokens=float(batch.mask.sum().clamp(min=1)),
                          total_seqs=float(batch.size))
@@ -179,13 +228,7 @@ class Learner:
             metrics["train/skipped_nonfinite"] = 1.0
             log.warning("train.nonfinite_grad", step=self.step_count, grad_norm=grad_norm)
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        self.step_count += 1
-
         metrics.update(acc.result(self.dist.world_size))
-        elapsed = time.perf_counter() - start
-        metrics["time/step_s"] = elapsed
-        metrics["throughput/tokens_per_s"] = float(batch.lengths.sum()) / elapsed
         metrics["batch/micro_batches"] = float(n_micro)
         return metrics
 
@@ -334,3 +377,14 @@ class Learner:
     def save_checkpoint(self, root: str | Path) -> Path | None:
         """Write checkpoints/step_N (every rank must call it; rank 0 writes)."""
         return ckpt.save(self, Path(root))
+
+    def release(self) -> None:
+        """Drop the data-parallel wrapper and the gradients; the learner trains no more.
+
+        DDP's reducer holds the process group; dropped here, before `distributed.shutdown`, it
+        cannot free the group later from a finaliser (see there). Idempotent.
+        """
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.mode == "ddp":
+            self.wrapped = self.actor
+            self.mode = "released"

@@ -1,4 +1,5 @@
-"""Step metrics: accumulated over micro-batches and ranks, written to TensorBoard.
+"""Step metrics: accumulated over micro-batches and ranks, sent to the run's trackers
+(TensorBoard, wandb, mlflow) and to the trainer's Prometheus endpoint.
 
 Reduction by name: `loss/*` terms are already divided by the whole step's denominators and
 are summed; names ending in `_max` / `_min` take the max / min; everything else is a mean
@@ -7,11 +8,22 @@ weighted by each micro-batch's action tokens.
 
 from __future__ import annotations
 
+import importlib
+import json
+import math
+import os
+import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from tandem.common.config import RunConfig
+from tandem.common.config.transport import move_secrets_to_env
+from tandem.common.errors import ConfigError
+from tandem.common.metrics import MetricsEndpoint
+from tandem.common.trace import Tracer
 
 
 def _kind(name: str) -> str:
@@ -72,6 +84,30 @@ class MetricAccumulator:
         return out
 
 
+def combine_updates(updates: list[dict[str, float]]) -> dict[str, float]:
+    """One step's metrics from its optimiser updates (PPO epochs x mini-batches).
+
+    Each name takes its mean over the updates (`_max` / `_min` names their max / min); with
+    more than one update, `NAME/last` also holds the last update's value, the one that shows
+    how far the inner loop moved the policy from the batch's clip anchor.
+    """
+    if len(updates) == 1:
+        return dict(updates[0])
+    out: dict[str, float] = {}
+    for name in sorted({n for u in updates for n in u}):
+        values = [u[name] for u in updates if name in u]
+        kind = _kind(name)
+        if kind == "max":
+            out[name] = max(values)
+        elif kind == "min":
+            out[name] = min(values)
+        else:
+            out[name] = sum(values) / len(values)
+        if name in updates[-1]:
+            out[f"{name}/last"] = updates[-1][name]
+    return out
+
+
 def _common_names(names: list[str]) -> list[str]:
     """The union of every rank's metric names, gathered as UTF-8 bytes (no pickling)."""
     data = torch.frombuffer(bytearray("\n".join(names).encode() or b"\n"), dtype=torch.uint8)
@@ -89,22 +125,185 @@ def _common_names(names: list[str]) -> list[str]:
 
 
 class MetricsWriter:
-    """TensorBoard scalars under run_dir/tensorboard (no-op when disabled)."""
+    """Where a step's metrics go: the run's trackers (`logging.trackers`: TensorBoard under
+    run_dir/tensorboard, wandb, mlflow), each told the run's config first, and, with a `config`,
+    the trainer's Prometheus endpoint (`logging.metrics`): steps, step and sync seconds from the
+    `tracer`'s spans, tokens, staleness, reward. Without a `run_dir` (ranks > 0) it does nothing.
+    """
 
-    def __init__(self, run_dir: str | Path | None, enabled: bool = True):
-        self._writer = None
-        if enabled and run_dir is not None:
-            from torch.utils.tensorboard import SummaryWriter
-            self._writer = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+    def __init__(self, run_dir: str | Path | None, enabled: bool = True, *,
+                 config: RunConfig | None = None, tracer: Tracer | None = None):
+        self._trackers: list[_Tracker] = []
+        self.endpoint: MetricsEndpoint | None = None
+        if run_dir is None:
+            return
+        run_dir = Path(run_dir)
+        trackers = config.logging.trackers if config is not None else ["tensorboard"]
+        params = _public_config(config) if config is not None else {}
+        try:
+            if enabled and "tensorboard" in trackers:
+                self._trackers.append(_TensorBoard(run_dir))
+            if "wandb" in trackers:
+                self._trackers.append(_Wandb(config, run_dir, params))
+            if "mlflow" in trackers:
+                self._trackers.append(_Mlflow(config, run_dir, params))
+            if config is not None:
+                self.endpoint = m = MetricsEndpoint(config.logging.metrics, "trainer",
+                                                    run_dir=run_dir)
+                self._steps = m.counter("steps", "trainer steps taken")
+                self._updates = m.counter("updates",
+                                          "optimiser updates (PPO epochs x mini-batches)")
+                self._gauges = {name: m.gauge(metric, doc) for name, metric, doc in STEP_GAUGES}
+                if tracer is not None:
+                    m.observe_spans(tracer)
+                m.start()
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def trackers(self) -> list[str]:
+        return [t.name for t in self._trackers]
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
-        if self._writer is None:
-            return
+        if self.endpoint is not None:
+            self._steps.inc()
+            self._updates.inc(metrics.get("train/updates", 1.0))
+            for name, gauge in self._gauges.items():
+                if name in metrics:
+                    gauge.set(metrics[name])
+        for tracker in self._trackers:
+            tracker.write(step, metrics)
+
+    def close(self) -> None:
+        for tracker in self._trackers:
+            tracker.close()
+        self._trackers = []
+        if self.endpoint is not None:
+            self.endpoint.close()
+            self.endpoint = None
+
+
+def _public_config(config: RunConfig) -> dict:
+    """The run's config as trackers get it: JSON values, Curve secrets replaced by references."""
+    data = config.model_dump(mode="json")
+    move_secrets_to_env(data)
+    return data
+
+
+def _flatten(data: dict, prefix: str = "") -> dict[str, str]:
+    out: dict[str, str] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(_flatten(value, name + "."))
+        else:
+            out[name] = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+    return out
+
+
+class _Tracker:
+    name = ""
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+def _need(package: str, tracker: str):
+    try:
+        return importlib.import_module(package)
+    except ImportError:
+        raise ConfigError([f"logging.trackers: {tracker} needs the {package} package; "
+                           f"pip install 'tandem-trainer[{tracker}]'"]) from None
+
+
+class _TensorBoard(_Tracker):
+    name = "tensorboard"
+
+    def __init__(self, run_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter
+        self._writer = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
         for name, value in metrics.items():
             self._writer.add_scalar(name, value, step)
         self._writer.flush()
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        self._writer.close()
+
+
+class _Wandb(_Tracker):
+    """A wandb run under run_dir/wandb; `WANDB_MODE=offline` keeps it on disk."""
+
+    name = "wandb"
+
+    def __init__(self, config: RunConfig, run_dir: Path, params: dict):
+        wandb = _need("wandb", "wandb")
+        (run_dir / "wandb").mkdir(parents=True, exist_ok=True)
+        self._wandb = wandb
+        self._run = wandb.init(project=config.logging.project or config.name, name=config.name,
+                               dir=str(run_dir), config=params)
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        self._run.log(dict(metrics), step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+        self._wandb.teardown()  # its service process ends with the trainer's tracking
+
+
+class _Mlflow(_Tracker):
+    """An mlflow run: the config as params (flattened keys) and as config.json, metrics by
+    step. The tracking URI is MLFLOW_TRACKING_URI (a server, a database), or else a file store
+    in run_dir/mlruns: no server and no database, the one mlflow-skinny can write alone (mlflow
+    3 keeps it in maintenance and asks for MLFLOW_ALLOW_FILE_STORE, set here for that case)."""
+
+    name = "mlflow"
+    BATCH = 100  # params per log_batch call (mlflow's limit)
+
+    def __init__(self, config: RunConfig, run_dir: Path, params: dict):
+        mlflow = _need("mlflow", "mlflow")
+        from mlflow.entities import Param
+
+        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        if not uri:
+            uri = (run_dir / "mlruns").resolve().as_uri()
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        self.client = mlflow.MlflowClient(tracking_uri=uri)
+        name = config.logging.project or config.name
+        found = self.client.get_experiment_by_name(name)
+        experiment = found.experiment_id if found else self.client.create_experiment(name)
+        self.run_id = self.client.create_run(experiment, run_name=config.name).info.run_id
+        flat = [Param(k, v[:6000]) for k, v in _flatten(params).items()]
+        for i in range(0, len(flat), self.BATCH):
+            self.client.log_batch(self.run_id, params=flat[i:i + self.BATCH])
+        self.client.log_dict(self.run_id, params, "config.json")
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [Metric(k, float(v), now, step) for k, v in metrics.items()
+                 if math.isfinite(float(v))]
+        for i in range(0, len(batch), 1000):
+            self.client.log_batch(self.run_id, metrics=batch[i:i + 1000])
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+# step metric -> (Prometheus gauge, its help) on the trainer's endpoint
+STEP_GAUGES = [
+    ("throughput/tokens_per_s", "tokens_per_second", "tokens per second of the last step"),
+    ("time/step_s", "step_seconds_last", "seconds of the last step"),
+    ("staleness/mean", "staleness_mean", "mean policy-version lag of the last step's batch"),
+    ("staleness/max", "staleness_max", "largest policy-version lag in the last step's batch"),
+    ("reward/mean", "reward_mean", "mean reward of the last step's batch"),
+    ("loss/total", "loss", "total loss of the last step"),
+    ("optim/grad_norm", "grad_norm", "gradient norm of the last step (mean over updates)"),
+    ("policy/clip_frac", "clip_frac", "clipped token fraction of the last step"),
+]

@@ -1,25 +1,35 @@
 """The trainer component: the learner, wired to the master, the buffer and the weight path.
 
+On start, rank 0 continues from its newest checkpoint (step S, 0 without one) and puts the run
+back at S (DESIGN §9, docs/trainer.md "Restarts"): `Register` (the master says how many steps T
+it counted; S > T is refused), the buffer's `ReleaseLeases` and `RewindTo(S)`, versions after S
+moved aside, then `TrainerResumed(S)`: the master releases `TrainerGo` again from S, and steps
+S..T-1 are trained again on the same groups.
+
 Per step, on rank 0 (DESIGN §4, docs/master.md):
 
     TrainerGo(step t, publish p)            from the master's PUB socket (topic `trainer`)
     sample whole groups from the buffer     under a lease
     train                                   every rank (the batch is broadcast to them)
-    AckLease, TrainerStepDone(t, t+1)       the groups are consumed; the master counts the step
+    AckLease(step t), TrainerStepDone(t)    the groups are consumed; the master counts the step
     publish p when set                      checkpoint: weights/v{p} + WeightsPublished;
                                             nccl: WeightsPublished(rendezvous), then broadcast
-    checkpoint every `trainer.checkpoint_every` steps and at the end
+    checkpoint every `trainer.checkpoint_every` steps and at the end (steps the master counted),
+                                            then CheckpointSaved(step) to the buffer
 
-Ranks other than 0 run `follow()`: they wait for rank 0's commands and join its collectives.
-Without sockets, `train_step(experiences)` runs one step on a batch handed in directly.
+Ranks other than 0 follow (`serve()` runs `follow()` there): they wait for rank 0's commands
+and join its collectives. Without sockets, `train_step(experiences)` runs one step on a batch
+handed in directly. Either way the caller ends with `await close()`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import socket
 import time
+import uuid
 from pathlib import Path
 from typing import Sequence
 
@@ -28,11 +38,13 @@ import torch
 
 from tandem.common.config import RunConfig
 from tandem.common.errors import PeerDead, RequestFailed, TandemError, WaitTimeout
-from tandem.common.messages.buffer import AckLease, SampleGroups, SampleResult
+from tandem.common.messages.buffer import (
+    AckLease, CheckpointSaved, ReleaseLeases, RewindTo, SampleGroups, SampleResult)
 from tandem.common.messages.experience import Experience
 from tandem.common.messages.master import (
-    Register, Stop, TrainerGo, TrainerStepDone, WeightsPublished)
+    Register, Registered, Stop, TrainerGo, TrainerResumed, TrainerStepDone, WeightsPublished)
 from tandem.common.trace import Tracer
+from tandem.weights import model_dtype
 
 from . import checkpoint
 from . import distributed as dd
@@ -41,39 +53,47 @@ from .metrics import MetricsWriter
 
 log = structlog.get_logger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 class TrainerStopped(TandemError):
     """The trainer was asked to stop while waiting."""
 
 
 class Trainer:
-    """`Trainer(config)`: `train_step(experiences)` alone, or `await run()` against a live run."""
+    """`Trainer(config)`: `train_step(experiences)` alone, or `await serve()` against a live run;
+    then `await close()`.
 
-    def __init__(self, config: RunConfig, *, resume: bool = False,
+    It continues from the newest checkpoint in `run_dir/checkpoints` (`resume=False`: from
+    `model.path`, for a trainer used without a run). Each instance is a new lineage: the id its
+    checkpoints carry.
+    """
+
+    name = "trainer"  # the name it registers under, and the buffer's lease holder
+
+    def __init__(self, config: RunConfig, *, resume: bool = True,
                  dist_info: dd.DistInfo | None = None):
         self.config = config
         self.tc = config.trainer
         self.dist = dist_info or dd.from_env()
         self.run_dir = Path(config.run_dir)
         self.checkpoint_root = self.run_dir / "checkpoints"
+        self.lineage = uuid.uuid4().hex[:12]
         resume_from = checkpoint.latest(self.checkpoint_root) if resume else None
-        if resume and resume_from is None:
-            log.info("trainer.resume_none", root=str(self.checkpoint_root),
-                     detail="no checkpoint yet; starting from model.path")
+        self.resumed_from = resume_from
         self.learner = Learner(config, dist_info=self.dist, resume_from=resume_from)
         main = self.dist.is_main
         self.tracer = Tracer(self.run_dir if (main and config.logging.trace) else None, "trainer")
-        self.writer = MetricsWriter(self.run_dir if main else None, self.tc.tensorboard)
+        self.writer = MetricsWriter(self.run_dir if main else None, self.tc.tensorboard,
+                                    config=config, tracer=self.tracer)
         self.last_checkpoint_step = self.learner.step_count if resume_from else None
         self._trained_through = self.learner.step_count - 1  # the master's step count
+        self._counted = self.learner.step_count  # steps the master acknowledged
         self._stopping = False
         self._stop_event: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._in_use: list[int] = []
         self._publisher = None
         self._broadcaster = None
+        self._weight_server = None  # weights.transport: fetch
         self._master = self._buffer = self._sub = self._heartbeat = None
 
     @property
@@ -136,9 +156,19 @@ class Trainer:
     def save_checkpoint(self) -> Path | None:
         if self.dist.enabled:
             dd.send_command(dd.CHECKPOINT)
-        path = self.learner.save_checkpoint(self.checkpoint_root)
+        path = checkpoint.save(self.learner, self.checkpoint_root, lineage=self.lineage)
         self.last_checkpoint_step = self.learner.step_count
         return path
+
+    async def _checkpoint(self) -> None:
+        """Save, then tell the buffer: groups consumed before this step can never be rewound."""
+        await asyncio.to_thread(self.save_checkpoint)
+        try:
+            await self._buffer.call(CheckpointSaved(step=self.step), retries=0,
+                                    timeout_key="transport.rpc_timeout")
+        except (PeerDead, RequestFailed) as exc:
+            # only retention waits for it: the buffer keeps the rows until the next report
+            log.warning("checkpoint.unreported", step=self.step, error=str(exc))
 
     def policy_weights(self) -> list[tuple[str, torch.Tensor]]:
         """The policy's weights to publish: HF names, `model.dtype`, each tied weight once."""
@@ -146,7 +176,7 @@ class Trainer:
             dd.send_command(dd.PUBLISH)
         state = self.learner.policy_state_dict()
         tied = getattr(self.learner.actor.model.config, "tie_word_embeddings", False)
-        dtype = _DTYPES[self.config.model.dtype]
+        dtype = model_dtype(self.config.model.dtype)
         seen: set[int] = set()
         out = []
         for name, tensor in state.items():
@@ -172,8 +202,15 @@ class Trainer:
 
     # -- against a live run --------------------------------------------------------------------
 
-    async def run(self) -> None:
-        """Rank 0: train the steps the master releases until it says stop (or `request_stop`)."""
+    async def serve(self) -> None:
+        """Rank 0: train the steps the master releases until it says stop (or `request_stop`).
+
+        Other ranks follow rank 0 until it stops; a signal does not stop them on its own (rank 0
+        decides when the group stops, then releases them from its `close()`).
+        """
+        if not self.dist.is_main:
+            self.follow()  # blocks this rank's loop on purpose: it has nothing else to serve
+            return
         from tandem.common.heartbeat import Heartbeater
         from tandem.common.pubsub import Subscriber
         from tandem.common.rpc import RpcClient
@@ -189,17 +226,28 @@ class Trainer:
         try:
             log.info("trainer.connecting", master=cfg.master.address, buffer=cfg.buffer.address)
             registered = await self._unless_stopped(self._master.call(
-                Register(name="trainer", role="trainer", pid=os.getpid(), host=socket.gethostname(),
-                         meta={"world_size": self.dist.world_size, "step": self.step}),
-                timeout_key="transport.rpc_timeout"))
+                Register(name=self.name, role="trainer", pid=os.getpid(),
+                         host=socket.gethostname(),
+                         meta={"world_size": self.dist.world_size, "step": self.step,
+                               "lineage": self.lineage},
+                         terms=cfg.terms("trainer", self.name)),
+                timeout_key="transport.rpc_timeout"))  # refused (config_mismatch) unless it agrees
+            await self._unless_stopped(self._resume_run(registered))
             self._sub = Subscriber(registered.publish_address or cfg.master.publish_address,
                                    topics=["trainer", "stop"], transport=transport,
                                    snapshot=self._master)
             await self._sub.start()
+            # the master's liveness, so both sides agree on when silence means death
             self._heartbeat = Heartbeater(self._master, name="trainer", role="trainer",
-                                          interval=transport.heartbeat_interval,
-                                          liveness=transport.liveness)
+                                          interval=registered.heartbeat_interval,
+                                          liveness=registered.liveness)
             self._heartbeat.start()
+            if cfg.weights.transport == "fetch":
+                # explorers share no filesystem with the trainer: they fetch versions from here
+                from tandem.weights.fetch import WeightServer
+
+                self._weight_server = WeightServer.from_config(cfg)
+                await self._weight_server.start()
             log.info("trainer.started", run_id=registered.run_id, step=self.step,
                      world_size=self.dist.world_size, device=str(self.learner.device))
             while not self._stopping:
@@ -210,10 +258,74 @@ class Trainer:
         except TrainerStopped:
             pass
         finally:
-            if self.step > 0 and self.last_checkpoint_step != self.step:
-                await asyncio.to_thread(self.save_checkpoint)
+            # only steps the master counted: a checkpoint never gets ahead of the journal
+            if self.step > 0 and self.last_checkpoint_step != self.step \
+                    and self.step == self._counted:
+                await self._checkpoint()
             await self._close_clients()
             log.info("trainer.stopped", step=self.step, requested=self._stopping)
+
+    async def _resume_run(self, registered: Registered) -> None:
+        """Put the run back at this learner's step S: the buffer makes the groups consumed at
+        steps >= S sampleable again (and drops the dead incarnation's leases), versions after S
+        are moved aside, and the master releases TrainerGo from S again."""
+        start, counted = self.step, registered.trainer_steps
+        where = "model.path" if self.resumed_from is None else f"checkpoint {self.resumed_from}"
+        if start > counted:
+            raise TandemError(
+                f"trainer: {where} holds {start} trainer steps but the master counted only "
+                f"{counted}; the master's journal ({self.run_dir / self.config.master.journal}) "
+                "lost them, or the run dir holds another run's checkpoints: restore the journal, "
+                "or start the run in a new run_dir")
+        rpc = "transport.rpc_timeout"
+        released = await self._buffer.call(ReleaseLeases(holder=self.name), timeout_key=rpc)
+        rewound = await self._buffer.call(RewindTo(step=start), timeout_key=rpc)
+        superseded = await asyncio.to_thread(self._supersede_versions, start)
+        await self._master.call(TrainerResumed(
+            step=start, checkpoint=None if self.resumed_from is None else str(self.resumed_from),
+            lineage=self.lineage), timeout_key=rpc)
+        if superseded and start > 0 and self.config.sync.method == "checkpoint":
+            # The master's newest version is now at most S, and retention may have deleted
+            # v{S}: an explorer that (re)starts loads the newest, so v{S} must exist. The
+            # learner is at version S exactly; it writes v{S} when missing, and announces it.
+            path = await asyncio.to_thread(self._current_version, start)
+            await self._master.call(WeightsPublished(version=start, method="checkpoint",
+                                                     path=str(path)), timeout_key=rpc)
+        if counted > start:
+            began = "resumed from" if self.resumed_from else "no checkpoint: started from"
+            detail = (f"{began} {where}; master had counted {counted}; retraining "
+                      f"{start}..{counted - 1}")
+        elif start:
+            detail = f"resumed from {where}; the master counted the same {counted} steps"
+        else:
+            detail = "starting from model.path at step 0"
+        log.info("trainer.resume", step=start, master_counted=counted, lineage=self.lineage,
+                 groups_rewound=rewound.groups, leases_released=released.leases
+                 + rewound.leases_released, versions_superseded=superseded, detail=detail)
+
+    def _current_version(self, version: int) -> Path:
+        """`weights/v{version}`, written from the learner (at that version) if missing."""
+        from tandem.weights import version_dir
+
+        existing = version_dir(self.run_dir, version)
+        return existing if existing.is_dir() else self._publish_checkpoint(version)
+
+    def _supersede_versions(self, start: int) -> list[int]:
+        """Move aside `weights/v{N}` for N > start: a lost lineage wrote them, and this one
+        publishes its own. Renamed first, then deleted, as retention does: an explorer that has
+        a version open keeps reading it through its open files."""
+        from tandem.weights import list_versions, version_dir
+
+        newer = [v for v in list_versions(self.run_dir) if v > start]
+        for version in newer:
+            folder = version_dir(self.run_dir, version)
+            trash = folder.with_name(f".trash-superseded-v{version}-{uuid.uuid4().hex[:8]}")
+            os.rename(folder, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+        if newer:
+            log.warning("weights.superseded", versions=newer, resumed_at=start,
+                        detail="published by a lineage that was lost; this one publishes its own")
+        return newer
 
     async def _next_event(self) -> TrainerGo | None:
         """The next TrainerGo not yet trained; None on Stop or request_stop."""
@@ -244,23 +356,25 @@ class Trainer:
 
     async def _run_step(self, go: TrainerGo) -> None:
         if go.step != self.step:
-            log.warning("trainer.step_mismatch", master_step=go.step, trainer_step=self.step,
-                        detail="resumed from an older checkpoint; following the master's count")
+            raise TandemError(f"trainer: the master released step {go.step} but the learner is "
+                              f"at step {self.step} (lineage {self.lineage}); the master's and "
+                              "the learner's step counts must agree")
         self._in_use = list(go.in_use)
         groups = go.groups or self.tc.groups_per_step
         sample = await self._unless_stopped(self._sample(groups, go.step))
         metrics = await asyncio.to_thread(self.train_step, sample.experiences, step=go.step)
         self._trained_through = go.step
         metrics["buffer/dropped_stale"] = float(sample.dropped_stale)
-        await self._buffer.call(AckLease(lease_id=sample.lease_id),
+        await self._buffer.call(AckLease(lease_id=sample.lease_id, step=go.step),
                                 timeout_key="transport.rpc_timeout")
         await self._master.call(TrainerStepDone(step=go.step, version=go.step + 1, metrics=metrics),
                                 timeout_key="transport.rpc_timeout")
+        self._counted = go.step + 1
         if go.publish is not None:
             await self._publish(go.publish, go)
         every = self.tc.checkpoint_every
         if every and self.step % every == 0:
-            await asyncio.to_thread(self.save_checkpoint)
+            await self._checkpoint()
 
     async def _sample(self, groups: int, step: int) -> SampleResult:
         """Lease `groups` whole groups, waiting up to `trainer.idle_timeout` for them."""
@@ -271,7 +385,7 @@ class Trainer:
             try:
                 lag = self.tc.drop_older_than
                 result = await self._buffer.call(
-                    SampleGroups(num_groups=groups, wait=wait,
+                    SampleGroups(num_groups=groups, wait=wait, holder=self.name,
                                  min_version=None if lag is None else max(0, step - lag)),
                     timeout=wait + self.config.transport.rpc_timeout,
                     timeout_key="trainer.sample_wait")
@@ -292,25 +406,26 @@ class Trainer:
         start = time.time()
         if method == "checkpoint":
             path = await asyncio.to_thread(self._publish_checkpoint, version)
+            moved = sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
             await self._master.call(
                 WeightsPublished(version=version, method="checkpoint", path=str(path)),
                 timeout_key="transport.rpc_timeout")
         else:
-            from tandem.common.weights import WeightBroadcaster, engine_members
+            from tandem.weights import WeightBroadcaster, engine_members
 
             if self._broadcaster is None:
                 self._broadcaster = WeightBroadcaster.from_config(
                     self.config, device=self.learner.device)
             members = [m for name in go.explorers for m in engine_members(name)]
             tensors = await asyncio.to_thread(self.policy_weights)
+            moved = sum(t.numel() * t.element_size() for _, t in tensors)
             for attempt in (1, 2):
                 rendezvous = self._broadcaster.rendezvous
                 if rendezvous is None or rendezvous.members != members:
                     # a new epoch only when the members change (or the last one failed)
                     rendezvous = self._broadcaster.open_group(members)
                 await self._master.call(
-                    WeightsPublished(version=version, method="nccl",
-                                     rendezvous=rendezvous.model_dump()),
+                    WeightsPublished(version=version, method="nccl", rendezvous=rendezvous),
                     timeout_key="transport.rpc_timeout")
                 try:
                     await asyncio.to_thread(self._broadcaster.broadcast, version, tensors)
@@ -321,23 +436,32 @@ class Trainer:
                     if attempt == 2:
                         raise
                     log.warning("weights.broadcast_retry", version=version, error=str(exc))
-        self.tracer.record("sync", start, time.time(), step=go.step, version=version, method=method)
+        self.tracer.record("sync", start, time.time(), step=go.step, version=version, method=method,
+                           bytes=moved)
 
     def _publish_checkpoint(self, version: int) -> Path:
-        from tandem.common.weights import WeightPublisher, version_dir
+        from tandem.weights import WeightPublisher, version_dir
 
         existing = version_dir(self.run_dir, version)
         if existing.exists():
-            # written before a restart but perhaps never announced: versions are immutable,
-            # so announce the one on disk
-            log.warning("weights.version_exists", version=version, path=str(existing))
-            return existing
+            # versions after the resume step were moved aside at start, and this lineage
+            # publishes each version once: this one is not ours, and is never announced as ours
+            raise TandemError(f"trainer: weights version {version} already exists at {existing} "
+                              f"but lineage {self.lineage} did not write it; versions are "
+                              "immutable (was a second trainer started on this run dir?)")
         if self._publisher is None:
             self._publisher = WeightPublisher.from_config(self.run_dir, self.config.weights,
-                                                          in_use=lambda: self._in_use)
+                                                          in_use=self._versions_in_use)
         return self._publisher.publish(version, self.policy_weights()).path
 
+    def _versions_in_use(self) -> list[int]:
+        serving = self._weight_server.serving() if self._weight_server is not None else []
+        return [*self._in_use, *serving]
+
     async def _close_clients(self) -> None:
+        if self._weight_server is not None:
+            await self._weight_server.close()
+            self._weight_server = None
         if self._heartbeat is not None:
             await self._heartbeat.close()
         if self._sub is not None:
@@ -346,10 +470,15 @@ class Trainer:
             if client is not None:
                 await client.close()
 
-    def close(self) -> None:
-        """Release ranks > 0, flush the trace and TensorBoard, leave the process group."""
+    async def close(self) -> None:
+        """Release ranks > 0, flush the trace and TensorBoard, close the weight group.
+
+        The learner lets go of its DDP wrapper here, so that `distributed.shutdown()`, which the
+        caller runs last, frees the process group itself (see there).
+        """
         if self.dist.enabled and self.dist.is_main:
             dd.send_command(dd.STOP)
+        self.learner.release()
         if self._broadcaster is not None:
             self._broadcaster.close()
         self.tracer.close()

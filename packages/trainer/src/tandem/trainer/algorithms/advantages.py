@@ -4,6 +4,11 @@ All take an `AdvantageInputs` and the trainer config and return `Advantages`. Ou
 estimators (grpo, dr_grpo, rloo) give every action token of a sequence the same advantage;
 reinforce_pp and gae work per token. `token_rewards` carries per-token terms such as a KL
 penalty placed in the reward; the outcome estimators add their sum to the sequence reward.
+
+Every estimator computes in float64 and returns the inputs' dtype. A group (or, for the
+whitening estimators, a batch) whose values are all equal gets exactly 0, decided by comparing
+the values themselves: in float32, 16 rewards of 0.7 leave `r - mean` and `std` at ~1e-7 of
+rounding noise, which `(r - mean) / (std + eps)` would amplify to ~0.1 on every row.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from torch import Tensor
 
 from tandem.common.config import TrainerConfig
 
-from .masked import group_stats, masked_whiten, outcome_on_last_token
+from .masked import outcome_on_last_token
 from .registry import Registry
 
 
@@ -40,38 +45,70 @@ ADVANTAGES: Registry[AdvantageFn] = Registry("advantage estimator", "trainer.adv
 
 
 def _sequence_rewards(inp: AdvantageInputs) -> Tensor:
+    """The sequence rewards in float64 (plus the masked sum of the per-token terms)."""
+    r = inp.rewards.double()
     if inp.token_rewards is None:
-        return inp.rewards
-    return inp.rewards + (inp.token_rewards * inp.mask).sum(-1)
+        return r
+    return r + (inp.token_rewards.double() * inp.mask.double()).sum(-1)
 
 
 def _per_token(seq_advantage: Tensor, mask: Tensor) -> Tensor:
-    return seq_advantage[:, None] * mask
+    return (seq_advantage[:, None] * mask.double()).to(mask.dtype)
+
+
+def group_stats64(values: Tensor, groups: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per row, in float64: its group's mean, unbiased std (0 alone), size, and whether every
+    value of the group is exactly equal (then the caller's advantage is exactly 0)."""
+    values = values.double()
+    num = int(groups.max()) + 1 if groups.numel() else 0
+    count = torch.zeros(num, dtype=torch.float64, device=values.device).index_add_(
+        0, groups, torch.ones_like(values))
+    mean = torch.zeros_like(count).index_add_(0, groups, values) / count.clamp(min=1)
+    dev2 = torch.zeros_like(count).index_add_(0, groups, (values - mean[groups]) ** 2)
+    std = (dev2 / (count - 1).clamp(min=1)).sqrt()
+    low = torch.full_like(count, float("inf")).scatter_reduce(0, groups, values, "amin")
+    high = torch.full_like(count, float("-inf")).scatter_reduce(0, groups, values, "amax")
+    equal = low == high
+    return mean[groups], std[groups], count[groups], equal[groups]
+
+
+def whiten64(values: Tensor, mask: Tensor, eps: float) -> Tensor:
+    """(x - mean) / (std + eps) over the masked entries in float64, unbiased std; exactly 0
+    everywhere when the masked entries are all equal. Returns the mask's dtype."""
+    x, m = values.double(), mask.double()
+    n = m.sum()
+    mean = (x * m).sum() / n.clamp(min=1)
+    var = (((x - mean) * m) ** 2).sum() / (n - 1).clamp(min=1)
+    picked = x[mask > 0]
+    if picked.numel() == 0 or bool(picked.min() == picked.max()):
+        return torch.zeros_like(values, dtype=mask.dtype)
+    return ((x - mean) / (var.sqrt() + eps) * m).to(mask.dtype)
 
 
 @ADVANTAGES.register("grpo")
 def grpo(inp: AdvantageInputs, cfg: TrainerConfig) -> Advantages:
     """(r - group mean) / (group std + eps), the std unbiased; a group of one gets 0."""
     r = _sequence_rewards(inp)
-    mean, std, _ = group_stats(r, inp.groups)
-    return Advantages(_per_token((r - mean) / (std + cfg.std_eps), inp.mask))
+    mean, std, _, equal = group_stats64(r, inp.groups)
+    adv = torch.where(equal, 0.0, (r - mean) / (std + cfg.std_eps))
+    return Advantages(_per_token(adv, inp.mask))
 
 
 @ADVANTAGES.register("dr_grpo")
 def dr_grpo(inp: AdvantageInputs, cfg: TrainerConfig) -> Advantages:
     """Dr. GRPO: r - group mean, without the std scaling that favours easy and hard groups."""
     r = _sequence_rewards(inp)
-    mean, _, _ = group_stats(r, inp.groups)
-    return Advantages(_per_token(r - mean, inp.mask))
+    mean, _, _, equal = group_stats64(r, inp.groups)
+    return Advantages(_per_token(torch.where(equal, 0.0, r - mean), inp.mask))
 
 
 @ADVANTAGES.register("rloo")
 def rloo(inp: AdvantageInputs, cfg: TrainerConfig) -> Advantages:
     """r minus the mean of the other responses of the group: n/(n-1) (r - mean); 0 alone."""
     r = _sequence_rewards(inp)
-    mean, _, count = group_stats(r, inp.groups)
+    mean, _, count, equal = group_stats64(r, inp.groups)
     scale = torch.where(count > 1, count / (count - 1).clamp(min=1), torch.zeros_like(count))
-    return Advantages(_per_token((r - mean) * scale, inp.mask))
+    return Advantages(_per_token(torch.where(equal, 0.0, (r - mean) * scale), inp.mask))
 
 
 def _discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
@@ -88,11 +125,12 @@ def _discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float) -> Te
 @ADVANTAGES.register("reinforce_pp")
 def reinforce_pp(inp: AdvantageInputs, cfg: TrainerConfig) -> Advantages:
     """REINFORCE++: per-token discounted returns, whitened over the whole batch (no groups)."""
-    rewards = outcome_on_last_token(inp.rewards, inp.mask)
+    mask = inp.mask.double()
+    rewards = outcome_on_last_token(inp.rewards.double(), mask)
     if inp.token_rewards is not None:
-        rewards = rewards + inp.token_rewards * inp.mask
-    returns = _discounted_returns(rewards, inp.mask, cfg.gamma)
-    return Advantages(masked_whiten(returns, inp.mask, cfg.std_eps))
+        rewards = rewards + inp.token_rewards.double() * mask
+    returns = _discounted_returns(rewards, mask, cfg.gamma)
+    return Advantages(whiten64(returns, inp.mask, cfg.std_eps))
 
 
 @ADVANTAGES.register("gae")
@@ -100,10 +138,10 @@ def gae(inp: AdvantageInputs, cfg: TrainerConfig) -> Advantages:
     """PPO's generalised advantage estimation over action tokens, whitened over the batch."""
     if inp.values is None:
         raise ValueError("gae needs value estimates (the trainer's value head)")
-    mask, values = inp.mask, inp.values
-    rewards = outcome_on_last_token(inp.rewards, mask)
+    mask, values = inp.mask.double(), inp.values.double()
+    rewards = outcome_on_last_token(inp.rewards.double(), mask)
     if inp.token_rewards is not None:
-        rewards = rewards + inp.token_rewards * mask
+        rewards = rewards + inp.token_rewards.double() * mask
     advantages = torch.zeros_like(values)
     last_gae = torch.zeros_like(values[:, 0])
     next_value = torch.zeros_like(values[:, 0])
@@ -114,5 +152,5 @@ def gae(inp: AdvantageInputs, cfg: TrainerConfig) -> Advantages:
         last_gae = torch.where(m, step, last_gae)
         next_value = torch.where(m, values[:, t], next_value)
         advantages[:, t] = step * m
-    returns = (advantages + values) * mask
-    return Advantages(masked_whiten(advantages, mask, cfg.std_eps), returns)
+    returns = ((advantages + values) * mask).to(inp.values.dtype)
+    return Advantages(whiten64(advantages, inp.mask, cfg.std_eps), returns)
