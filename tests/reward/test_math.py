@@ -23,7 +23,9 @@ CASES = [
     ("\\boxed{x\\cdot x}", "x^2", True),
     ("\\boxed{\\pi}", "\\pi", True),
     ("\\boxed{1000}", "1,000", True),
-    ("first \\boxed{7}, finally \\boxed{8}", "8", True),
+    # several different boxed answers are a hedge (a policy would learn to box every guess)
+    ("first \\boxed{7}, finally \\boxed{8}", "8", False),
+    ("\\boxed{8}, that is \\boxed{ 8 }", "8", True),
     ("\\boxed{\\boxed{6}}", "6", True),
     ("\\boxed{\\dfrac{3}{4}}", {"answer": "0.75"}, True),
     ("answer: 12", 12, True),
@@ -98,7 +100,8 @@ async def test_a_worker_that_dies_mid_evaluation_is_an_error_and_is_replaced():
         await asyncio.sleep(0.3)
         os.kill(worker.proc.pid, signal.SIGKILL)
         [died] = await pending
-        assert died.score == 0.0 and "died with exit code -9" in died.reason
+        # killed by us (-9), or first by the parse itself: either way an error, then replaced
+        assert died.score == 0.0 and "died with exit code" in died.reason, died.reason
         assert scorer.stats["math"]["errors"] == 1
         [good] = await scorer.score([ScoreItem(response="\\boxed{2}", truth="2")])
         assert good.score == 1.0

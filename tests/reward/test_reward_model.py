@@ -16,7 +16,7 @@ def tiny_reward_model(tmp_path_factory):
     import torch
     from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
-    from tandem.common.tiny import build_tokenizer
+    from tandem.weights.tiny import build_tokenizer
 
     path = tmp_path_factory.mktemp("tiny-reward-model")
     tokenizer = build_tokenizer(path)
@@ -37,7 +37,7 @@ def _reference(path, texts):
     import torch
     from transformers import AutoModelForSequenceClassification
 
-    from tandem.common.tiny import build_tokenizer
+    from tandem.weights.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
     model = AutoModelForSequenceClassification.from_pretrained(str(path)).eval()

@@ -8,7 +8,8 @@
 `reward.service` is set, a RemoteScorer talking to `tandem-reward` (RewardService).
 """
 
-from .base import REGISTRY, AsyncReward, PureReward, RewardFunction, lookup, register, result
+from .base import REGISTRY, AsyncReward, PureReward, RewardFunction, register, result
+from .functions import lookup
 from .pool import WorkerPool
 from .sandbox import Run, Sandbox
 from .scorer import LocalScorer, RemoteScorer, Scorer, build_scorer

@@ -30,16 +30,6 @@ def register(name: str):
     return add
 
 
-def lookup(name: str) -> type["RewardFunction"]:
-    """The reward function class registered as `name`; a clear error naming the known ones."""
-    from . import functions  # noqa: F401  (registers the built-in functions)
-
-    try:
-        return REGISTRY[name]
-    except KeyError:
-        raise KeyError(f"unknown reward function {name!r}; known: {sorted(REGISTRY)}") from None
-
-
 def result(score: float, reason: str, **components: float) -> Score:
     """A function's answer: its score, why, and its named parts."""
     return Score(score=float(score), reason=reason,

@@ -1,18 +1,19 @@
 """Run one untrusted program once, inside limits, and say how it ended.
 
-Each run gets:
-- resource limits (CPU seconds, address space, processes, file size, open files), set by the
-  runner on itself before the candidate starts;
-- an empty temporary directory as its working directory, HOME and TMPDIR, removed afterwards
-  (under a slot uid, so is whatever the run left in /tmp, /var/tmp and /dev/shm);
-- a scrubbed environment (PATH, HOME, TMPDIR, LANG only);
-- where the OS allows (`unshare`): a fresh network namespace (only a downed loopback: no
-  network, none of the project's ports) and a fresh PID namespace whose first process is the
-  runner, so when it exits, or is killed, the kernel kills everything the candidate started,
-  even processes that left the process group;
-- when the scorer runs as root, its own uid per slot (`reward.code.uid_base` + slot), because
-  the kernel does not apply the process limit to root;
-- a wall-clock limit after which the whole process tree is killed.
+Isolation is bubblewrap (`bwrap`, Debian package `bubblewrap`), a maintained tool that builds
+the namespaces; each run gets:
+- a filesystem namespace whose root is an empty tmpfs holding only the Python runtime
+  (read-only), the runner, the program, and its own scratch directory `/work` (writable, also
+  HOME); no host path beyond those, so no dataset, no other run's files, no host unix socket;
+- fresh PID (with its own `/proc`), network (loopback only), IPC (no host System V objects) and
+  UTS namespaces; a fresh tmpfs on /tmp (also /var/tmp and /dev/shm) that vanishes with the run;
+- when the scorer runs as root, the candidate under its own uid per slot
+  (`reward.code.uid_base + slot`) and, in assert mode, the test harness under a second one, so
+  the candidate cannot signal, trace or read the harness, and `RLIMIT_NPROC` counts only it;
+- resource limits (CPU seconds, address space per process, processes, file size, open files),
+  and, where a cgroup memory controller is writable, a memory limit for the whole run (every
+  process the candidate forks shares one budget, tmpfs files included);
+- a wall-clock limit after which the whole tree is killed.
 
 Output is read up to `max_output_bytes`; grading happens in the caller, outside the sandbox.
 """
@@ -47,12 +48,17 @@ _RESERVED = {
     sandbox_runner.FILE_TOO_LARGE: "file_size",
     sandbox_runner.NOT_REACHED: "not_reached",
 }
+INSTALL_HINT = ("install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap; Fedora: dnf "
+                "install bubblewrap) or set reward.code.isolation to none for trusted code only")
+# Joins the cgroups named before `--`, then becomes the command after it, so that nothing of
+# the run ever executes outside its memory and process budget.
+_JOIN = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
 
 
 @dataclass(slots=True)
 class Run:
     """How one run ended. `status`: ok, exit (nonzero code), runtime_error, memory,
-    syntax_error, file_size, not_reached (assert mode: exited before the tests finished), cpu,
+    syntax_error, file_size, not_reached (assert mode: the test could not finish), cpu,
     signal, timeout (wall clock) or output_limit."""
 
     status: str
@@ -65,7 +71,7 @@ class Run:
     def detail(self) -> str:
         """The last line of stderr, which usually names the exception."""
         lines = [ln for ln in self.stderr.decode(errors="replace").strip().splitlines()
-                 if ln.strip() and not ln.startswith("unshare: ")]
+                 if ln.strip() and not ln.startswith("bwrap: ")]
         return lines[-1][:200] if lines else ""
 
 
@@ -80,16 +86,170 @@ def _status(code: int) -> str:
     return "exit"
 
 
+class Cgroups:
+    """One memory cgroup per sandbox slot, when this process may create them (cgroup v2 with
+    the memory controller, or the v1 memory hierarchy). Processes stay counted by
+    RLIMIT_NPROC under the slot's uid: a pids cgroup keeps the charges of exited tasks a while
+    after a PID namespace ends, so back-to-back runs would find it full."""
+
+    def __init__(self, memory_bytes: int, slots: int):
+        self.memory_bytes, self.slots = memory_bytes, slots
+        self.dirs: dict[str, Path] = {}   # controller -> our folder ("unified" for v2)
+        self.version = 0
+        self.error = ""
+
+    def _own(self, controller: str) -> str:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, names, path = line.split(":", 2)
+            if (controller == "" and names == "") or controller in names.split(","):
+                return path
+        raise OSError(f"no {controller or 'unified'} cgroup in /proc/self/cgroup")
+
+    def start(self) -> bool:
+        tag = f"tandem-sandbox-{os.getpid()}-{secrets.token_hex(3)}"
+        root = Path("/sys/fs/cgroup")
+        try:
+            if "memory" in (root / "cgroup.controllers").read_text().split() if (
+                    root / "cgroup.controllers").exists() else False:
+                # v2: a leaf may not hold processes and children, so our folder sits beside us
+                parent = root / self._own("").lstrip("/")
+                base = parent.parent / tag if parent != root else root / tag
+                base.mkdir()
+                self.dirs["unified"] = base
+                (base / "cgroup.subtree_control").write_text("+memory")
+                self.version = 2
+            else:
+                base = root / "memory" / self._own("memory").lstrip("/") / tag
+                base.mkdir()
+                self.dirs["memory"] = base
+                self.version = 1
+            for slot in range(self.slots):
+                self._make(slot)
+            for base in self.dirs.values():
+                _sweep(base.parent)
+            return True
+        except (OSError, ValueError) as exc:
+            self.error = f"{type(exc).__name__}: {exc}"
+            self.close()
+            return False
+
+    def _make(self, slot: int) -> None:
+        if self.version == 2:
+            d = self.dirs["unified"] / f"slot{slot}"
+            d.mkdir()
+            (d / "memory.max").write_text(str(self.memory_bytes))
+            if (d / "memory.swap.max").exists():
+                (d / "memory.swap.max").write_text("0")
+            return
+        mem = self.dirs["memory"] / f"slot{slot}"
+        mem.mkdir()
+        (mem / "memory.limit_in_bytes").write_text(str(self.memory_bytes))
+        if (mem / "memory.memsw.limit_in_bytes").exists():
+            try:
+                (mem / "memory.memsw.limit_in_bytes").write_text(str(self.memory_bytes))
+            except OSError:
+                pass  # swap accounting off: nothing to limit
+
+    def procs_files(self, slot: int) -> list[str]:
+        return [str(d / f"slot{slot}" / "cgroup.procs") for d in self.dirs.values()]
+
+    def oom_kills(self, slot: int) -> int:
+        name = "memory.events" if self.version == 2 else "memory.oom_control"
+        d = self.dirs["unified" if self.version == 2 else "memory"] / f"slot{slot}"
+        try:
+            for line in (d / name).read_text().splitlines():
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+        except (OSError, ValueError):
+            pass
+        return 0
+
+    def kill_all(self, slot: int) -> None:
+        """SIGKILL whatever is still in the slot's cgroup (nothing may outlive a run)."""
+        for path in self.procs_files(slot):
+            try:
+                pids = [int(p) for p in Path(path).read_text().split()]
+            except OSError:
+                continue
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        for base in self.dirs.values():
+            for slot in range(self.slots):
+                for _ in range(50):
+                    try:
+                        (base / f"slot{slot}").rmdir()
+                        break
+                    except FileNotFoundError:
+                        break
+                    except OSError:
+                        self.kill_all(slot)
+                        time.sleep(0.02)
+            try:
+                base.rmdir()
+            except OSError:
+                pass
+        self.dirs.clear()
+
+
+def _sweep(parent: Path) -> None:
+    """Remove the empty cgroup folders of sandboxes whose process is gone (killed with
+    SIGKILL, it could not remove them); the folder name carries the pid."""
+    for old in parent.glob("tandem-sandbox-*-*"):
+        try:
+            pid = int(old.name.split("-")[2])
+            os.kill(pid, 0)
+            continue  # still running
+        except (ValueError, IndexError):
+            continue
+        except PermissionError:
+            continue
+        except ProcessLookupError:
+            pass
+        try:
+            for slot in old.glob("slot*"):
+                slot.rmdir()
+            old.rmdir()
+        except OSError:
+            pass  # not empty yet: a later start tries again
+
+
+def _runtime(python: str) -> tuple[str, list[str]]:
+    """(the real interpreter, the host folders it needs) for `python`."""
+    probe = subprocess.run(
+        [python, "-I", "-S", "-c",
+         "import sys,os; print(os.path.realpath(sys._base_executable if hasattr(sys, "
+         "'_base_executable') else sys.executable)); print(sys.base_prefix)"],
+        capture_output=True, text=True, timeout=30)
+    if probe.returncode != 0:
+        raise TandemError(f"reward.code.python {python!r} does not run: "
+                          f"{probe.stderr.strip()[-200:]}")
+    executable, prefix = probe.stdout.split("\n")[:2]
+    paths = [prefix]
+    if not executable.startswith(prefix.rstrip("/") + "/"):
+        paths.append(os.path.dirname(executable))
+    for lib in ("/usr/lib", "/usr/lib64", "/lib", "/lib64", "/usr/lib32", "/lib32"):
+        if os.path.isdir(lib) and not os.path.islink(lib):
+            paths.append(lib)
+    return executable, paths
+
+
 class Sandbox:
-    """`start()` once (probes what isolation the OS allows), then `run()` concurrently."""
+    """`start()` once (finds bwrap, probes it, makes the cgroups), then `run()` concurrently."""
 
     def __init__(self, config: CodeSandboxConfig, *, slots: int):
         self.config = config
         self.slots = slots
         self.python = config.python or sys.executable
-        self.namespaces = False
-        self.per_slot_uid = os.geteuid() == 0
-        self.probe_error = ""
+        self.isolated = config.isolation != "none"
+        self.as_root = os.geteuid() == 0
+        self.cgroups: Cgroups | None = None
+        self._bwrap: str | None = None
+        self._root_args: list[str] = []
         self._slot_queue: asyncio.Queue[int] | None = None
         self._base: Path | None = None
         self._runner: Path | None = None
@@ -97,102 +257,161 @@ class Sandbox:
     async def start(self) -> None:
         if self._base is not None:
             return
+        if self.isolated:
+            self._bwrap = shutil.which("bwrap")
+            if self._bwrap is None:
+                raise TandemError(f"reward.code: the code sandbox needs bubblewrap (`bwrap` not "
+                                  f"found on PATH); {INSTALL_HINT}")
         self._base = Path(tempfile.mkdtemp(prefix="tandem-sandbox-"))
-        self._base.chmod(0o755)
+        self._base.chmod(0o711)
         self._runner = self._base / "runner.py"
         shutil.copyfile(sandbox_runner.__file__, self._runner)
         self._runner.chmod(0o644)
         self._slot_queue = asyncio.Queue()
         for slot in range(self.slots):
             self._slot_queue.put_nowait(slot)
-        if self.config.isolation != "none":
-            self.namespaces = await asyncio.to_thread(self._probe)
-            if not self.namespaces and self.config.isolation == "namespaces":
-                await self.close()
-                raise TandemError(
-                    "reward.code.isolation is 'namespaces' but `unshare` cannot create network "
-                    "and PID namespaces here (needs root or unprivileged user namespaces; "
-                    f"probe said: {self.probe_error or 'nothing'}); "
-                    "set reward.code.isolation to auto or none")
-        log.info("sandbox.ready", namespaces=self.namespaces, per_slot_uid=self.per_slot_uid,
-                 slots=self.slots, python=self.python)
-        if not self.namespaces:
-            log.warning("sandbox.degraded", missing="network and PID namespaces",
-                        consequence="candidates can reach the network and may outlive a run "
-                                    "if they leave their process group",
-                        probe_error=self.probe_error or None, key="reward.code.isolation")
+        try:
+            if self.isolated:
+                await asyncio.to_thread(self._prepare)
+        except BaseException:
+            await self.close()
+            raise
+        log.info("sandbox.ready", isolation="bubblewrap" if self.isolated else "none",
+                 per_slot_uid=self.as_root, slots=self.slots, python=self.python,
+                 memory=f"cgroup v{self.cgroups.version}, per run" if self.cgroups
+                 else "RLIMIT_AS, per process")
+        if not self.isolated:
+            log.warning("sandbox.unisolated", key="reward.code.isolation",
+                        consequence="candidates see the host filesystem, network and processes;"
+                                    " for trusted code only")
 
-    def _prefix(self, slot: int) -> list[str]:
-        """The launcher commands in front of the runner for this slot."""
-        cmd: list[str] = []
-        if self.namespaces:
-            cmd += ["unshare", "--net", "--pid", "--fork", "--kill-child"]
-            if not self.per_slot_uid:
-                cmd.insert(1, "--map-root-user")
-        if self.per_slot_uid:
-            uid = str(self.config.uid_base + slot)
-            cmd += ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
-                    "--pdeathsig=KILL"]
+    def _prepare(self) -> None:
+        executable, paths = _runtime(self.python)
+        self.python = executable
+        args: list[str] = []
+        made = {"/"}
+        for path in sorted(set(paths)):
+            parts = Path(path).parts
+            for i in range(2, len(parts)):
+                parent = str(Path(*parts[:i]))
+                if parent not in made:
+                    args += ["--perms", "0755", "--dir", parent]
+                    made.add(parent)
+            args += ["--ro-bind", path, path]
+        for lib in ("/lib", "/lib64", "/lib32", "/bin"):
+            if os.path.islink(lib):
+                args += ["--symlink", os.readlink(lib), lib]
+        if os.path.exists("/etc/ld.so.cache"):
+            args += ["--perms", "0755", "--dir", "/etc",
+                     "--ro-bind", "/etc/ld.so.cache", "/etc/ld.so.cache"]
+        self._root_args = args
+        cfg = self.config
+        if self.as_root:
+            cgroups = Cgroups(cfg.memory_mb << 20, self.slots)
+            if cgroups.start():
+                self.cgroups = cgroups
+            else:
+                log.warning("sandbox.memory_per_process", reason=cgroups.error,
+                            consequence="memory is limited per process (RLIMIT_AS), not per run")
+        done = subprocess.run(self._command(0, "stdio", self._base / "probe", probe=True),
+                              capture_output=True, timeout=30, input=b"")
+        if done.returncode != 0:
+            self.close_sync()
+            raise TandemError(
+                "reward.code: bubblewrap cannot build the sandbox here (it needs root or "
+                "unprivileged user namespaces): "
+                f"{done.stderr.decode(errors='replace').strip()[-300:] or done.returncode}; "
+                f"{INSTALL_HINT}")
+
+    def _command(self, slot: int, mode: str, run_dir: Path, *, probe: bool = False) -> list[str]:
+        cfg = self.config
+        # As root the candidate never keeps root, isolated or not (without isolation, modules
+        # it imports must then be readable by the slot uid).
+        uid = cfg.uid_base + slot if self.as_root else os.getuid()
+        harness_uid = cfg.uid_base + self.slots + slot if self.as_root else os.getuid()
+        runner_args = [mode, str(cfg.cpu_seconds), str(cfg.memory_mb << 20), str(cfg.nproc),
+                       str(int(cfg.file_size_mb * (1 << 20))), str(cfg.open_files), str(uid),
+                       str(harness_uid)]
+        if not self.isolated:
+            return [self.python, "-I", "-S", str(self._runner), *runner_args]
+        tmp_size = str(cfg.memory_mb << 20)
+        cmd = [self._bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
+               "--die-with-parent", "--new-session"]
+        if self.as_root:
+            cmd += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+        else:
+            cmd += ["--unshare-user"]
+        cmd += self._root_args
+        # /dev: the few character devices programs use, not bubblewrap's full --dev (devpts,
+        # ptmx, console links), which costs several mounts per run
+        cmd += ["--proc", "/proc", "--perms", "0755", "--dir", "/dev"]
+        for dev in ("null", "zero", "full", "random", "urandom"):
+            cmd += ["--dev-bind", f"/dev/{dev}", f"/dev/{dev}"]
+        cmd += ["--symlink", "/proc/self/fd", "/dev/fd", "--symlink", "/proc/self/fd/0",
+                "/dev/stdin", "--symlink", "/proc/self/fd/1", "/dev/stdout",
+                "--symlink", "/proc/self/fd/2", "/dev/stderr"]
+        # one fresh tmpfs serves /tmp, /var/tmp and /dev/shm (one mount instead of three)
+        cmd += ["--perms", "1777", "--size", tmp_size, "--tmpfs", "/tmp",
+                "--symlink", "/tmp", "/dev/shm",
+                "--perms", "0755", "--dir", "/var", "--symlink", "/tmp", "/var/tmp",
+                "--perms", "0755", "--dir", "/sandbox",
+                "--ro-bind", str(self._runner), "/sandbox/runner.py"]
+        if probe:
+            cmd += ["--ro-bind", str(self._runner), "/sandbox/solution.py"]
+        else:
+            cmd += ["--ro-bind", str(run_dir / "solution.py"), "/sandbox/solution.py",
+                    "--bind", str(run_dir / "work"), "/work"]
+        cmd += ["--chdir", "/work" if not probe else "/", "--clearenv",
+                "--setenv", "PATH", f"{os.path.dirname(self.python)}:/usr/bin:/bin",
+                "--setenv", "HOME", "/work", "--setenv", "TMPDIR", "/tmp",
+                "--setenv", "LANG", "C.UTF-8", "--setenv", "LC_ALL", "C.UTF-8",
+                self.python, "-I", "-S", "/sandbox/runner.py", *runner_args]
+        if probe:  # the runner itself, as a program that defines names and exits 0
+            cmd = cmd[:-len(runner_args) - 1] + ["-c", "pass"]
+        if self.cgroups is not None:
+            cmd = ["/bin/sh", "-c", _JOIN, "sh", *self.cgroups.procs_files(slot), "--", *cmd]
         return cmd
 
-    def _probe(self) -> bool:
-        saved = self.namespaces
-        self.namespaces = True
-        try:
-            cmd = self._prefix(0) + [self.python, "-I", "-S", "-c", "pass"]
-            done = subprocess.run(cmd, capture_output=True, timeout=30)
-            self.probe_error = done.stderr.decode(errors="replace").strip()[-300:]
-            return done.returncode == 0
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            self.probe_error = str(exc)
-            return False
-        finally:
-            self.namespaces = saved
-
-    async def run(self, program: str, *, stdin: bytes = b"", test: str | None = None) -> Run:
-        """Run `program` (stdio mode), or `program` then `test` (assert mode)."""
+    async def run(self, program: str, *, stdin: bytes = b"", test: str | None = None,
+                  setup: str = "", wall_seconds: float | None = None) -> Run:
+        """Run `program` (stdio mode), or `program` against `test` (assert mode, `setup` run
+        before both); the wall clock is `code.wall_seconds`, or `wall_seconds` if shorter."""
         if self._slot_queue is None:
             await self.start()
         slot = await self._slot_queue.get()
         run_dir = self._base / f"run-{secrets.token_hex(8)}"
         try:
-            return await self._run(slot, run_dir, program, stdin, test)
+            if test is not None:
+                head = setup.encode()
+                stdin = b"%010d" % len(head) + head + test.encode()
+            return await self._run(slot, run_dir, program, stdin, test, wall_seconds)
         finally:
-            # Clean before the slot (and so its uid) is handed to the next run.
-            uid = self.config.uid_base + slot if self.per_slot_uid else None
-            await asyncio.shield(asyncio.to_thread(_clean, run_dir, uid))
+            await asyncio.shield(asyncio.to_thread(shutil.rmtree, run_dir, True))
             self._slot_queue.put_nowait(slot)
 
     async def _run(self, slot: int, run_dir: Path, program: str, stdin: bytes,
-                   test: str | None) -> Run:
+                   test: str | None, wall_seconds: float | None) -> Run:
         cfg = self.config
-        prog, work = run_dir / "prog", run_dir / "work"
-        prog.mkdir(parents=True)
-        work.mkdir()
-        run_dir.chmod(0o755)
-        prog.chmod(0o755)
-        (prog / "solution.py").write_text(program, encoding="utf-8")
-        marker = None
-        args = ["stdio"]
-        if test is not None:
-            (prog / "test.py").write_text(test, encoding="utf-8")
-            marker = secrets.token_hex(16)
-            stdin = marker.encode() + b"\n"
-            args = ["assert"]
-        for path in prog.iterdir():
-            path.chmod(0o644)
-        if self.per_slot_uid:
+        work = run_dir / "work"
+        work.mkdir(parents=True)
+        run_dir.chmod(0o711)
+        (run_dir / "solution.py").write_text(program, encoding="utf-8")
+        (run_dir / "solution.py").chmod(0o644)
+        if self.as_root:
             uid = cfg.uid_base + slot
             os.chown(work, uid, uid)
         work.chmod(0o700)
-        args += [str(cfg.cpu_seconds), str(cfg.memory_mb << 20), str(cfg.nproc),
-                 str(int(cfg.file_size_mb * (1 << 20))), str(cfg.open_files),
-                 str(prog / "solution.py")]
+        mode = "stdio"
         if test is not None:
-            args.append(str(prog / "test.py"))
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(work), "TMPDIR": str(work),
-               "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
-        cmd = self._prefix(slot) + [self.python, "-I", "-S", str(self._runner), *args]
+            mode = "assert"
+        if not self.isolated:
+            shutil.copyfile(run_dir / "solution.py", work / "solution.py")
+        cmd = self._command(slot, mode, run_dir)
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
+        if not self.isolated:
+            env["SANDBOX_PROGRAM"] = str(work / "solution.py")
+        wall = cfg.wall_seconds if wall_seconds is None else min(cfg.wall_seconds, wall_seconds)
+        oom_before = self.cgroups.oom_kills(slot) if self.cgroups else 0
         start = time.monotonic()
         proc = await asyncio.create_subprocess_exec(
             *cmd, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
@@ -206,7 +425,7 @@ class Sandbox:
         limit = asyncio.create_task(over.wait())
         status = None
         try:
-            done, _ = await asyncio.wait({waiter, limit}, timeout=cfg.wall_seconds,
+            done, _ = await asyncio.wait({waiter, limit}, timeout=max(wall, 0.0),
                                          return_when=asyncio.FIRST_COMPLETED)
             if limit in done:
                 status = "output_limit"
@@ -216,20 +435,16 @@ class Sandbox:
             # Also on cancellation (the evaluation's own deadline): nothing may outlive the run.
             for task in (feeder, limit):
                 task.cancel()
-            await self._kill(proc)
+            await self._kill(proc, slot)
             waiter.cancel()
             await self._drain(proc, readers)
         code = proc.returncode
-        stdout = bytes(out)
         if status is None:
             status = _status(code)
-            if marker is not None and status == "ok":
-                tail = stdout.rstrip(b"\n").rsplit(b"\n", 1)
-                if tail[-1] != marker.encode():
-                    status = "not_reached"
-                else:
-                    stdout = tail[0] if len(tail) == 2 else b""
-        return Run(status, code, stdout, bytes(err), time.monotonic() - start)
+            if status in ("cpu", "signal", "runtime_error") and self.cgroups is not None \
+                    and self.cgroups.oom_kills(slot) > oom_before:
+                status = "memory"  # the run's memory budget was spent; the kernel killed it
+        return Run(status, code, bytes(out), bytes(err), time.monotonic() - start)
 
     @staticmethod
     async def _feed(proc: asyncio.subprocess.Process, data: bytes) -> None:
@@ -263,9 +478,9 @@ class Sandbox:
             log.warning("sandbox.stray_writer", pid=proc.pid)
         await asyncio.gather(*readers, return_exceptions=True)
 
-    async def _kill(self, proc: asyncio.subprocess.Process) -> None:
-        """Kill the tree: PID 1 of the namespace first (the kernel then kills the rest and the
-        launcher reaps it), then the process group for whatever is left."""
+    async def _kill(self, proc: asyncio.subprocess.Process, slot: int) -> None:
+        """Kill the tree: the namespace's first process (the kernel then kills the rest),
+        bubblewrap, the process group, and whatever is still in the slot's cgroup."""
         if proc.returncode is None:
             for pid in _children(proc.pid):
                 try:
@@ -273,47 +488,29 @@ class Sandbox:
                 except ProcessLookupError:
                     pass
             try:
-                await asyncio.wait_for(proc.wait(), 1.0)
-            except asyncio.TimeoutError:
+                proc.kill()
+            except ProcessLookupError:
                 pass
-        if proc.returncode is None or not self.namespaces:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
         await proc.wait()
+        if self.cgroups is not None:
+            self.cgroups.kill_all(slot)
+
+    def close_sync(self) -> None:
+        if self.cgroups is not None:
+            self.cgroups.close()
+            self.cgroups = None
 
     async def close(self) -> None:
+        if self.cgroups is not None:
+            await asyncio.to_thread(self.close_sync)
         if self._base is not None:
             await asyncio.to_thread(shutil.rmtree, self._base, True)
             self._base = None
         self._slot_queue = None
-
-
-SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm")
-
-
-def _clean(run_dir: Path, uid: int | None) -> None:
-    """Remove the run's folder and, under a slot uid, whatever it left in the world-writable
-    temporary folders (the candidate's own TMPDIR is inside its run folder)."""
-    shutil.rmtree(run_dir, ignore_errors=True)
-    if uid is None:
-        return
-    for shared in SHARED_TMP:
-        try:
-            entries = list(os.scandir(shared))
-        except OSError:
-            continue
-        for entry in entries:
-            try:
-                if entry.stat(follow_symlinks=False).st_uid != uid:
-                    continue
-                if entry.is_dir(follow_symlinks=False):
-                    shutil.rmtree(entry.path, ignore_errors=True)
-                else:
-                    os.unlink(entry.path)
-            except OSError:
-                pass
 
 
 def _children(pid: int) -> list[int]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections import defaultdict
 from typing import Iterable, Protocol, runtime_checkable
@@ -25,7 +26,8 @@ from tandem.common.config.reward import RewardConfig
 from tandem.common.config.transport import TransportConfig
 from tandem.common.messages.reward import Score, ScoreBatch, ScoreItem
 
-from .base import AsyncReward, PureReward, RewardFunction, lookup
+from .base import AsyncReward, PureReward, RewardFunction
+from .functions import lookup
 from .pool import EvaluationTimeout, WorkerPool
 
 log = structlog.get_logger(__name__)
@@ -132,11 +134,21 @@ class LocalScorer:
         try:
             async with self._turn(fn, deadline):
                 limit = self.config.timeout
+                # A budgeted function (code) stops itself at the deadline it is given, with
+                # partial credit; its limit is `budget(item)` instead of reward.timeout.
+                budgeted = isinstance(fn, AsyncReward) and getattr(fn, "budgeted", False)
+                if budgeted:
+                    limit = fn.budget(item)
                 if deadline is not None:
                     limit = min(limit, deadline - time.monotonic())
                 if limit <= 0:
                     raise EvaluationTimeout()
-                if isinstance(fn, AsyncReward):
+                if budgeted:
+                    # it stops itself with partial credit a little before the limit, which
+                    # leaves time to kill and reap its last run
+                    stop = time.monotonic() + limit - min(0.5, 0.05 * limit)
+                    score = await asyncio.wait_for(fn.score(item, deadline=stop), limit)
+                elif isinstance(fn, AsyncReward):
                     score = await asyncio.wait_for(fn.score(item), limit)
                 elif fn.isolated:
                     # the limit runs from when a worker takes the item
@@ -190,14 +202,20 @@ class LocalScorer:
 
 
 class RemoteScorer:
-    """Scores through a tandem-reward service at `address`, in batches of `max_batch`."""
+    """Scores through a tandem-reward service at `address`, in batches of `max_batch`.
+
+    A request is resent with the same id every `resend` seconds (`reward.timeout`: one
+    evaluation's bound) until `timeout`: a service that is only busy answers it once, and one
+    restarted after it was killed with the request in flight answers the resend."""
 
     def __init__(self, address: str, *, transport: TransportConfig | None = None,
-                 timeout: float = 120.0, max_batch: int = 4096, name: str = "reward-client"):
+                 timeout: float = 120.0, max_batch: int = 4096, name: str = "reward-client",
+                 resend: float = 10.0):
         from tandem.common.rpc import RpcClient
 
         self.address = address
         self.timeout = timeout
+        self.resend = resend
         self.max_batch = max_batch
         self._client = RpcClient(address, peer="reward", transport=transport, name=name)
 
@@ -207,9 +225,12 @@ class RemoteScorer:
         if deadline is not None:
             timeout = max(0.001, min(timeout, deadline - time.monotonic()))
         chunks = [items[i:i + self.max_batch] for i in range(0, len(items), self.max_batch)]
+        attempts = max(1, math.ceil(timeout / self.resend))
         replies = await asyncio.gather(*(
-            self._client.call(ScoreBatch(items=chunk), timeout=timeout, retries=0,
-                              timeout_key="reward.request_timeout") for chunk in chunks))
+            self._client.call(ScoreBatch(items=chunk), timeout=timeout / attempts,
+                              retries=attempts - 1, ttl=timeout,
+                              timeout_key="reward.request_timeout")
+            for chunk in chunks))
         return [score for reply in replies for score in reply.scores]
 
     async def close(self) -> None:
@@ -226,5 +247,5 @@ def build_scorer(reward: RewardConfig, transport: TransportConfig | None = None)
     """The scorer the config asks for: RemoteScorer when `reward.service`, else LocalScorer."""
     if reward.service:
         return RemoteScorer(reward.address, transport=transport, timeout=reward.request_timeout,
-                            max_batch=reward.max_batch)
+                            max_batch=reward.max_batch, resend=reward.timeout)
     return LocalScorer(config=reward)

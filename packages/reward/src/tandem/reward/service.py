@@ -18,6 +18,7 @@ import structlog
 from tandem.common.config import RunConfig
 from tandem.common.errors import RequestFailed
 from tandem.common.messages.reward import GetRewardStats, RewardStats, ScoreBatch, Scores
+from tandem.common.metrics import MetricsEndpoint
 from tandem.common.rpc import CallContext, RpcServer
 
 from .scorer import LocalScorer
@@ -28,7 +29,9 @@ REPLY_MARGIN = 0.1  # of the caller's time-to-live (0.05 to 1 s) kept for stoppi
 
 
 class RewardService:
-    """`RewardService(config)`; `await start()` (the bound address), `serve()`, `close()`."""
+    """`RewardService(config)`; `await start()` (the bound address), `serve()`, `close()`.
+
+    `serve()` returns on `request_stop()`; the caller closes."""
 
     def __init__(self, config: RunConfig, *, address: str | None = None):
         self.config = config
@@ -36,25 +39,35 @@ class RewardService:
         self.scorer = LocalScorer(config=self.reward)
         self.server = RpcServer(address or self.reward.address, name="reward",
                                 transport=config.transport)
-        self.server.register(ScoreBatch, self._on_score)
+        self.server.register(ScoreBatch, self._on_score, limits={"items": self.reward.max_batch})
         self.server.register(GetRewardStats, self._on_stats)
         self.requests = 0
         self.items = 0
         self._stop = asyncio.Event()
+        self.metrics = MetricsEndpoint(config.logging.metrics, "reward", run_dir=config.run_dir)
+        self.metrics.gauge_fn("requests", "score requests served", lambda: self.requests)
+        self.metrics.gauge_fn("items", "items scored", lambda: self.items)
+        self.metrics.gauge_fn(
+            "scoring", "scoring by function: evaluated, timeouts, errors, seconds (running totals)",
+            lambda: {(fn, stat): v for fn, stats in self.scorer.stats.items()
+                     for stat, v in stats.items()}, labels=("function", "stat"))
+        self.metrics.rpc_errors(self.server)
 
     async def start(self) -> str:
         await self.scorer.start()
         bound = await self.server.start()
+        self.metrics.start()
         log.info("reward.serving", address=bound, functions=self.reward.functions,
                  workers=self.reward.workers, timeout=self.reward.timeout)
         return bound
 
     async def serve(self) -> None:
-        """Serve until `stop()` (a signal handler may call it) or `close()`."""
+        """Serve until `request_stop()` or `close()`; the caller then calls `close()`."""
         await self.start()
         await self._stop.wait()
 
-    def stop(self) -> None:
+    def request_stop(self) -> None:
+        """Ask `serve()` to return; safe from a signal handler."""
         self._stop.set()
 
     async def _on_score(self, msg: ScoreBatch, ctx: CallContext) -> Scores:
@@ -79,5 +92,6 @@ class RewardService:
         self._stop.set()
         await self.server.close()
         await self.scorer.close()
+        self.metrics.close()
         log.info("reward.stopped", requests=self.requests, items=self.items,
                  by_function={k: dict(v) for k, v in self.scorer.stats.items()})

@@ -48,7 +48,8 @@ def main() -> None:
     from tandem.common.config.reward import RewardConfig
     from tandem.common.messages.reward import ScoreItem
 
-    from .base import PureReward, lookup
+    from .base import PureReward
+    from .functions import lookup
 
     config = RewardConfig.model_validate(read_frame(stdin))
     instances: dict[str, PureReward] = {}

@@ -10,17 +10,23 @@
 - `{"asserts": ["assert f(1) == 2", ...]}` (alias `test_list`, with optional `setup` code run
   first): each assertion is one test, run after the program in the same process.
 
-Every test is its own sandboxed run; the grading (comparing output, reading the pass marker)
-happens here, outside the sandbox. The program is the last fenced code block of the response
-(```python ... ```), or the whole response when it has none. After a test ends by the wall
-clock or the CPU limit, the remaining tests are not run (they would most likely cost the same)
-and count as failed.
+Every test is its own sandboxed run. Stdio output is compared here, outside the sandbox;
+assert tests run in a harness process the candidate cannot reach, which sees the program's
+values only as plain data (see `sandbox_runner`). The program is the last fenced code block of
+the response (```python ... ```), or the whole response when it has none.
+
+Limits compose: each test has `code.cpu_seconds` and `code.wall_seconds`; the evaluation as a
+whole has a budget of (tests) × (`wall_seconds` + `STARTUP_SECONDS`) instead of
+`reward.timeout`, cut short only by the caller's deadline. When a test ends by the wall clock
+or the CPU limit, or the budget runs out, the remaining tests are not run and count as failed:
+the score is the fraction passed so far, never a blanket `timeout`.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import time
 from typing import Any
 
 from tandem.common.messages.reward import Score, ScoreItem
@@ -30,6 +36,7 @@ from ..sandbox import Run, Sandbox
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.S)
 _FATAL = {"timeout", "cpu"}
+STARTUP_SECONDS = 1.0  # per test, on top of its wall clock: building the sandbox, reaping it
 
 
 def extract_program(response: str) -> str:
@@ -83,6 +90,7 @@ class CodeReward(AsyncReward):
     """Fraction of tests passed."""
 
     one_per_worker = True
+    budgeted = True
 
     def __init__(self, config):
         super().__init__(config)
@@ -94,21 +102,37 @@ class CodeReward(AsyncReward):
     async def close(self) -> None:
         await self.sandbox.close()
 
-    async def score(self, item: ScoreItem) -> Score:
+    def budget(self, item: ScoreItem) -> float:
+        """Seconds the whole evaluation may take: it scales with the number of tests."""
+        try:
+            count = len(parse_tests(item.truth)[1])
+        except (ValueError, KeyError, TypeError):
+            count = 1  # score() reports the bad truth
+        return max(1, count) * (self.config.code.wall_seconds + STARTUP_SECONDS)
+
+    async def score(self, item: ScoreItem, *, deadline: float | None = None) -> Score:
+        """Grade every test; past `deadline` (time.monotonic()) the rest count as failed."""
         mode, tests, setup = parse_tests(item.truth)
         if not tests:
             raise ValueError("code truth has no tests")
+        if deadline is None:
+            deadline = time.monotonic() + self.budget(item)
         program = item.response
         if item.args.get("extract", True):
             program = extract_program(program)
         compare = item.args.get("compare", "lines")
         passed, first_failure = 0, ""
         for index, test in enumerate(tests):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if not first_failure:
+                    first_failure = f"test {index + 1}: budget spent"
+                break
             if mode == "stdio":
-                run = await self.sandbox.run(program, stdin=test[0].encode())
+                run = await self.sandbox.run(program, stdin=test[0].encode(), wall_seconds=left)
                 ok, why = self._grade_stdio(run, test[1], compare)
             else:
-                run = await self.sandbox.run(program, test=f"{setup}\n{test}" if setup else test)
+                run = await self.sandbox.run(program, test=test, setup=setup, wall_seconds=left)
                 ok, why = run.status == "ok", self._why(run)
             passed += ok
             if not ok and not first_failure:

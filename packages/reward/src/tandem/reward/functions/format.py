@@ -2,8 +2,10 @@
 
 Patterns (`args.pattern`): `think_answer` (default) wants exactly
 `<think>...</think>` then `<answer>...</answer>` and nothing around them; `boxed` wants a
-complete `\\boxed{...}`; `answer` wants one `<answer>...</answer>`; any other string is a
-regular expression the whole (stripped) response must match. Weight it against a correctness
+complete `\\boxed{...}` with something in it (and no other box holding a different
+answer); `answer` wants one `<answer>...</answer>`; any other string is a regular expression the whole (stripped) response must match. The built-in
+patterns read the whole response, however long, in linear time (tag counts and positions, no
+backtracking regex), so a long response keeps its leading `<think>`. Weight it against a correctness
 reward in `reward.functions`, e.g. `{math: 1.0, format: 0.1}`.
 """
 
@@ -15,9 +17,7 @@ from functools import lru_cache
 from tandem.common.messages.reward import Score, ScoreItem
 
 from ..base import PureReward, register, result
-from ..text import MAX_RESPONSE_CHARS, last_boxed
-
-_THINK_ANSWER = re.compile(r"<think>(.+?)</think>\s*<answer>(.+?)</answer>", re.S)
+from ..text import MAX_RESPONSE_CHARS, last_boxed, several_boxed
 
 
 @lru_cache(maxsize=64)
@@ -32,24 +32,40 @@ def _compiled(pattern: str) -> re.Pattern:
 class FormatReward(PureReward):
     """1.0 when the response has the required structure, else 0.0 with what is missing."""
 
+    isolated = True  # under the per-item time limit (a custom pattern may backtrack)
+
     def score(self, item: ScoreItem) -> Score:
-        text = item.response[-MAX_RESPONSE_CHARS:].strip()
+        text = item.response.strip()
         pattern = item.args.get("pattern", "think_answer")
         if pattern == "think_answer":
             return self._think_answer(text)
         if pattern == "boxed":
-            ok = last_boxed(text) is not None
-            return result(ok, "ok" if ok else "no complete \\boxed{...}", boxed=ok)
+            boxed = last_boxed(text)
+            hedge = several_boxed(text)
+            ok = boxed is not None and boxed.strip() != "" and not hedge
+            why = "ok" if ok else ("several different boxed answers" if hedge else
+                                   "empty \\boxed{}" if boxed is not None
+                                   else "no complete \\boxed{...}")
+            return result(ok, why, boxed=ok)
         if pattern == "answer":
-            n = len(re.findall(r"<answer>.+?</answer>", text, re.S))
-            return result(n == 1, "ok" if n == 1 else f"{n} <answer> blocks, want 1", answer=n == 1)
-        ok = _compiled(pattern).fullmatch(text) is not None
+            opens, closes = text.count("<answer>"), text.count("</answer>")
+            ok = opens == 1 and closes == 1 and text.find("<answer>") < text.find("</answer>") \
+                and text[text.find("<answer>") + 8:text.find("</answer>")].strip() != ""
+            why = "ok" if ok else f"{opens} <answer> and {closes} </answer>, want one non-empty"
+            return result(ok, why, answer=ok)
+        # a user's regex: bounded input, and the worker's time limit for the rest
+        ok = _compiled(pattern).fullmatch(text[-MAX_RESPONSE_CHARS:]) is not None
         return result(ok, "ok" if ok else "does not match the pattern", match=ok)
 
     def _think_answer(self, text: str) -> Score:
         think = text.count("<think>") == 1 and text.count("</think>") == 1
         answer = text.count("<answer>") == 1 and text.count("</answer>") == 1
-        ok = think and answer and _THINK_ANSWER.fullmatch(text) is not None
+        ok = False
+        if think and answer and text.startswith("<think>") and text.endswith("</answer>"):
+            t_end, a_start = text.find("</think>"), text.find("<answer>")
+            ok = (7 < t_end < a_start and text[7:t_end].strip() != ""
+                  and text[t_end + 8:a_start].strip() == ""
+                  and text[a_start + 8:-9].strip() != "")
         if ok:
             reason = "ok"
         elif not think:

@@ -1,9 +1,10 @@
 """`math`: is the response's final answer mathematically equal to the gold answer?
 
 Equality is decided by math-verify (LaTeX and plain expressions, boxed answers, fractions
-against decimals, sets, intervals, units in \\text{} stripped). Parsing can take unbounded time
-on pathological input, and math-verify's own limit is a SIGALRM that only works on the main
-thread; so this function is `isolated`: the scorer runs it in a worker process and kills the
+against decimals, sets, intervals, units in \\text{} stripped). Several different boxed
+answers are a hedge and score 0; one boxed answer is the final answer. Parsing can take
+unbounded time on pathological input, and math-verify's own limit is a SIGALRM that only works
+on the main thread; so this function is `isolated`: the scorer runs it in a worker process and kills the
 worker when it overruns `reward.timeout`.
 """
 
@@ -15,7 +16,7 @@ from typing import Any
 from tandem.common.messages.reward import Score, ScoreItem
 
 from ..base import PureReward, register, result
-from ..text import MAX_RESPONSE_CHARS, fold_width, last_boxed
+from ..text import MAX_RESPONSE_CHARS, fold_width, last_boxed, several_boxed
 
 
 def _gold_text(truth: Any) -> str:
@@ -47,6 +48,9 @@ class MathReward(PureReward):
             return result(0.0, f"gold answer {item.truth!r} could not be parsed",
                           correct=0.0, parsed=0.0)
         response = fold_width(item.response[-MAX_RESPONSE_CHARS:])
+        if several_boxed(response):
+            return result(0.0, "hedged: several different boxed answers", correct=0.0,
+                          parsed=0.0)
         boxed = last_boxed(response)
         if boxed is not None:  # the last box is the final answer; math-verify would join all
             response = f"\\boxed{{{boxed}}}"

@@ -47,7 +47,7 @@ class RewardModelReward(AsyncReward):
         import torch
         from transformers import AutoModelForSequenceClassification
 
-        from tandem.common.hf import load_tokenizer
+        from tandem.weights.hf import load_tokenizer
 
         tokenizer = load_tokenizer(self.settings.path)
         tokenizer.truncation_side = "left"

@@ -23,14 +23,14 @@ from typing import Any
 from tandem.common.messages.reward import Score, ScoreItem
 
 from ..base import PureReward, register, result
-from ..text import MAX_RESPONSE_CHARS, final_answer, fold_width
+from ..text import MAX_RESPONSE_CHARS, final_answer, fold_width, listed_numbers, several_boxed
 
 _NUM = r"[-+]?\d+(?:\.\d+)?"
 _PAIRS = re.compile(
     rf"\(\s*({_NUM})\s*,\s*({_NUM})\s*\)\s*,?\s*\(\s*({_NUM})\s*,\s*({_NUM})\s*\)")
 _QUAD = re.compile(rf"[\[\(]\s*({_NUM})\s*,\s*({_NUM})\s*,\s*({_NUM})\s*,\s*({_NUM})\s*[\]\)]")
 _POINT = re.compile(rf"[\[\(]\s*({_NUM})\s*,\s*({_NUM})\s*[\]\)]")
-_COUNT = re.compile(r"[-+]?\d+")
+_COUNT = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
 
 Box = tuple[float, float, float, float]
 
@@ -39,9 +39,14 @@ def _valid(box: Box) -> bool:
     return all(math.isfinite(v) for v in box) and box[2] >= box[0] and box[3] >= box[1]
 
 
+def _plain(text: str) -> str:
+    """Width folded and whitespace runs made one space, so no pattern meets a long run."""
+    return " ".join(fold_width(text[:MAX_RESPONSE_CHARS]).split())
+
+
 def parse_boxes(text: str) -> tuple[list[Box], int]:
     """(well-formed boxes in order of appearance, count of malformed ones)."""
-    text = fold_width(text[:MAX_RESPONSE_CHARS])
+    text = _plain(text)
     found: list[tuple[int, Box]] = []
     taken = []
     for match in _PAIRS.finditer(text):
@@ -56,7 +61,7 @@ def parse_boxes(text: str) -> tuple[list[Box], int]:
 
 
 def parse_point(text: str) -> tuple[float, float] | None:
-    match = _POINT.search(fold_width(text[:MAX_RESPONSE_CHARS]))
+    match = _POINT.search(_plain(text))
     return (float(match.group(1)), float(match.group(2))) if match else None
 
 
@@ -81,6 +86,8 @@ def _gold_box(value: Any, key: str) -> Box:
 class VisionReward(PureReward):
     """IoU, point-in-box or count accuracy, by what `truth` holds."""
 
+    isolated = True  # under the per-item time limit like every function, off the event loop
+
     def score(self, item: ScoreItem) -> Score:
         truth = item.truth if isinstance(item.truth, dict) else {}
         if "box" in truth:
@@ -96,10 +103,17 @@ class VisionReward(PureReward):
             return result(inside, "inside" if inside else f"point {point} outside", inside=inside)
         if "count" in truth:
             want = int(truth["count"])
-            match = _COUNT.findall(fold_width(final_answer(item.response)))
+            said = _plain(final_answer(item.response))
+            if listed_numbers(said) > 1 or several_boxed(item.response[-MAX_RESPONSE_CHARS:]):
+                return result(0.0, f"hedged: a list of counts {said[:60]!r}", correct=0.0)
+            match = _COUNT.findall(said)
             if not match:
                 return result(0.0, "no count found", correct=0.0)
-            got = int(match[-1])
+            value = float(match[-1].replace(",", ""))  # "1,000" is a thousand, "4.5" is 4.5
+            if not value.is_integer():
+                return result(0.0, f"count {match[-1]} is not a whole number", correct=0.0,
+                              error=abs(value - want))
+            got = int(value)
             ok = got == want
             return result(ok, "correct" if ok else f"counted {got}, want {want}", correct=ok,
                           error=abs(got - want))
@@ -126,7 +140,10 @@ class VisionReward(PureReward):
                 used_p.add(i)
                 used_g.add(j)
                 total += overlap
-        denom = max(len(gold), len(boxes)) or 1
+        if not gold and not boxes:  # nothing to find, and nothing claimed: right
+            return result(1.0, "no gold boxes and none predicted", matched=0, predicted=0,
+                          mean_iou=1.0)
+        denom = max(len(gold), len(boxes))
         score = total / denom
         return result(score, f"{len(used_g)}/{len(gold)} gold boxes matched, {len(boxes)} "
                              f"predicted, {malformed} malformed", matched=len(used_g),
