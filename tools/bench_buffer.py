@@ -34,7 +34,7 @@ import numpy as np
 
 from tandem.buffer import SqliteStore
 from tandem.buffer.rows import to_row
-from tandem.buffer.sqlite import SCHEMA
+from tandem.buffer.schema import SCHEMA
 from tandem.common.messages import (
     AckLease, Experience, GetBufferStats, PutExperiences, SampleGroups, experience_id, group_id,
 )

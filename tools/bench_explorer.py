@@ -9,7 +9,7 @@ a shared machine whose load drifts between rounds.
     .venv/bin/python tools/bench_explorer.py [--batches 1,8,64] [--max-tokens 64] [--threads 1]
                                              [--repeats 7] [--model DIR --device cuda] [--out PATH]
 
-Without `--model` it builds the tiny test model (tandem.common.tiny) in a temporary folder.
+Without `--model` it builds the tiny test model (tandem.weights.tiny) in a temporary folder.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def main() -> None:
     tmp = None
     model_path = args.model
     if model_path is None:
-        from tandem.common.tiny import build_tiny_model
+        from tandem.weights.tiny import build_tiny_model
 
         tmp = tempfile.TemporaryDirectory()
         model_path = tmp.name
@@ -125,7 +125,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "benchmark": "explorer", "device": args.device, "model": str(model_path) if args.model
-        else "tiny (tandem.common.tiny)", "torch": torch.__version__,
+        else "tiny (tandem.weights.tiny)", "torch": torch.__version__,
         "threads": torch.get_num_threads(), "machine": platform.machine(), "rows": rows}, indent=2))
     print(f"wrote {out}")
     engine.close()

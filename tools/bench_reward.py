@@ -7,8 +7,9 @@ Math: a mix of typical final answers (fractions, decimals, sets, intervals, wron
 (a) on the main thread straight through math-verify (no isolation, the floor of the cost),
 (b) by a LocalScorer, whose worker processes enforce the time limit, and (c) by the
 tandem-reward service in its own process over loopback RPC. Code: a trivial passing program
-with 5 stdin/stdout tests, each test one sandboxed run (fresh network and PID namespaces,
-rlimits), in-process and through the service. The paths take turns in `--rounds` slices in the
+with 5 stdin/stdout tests, each test one sandboxed run (bubblewrap: a minimal read-only root,
+fresh PID, network, IPC and UTS namespaces, a tmpfs /tmp, a memory cgroup, rlimits, the slot's
+uid), in-process and through the service. The paths take turns in `--rounds` slices in the
 same run, never at once, so they neither share the CPUs nor see different machine load.
 """
 

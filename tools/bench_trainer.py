@@ -39,7 +39,7 @@ import torch
 def build_model(kind: str, path: Path, layers: int):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from tandem.common.tiny import build_tiny_model
+    from tandem.weights.tiny import build_tiny_model
 
     if kind == "tiny":
         build_tiny_model(path)

@@ -16,6 +16,11 @@ Synthetic tensors with the shapes of Qwen2.5-0.5B (scaled in layers and vocabula
     python tools/bench_weights.py                       # 50M params (100 MB), about a minute
     python tools/bench_weights.py --params 500000000    # 0.5B params (1 GB)
     python tools/bench_weights.py --device cuda         # NCCL, where there is a GPU
+    python tools/bench_weights.py --transport fetch     # weights.transport: fetch (below)
+
+`--transport fetch` measures the time to bring one published version to 1, 2 and 4 explorers
+(separate processes, each a `WeightFetcher` writing its own folder) from a `WeightServer` in a
+process of its own, next to a single-stream raw file copy of the same shards (+ fsync).
 
 With `--device cuda` the two processes use cuda:0 and cuda:1 (or both cuda:0 when only one
 GPU exists, which NCCL may refuse; the run then reports CUDA-to-CUDA copies instead and says so).
@@ -79,7 +84,7 @@ def receiver_main(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from tandem.common.weights import WeightReceiver
+    from tandem.weights import WeightReceiver
 
     device = args.receiver_device
     raw = dist.TCPStore("127.0.0.1", args.flat_port, None, False,
@@ -129,6 +134,150 @@ def flat_broadcast(pg, tensor) -> None:
         torch.cuda.synchronize(tensor.device)
 
 
+# ---------------------------------------------------------------- weights.transport: fetch
+
+
+def fetch_server_main(args) -> None:
+    import asyncio
+    import signal
+
+    from tandem.weights.fetch import WeightServer
+
+    async def serve() -> None:
+        server = WeightServer(args.workdir, "tcp://127.0.0.1:0", streams=args.streams,
+                              max_chunk_bytes=args.chunk_mib * 2**20)
+        print(await server.start(), flush=True)
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        await stop.wait()
+        await server.close()
+
+    asyncio.run(serve())
+
+
+def fetcher_main(args) -> None:
+    import asyncio
+
+    from tandem.weights.fetch import WeightFetcher
+
+    async def run() -> None:
+        fetcher = WeightFetcher(args.dest, args.address, chunk_bytes=args.chunk_mib * 2**20,
+                                window=args.window, timeout=300.0, client_name=Path(args.dest).name)
+        loop = asyncio.get_running_loop()
+        for round_ in range(args.repeat):
+            print("ready", flush=True)
+            await loop.run_in_executor(None, sys.stdin.readline)  # "go"
+            await fetcher.fetch(1)
+            print("done", flush=True)
+            await loop.run_in_executor(None, sys.stdin.readline)  # "clear": forget the copy
+            shutil.rmtree(Path(args.dest) / "weights", ignore_errors=True)
+        await fetcher.close()
+
+    asyncio.run(run())
+
+
+def expect(proc, word: str) -> None:
+    while (line := proc.stdout.readline()) and line.strip() != word:
+        pass
+    if not line:
+        raise RuntimeError(f"a fetcher process ended before saying {word!r}")
+
+
+def bench_fetch(tensors, args, workdir: Path) -> tuple[dict[str, list[float]], dict]:
+    """Raw single-stream copy vs fetch to 1, 2 and 4 explorers, interleaved per round."""
+    from tandem.weights import WeightPublisher, version_dir
+
+    trainer = workdir / "trainer"
+    WeightPublisher(trainer, shard_bytes=args.shard_mib * 2**20).publish(1, tensors)
+    shards = sorted(version_dir(trainer, 1).glob("*.safetensors"))
+    me = [sys.executable, __file__, "--chunk-mib", str(args.chunk_mib)]
+    server = subprocess.Popen([*me, "--role", "fetch-server", "--workdir", str(trainer),
+                               "--streams", str(args.streams)],
+                              stdout=subprocess.PIPE, text=True)
+    times: dict[str, list[float]] = {"raw file copy (1 stream, + fsync)": []}
+    counts = (1, 2, 4)
+    procs = {}
+    try:
+        address = server.stdout.readline().strip()
+        for n in counts:
+            times[f"fetch to {n} explorer{'s' if n > 1 else ''}"] = []
+            procs[n] = [subprocess.Popen(
+                [*me, "--role", "fetcher", "--address", address, "--window", str(args.window),
+                 "--repeat", str(args.repeat), "--dest", str(workdir / f"n{n}-explorer-{i}")],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for i in range(n)]
+        for _ in range(args.repeat):
+            copy_dir = workdir / "copy"
+            copy_dir.mkdir()
+            start = time.perf_counter()
+            for shard in shards:
+                shutil.copyfile(shard, copy_dir / shard.name)
+                fd = os.open(copy_dir / shard.name, os.O_RDONLY)
+                os.fsync(fd)
+                os.close(fd)
+            times["raw file copy (1 stream, + fsync)"].append(time.perf_counter() - start)
+            shutil.rmtree(copy_dir)
+            for n in counts:
+                group = procs[n]
+                for p in group:
+                    expect(p, "ready")
+                start = time.perf_counter()
+                for p in group:
+                    p.stdin.write("go\n")
+                    p.stdin.flush()
+                for p in group:
+                    expect(p, "done")
+                times[f"fetch to {n} explorer{'s' if n > 1 else ''}"].append(
+                    time.perf_counter() - start)
+                for p in group:
+                    p.stdin.write("clear\n")
+                    p.stdin.flush()
+        for group in procs.values():
+            for p in group:
+                p.wait(timeout=60)
+    finally:
+        for group in procs.values():
+            for p in group:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        server.terminate()
+        server.wait(timeout=30)
+    info = {"shards": len(shards), "shard_bytes": args.shard_mib * 2**20,
+            "chunk_bytes": args.chunk_mib * 2**20, "window": args.window,
+            "streams": args.streams}
+    return times, info
+
+
+def fetch_report(args, tensors, nbytes: int) -> None:
+    workdir = Path(tempfile.mkdtemp(prefix="bench-fetch-", dir=args.workdir))
+    try:
+        times, info = bench_fetch(tensors, args, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    copy = median(times["raw file copy (1 stream, + fsync)"])
+    rows = {}
+    for name, ts in times.items():
+        n = int(name.split()[2]) if name.startswith("fetch") else 1
+        rows[name] = {"median_s": median(ts), "min_s": min(ts), "runs_s": ts,
+                      "GB_per_s_per_explorer": nbytes / 1e9 / median(ts),
+                      "GB_per_s_total": n * nbytes / 1e9 / median(ts),
+                      "vs_raw_copy": median(ts) / copy}
+    width = max(map(len, rows))
+    print(f"\n{'measurement':<{width}}  {'median s':>9}  {'min s':>7}  {'GB/s each':>9}  "
+          f"{'GB/s all':>8}  {'vs copy':>7}")
+    for name, row in rows.items():
+        print(f"{name:<{width}}  {row['median_s']:>9.3f}  {row['min_s']:>7.3f}  "
+              f"{row['GB_per_s_per_explorer']:>9.2f}  {row['GB_per_s_total']:>8.2f}  "
+              f"{row['vs_raw_copy']:>6.2f}x")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "transport": "fetch", "bytes": nbytes, "tensors": len(tensors), "repeat": args.repeat,
+        "cpus": os.cpu_count(), "load_average": os.getloadavg(), **info, "results": rows},
+        indent=1))
+    print(f"\nwrote {out}")
+
+
 # ---------------------------------------------------------------- sender side
 
 
@@ -143,7 +292,7 @@ def bench_files(tensors, repeat: int, workdir: Path) -> dict[str, list[float]]:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from tandem.common.weights import WeightPublisher, WeightSubscriber
+    from tandem.weights import WeightPublisher, WeightSubscriber
 
     cpu = [(n, t.cpu()) for n, t in tensors]
     dest = {n: torch.empty_like(t) for n, t in cpu}
@@ -196,7 +345,7 @@ def bench_broadcast(tensors, repeat: int, bucket_bytes: int, device: str,
     import torch
     import torch.distributed as dist
 
-    from tandem.common.weights import WeightBroadcaster
+    from tandem.weights import WeightBroadcaster
 
     total = sum(t.numel() for _, t in tensors)
     raw = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=120),
@@ -266,6 +415,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads in both processes (on a small shared machine "
                              "more threads than free cores makes every copy slower and noisier)")
+    parser.add_argument("--transport", default="checkpoint", choices=["checkpoint", "fetch"],
+                        help="fetch: weights.transport fetch to 1, 2 and 4 explorers vs a copy")
+    parser.add_argument("--chunk-mib", type=int, default=8, help="fetch: weights.fetch_chunk_bytes")
+    parser.add_argument("--window", type=int, default=4, help="fetch: weights.fetch_window")
+    parser.add_argument("--streams", type=int, default=8, help="fetch: weights.fetch_streams")
+    parser.add_argument("--shard-mib", type=int, default=2048, help="fetch: weights.shard_bytes")
+    parser.add_argument("--address", help=argparse.SUPPRESS)
+    parser.add_argument("--dest", help=argparse.SUPPRESS)
     parser.add_argument("--role", default="sender", help=argparse.SUPPRESS)
     parser.add_argument("--flat-port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--rendezvous", help=argparse.SUPPRESS)
@@ -276,6 +433,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.role == "receiver":
         receiver_main(args)
+        return
+    if args.role in ("fetch-server", "fetcher"):
+        from tandem.common.logging import configure_logging
+
+        configure_logging(args.role, level="warning")
+        (fetch_server_main if args.role == "fetch-server" else fetcher_main)(args)
         return
 
     from tandem.common.logging import configure_logging
@@ -291,6 +454,9 @@ def main() -> None:
           f"repeat {args.repeat}, buckets {args.bucket_mib} MiB, device {args.device}, "
           f"{os.cpu_count()} CPUs, {args.threads} torch threads", flush=True)
 
+    if args.transport == "fetch":
+        fetch_report(args, tensors, nbytes)
+        return
     workdir = Path(tempfile.mkdtemp(prefix="bench-weights-", dir=args.workdir))
     try:
         times = bench_files(tensors, args.repeat, workdir)

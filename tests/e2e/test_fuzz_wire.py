@@ -1,0 +1,30 @@
+"""A live run survives hostile frames at every RPC socket: no crash, no lasting memory, and
+the run still finishes with every step trained (the short version of tools/fuzz_wire.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+import fuzz_wire  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads RSS from /proc")
+def test_fuzzed_sockets_cost_no_crash_no_memory_and_the_run_finishes(tmp_path, tiny_model_dir):
+    report = fuzz_wire.fuzz_run(tmp_path, tiny_model_dir, frames=1000, steps=60, seed=1)
+    assert report["crashes"] == 0, report["targets"]
+    for name, target in report["targets"].items():
+        assert sum(target["sent"].values()) == 1000
+        assert target["replies"].get("internal", 0) == 0
+        errors = sum(n for code, n in target["replies"].items() if code != "ok")
+        assert errors > 100, f"{name} answered only {errors} hostile requests with an error"
+        growth = target["rss_after_kib"] - target["rss_before_kib"]
+        assert growth < 40 * 1024, f"{name} grew by {growth / 1024:.0f} MB"
+    assert report["finished"], report["up_tail"]
+    assert not report["run_ended_before_fuzzing"]
+    assert fuzz_wire.component_pids(tmp_path / "run") == {}
