@@ -2,6 +2,7 @@
 
     checkpoints/step_00000012/
         model/                    Hugging Face folder (save_pretrained, safetensors) + tokenizer
+        adapter/                  instead of model/ with model.lora: the peft adapters only
         value_head.safetensors    PPO value head (gae only)
         optimizer.pt              AdamW state, keyed by parameter name (portable across ranks)
         scheduler.pt, rng.pt      LR schedule position; torch / numpy / python RNG states
@@ -116,12 +117,14 @@ def save(learner: "Learner", root: Path, *, lineage: str | None = None) -> Path 
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         policy = {k[len("model."):]: v for k, v in model_state.items() if k.startswith("model.")}
-        learner.actor.model.save_pretrained(str(tmp / "model"), state_dict=policy,
+        # LoRA: the adapters only (peft's save_pretrained keeps the adapter entries of `policy`)
+        folder = tmp / ("adapter" if learner.lora is not None else "model")
+        learner.actor.model.save_pretrained(str(folder), state_dict=policy,
                                             safe_serialization=True)
         source = Path(learner.config.model.path)
         for name in TOKENIZER_FILES:
             if (source / name).exists():
-                shutil.copy2(source / name, tmp / "model" / name)
+                shutil.copy2(source / name, folder / name)
         value = {k[len("value_head."):]: v.contiguous() for k, v in model_state.items()
                  if k.startswith("value_head.")}
         if value:

@@ -35,6 +35,7 @@ from .batch import (
     TrainBatch, build_batch, dpo_pairs, mini_batch_rows, plan_micro_batches, shard_rows)
 from .distributed import DistInfo, gradient_sync, resolve_device, wrap
 from .forward import Actor, token_logprobs
+from .lora import add_adapters, merged_state
 from .metrics import MetricAccumulator, combine_updates
 
 log = structlog.get_logger(__name__)
@@ -76,8 +77,15 @@ class Learner:
         self.temperature = temperature if temperature > 0 else 1.0
         self.resume_from = Path(resume_from) if resume_from is not None else None
 
-        model_path = self.resume_from / "model" if self.resume_from else Path(config.model.path)
-        model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
+        lora = self.lora = config.model.lora
+        if lora is not None:
+            # the base is always model.path; a checkpoint holds the adapters only
+            model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=torch.float32)
+            model = add_adapters(model, lora, config.model.path,
+                                 self.resume_from / "adapter" if self.resume_from else None)
+        else:
+            model_path = self.resume_from / "model" if self.resume_from else Path(config.model.path)
+            model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
         self.pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
         if tc.gradient_checkpointing:
             model.gradient_checkpointing_enable(
@@ -97,9 +105,10 @@ class Learner:
             self.reference = AutoModelForCausalLM.from_pretrained(ref_path, dtype=ref_dtype)
             self.reference.to(self.device).eval().requires_grad_(False)
 
+        # with LoRA only the adapters (and a value head) train: the optimiser holds just them
         self.optimizer = torch.optim.AdamW(
-            self.wrapped.parameters(), lr=tc.lr, betas=tc.betas, eps=tc.adam_eps,
-            weight_decay=tc.weight_decay)
+            [p for p in self.wrapped.parameters() if p.requires_grad], lr=tc.lr,
+            betas=tc.betas, eps=tc.adam_eps, weight_decay=tc.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_multiplier(s, tc.warmup_steps, tc.schedule,
                                                     tc.total_steps, tc.min_lr_ratio))
@@ -361,18 +370,18 @@ class Learner:
     # -- weights and checkpoints ---------------------------------------------------------------
 
     def policy_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
-        """The policy's weights with Hugging Face names, on CPU (a collective under FSDP).
+        """The policy's weights with Hugging Face names, on CPU (a collective under FSDP); with
+        LoRA, the base weights with the adapters merged in.
 
         On CPU without FSDP these are the live parameters, not copies: use them before the next
         step (publishing does) or clone them.
         """
         full = ckpt.full_model_state(self.actor, self.mode)
-        out = {}
-        for name, tensor in full.items():
-            if name.startswith("model."):
-                t = tensor.detach().to("cpu")
-                out[name[len("model."):]] = t.to(dtype) if dtype is not None else t
-        return out
+        policy = {name[len("model."):]: tensor.detach().to("cpu") for name, tensor in full.items()
+                  if name.startswith("model.")}
+        if self.lora is not None:  # W + (alpha / r) B A: full weights for every engine
+            policy = merged_state(policy, self.lora)
+        return {name: t.to(dtype) if dtype is not None else t for name, t in policy.items()}
 
     def save_checkpoint(self, root: str | Path) -> Path | None:
         """Write checkpoints/step_N (every rank must call it; rank 0 writes)."""

@@ -13,7 +13,7 @@ from .explorer import EngineConfig, ExplorerConfig, SamplingConfig
 from .loader import apply_override, interpolate_env, load, read_yaml, validate
 from .logs import LoggingConfig
 from .master import MasterConfig, TasksetConfig
-from .model import ModelConfig
+from .model import LoraConfig, ModelConfig
 from .placement import PlacementConfig
 from .reward import RewardConfig
 from .sync import PRESETS, SyncConfig
@@ -66,6 +66,15 @@ class RunConfig(Section):
                              f"of a step; lower trainer.mini_batches")
         return self
 
+    @model_validator(mode="after")
+    def _lora_transfer_built(self) -> "RunConfig":
+        if self.weights.lora_transfer == "adapter":
+            raise ValueError(
+                "weights.lora_transfer: adapter (only the adapters, loaded through vLLM's LoRA "
+                "API) is not built yet; use weights.lora_transfer: merged, which works with "
+                "every engine")
+        return self
+
     @property
     def run_path(self) -> Path:
         return Path(self.run_dir)
@@ -102,7 +111,7 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
 
 
 __all__ = [
-    "BufferConfig", "CurveConfig", "EngineConfig", "ExplorerConfig", "LoggingConfig",
+    "BufferConfig", "CurveConfig", "EngineConfig", "ExplorerConfig", "LoggingConfig", "LoraConfig",
     "MasterConfig", "ModelConfig", "PRESETS", "PlacementConfig", "RewardConfig", "RunConfig", "SamplingConfig",
     "Section", "SyncConfig", "TasksetConfig", "TrainerConfig", "TransportConfig", "UpConfig", "WeightsConfig",
     "apply_override", "interpolate_env", "load", "load_config", "read_yaml", "validate",

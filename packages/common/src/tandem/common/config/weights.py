@@ -61,6 +61,11 @@ class WeightsConfig(Section):
         description="transport fetch: explorers the trainer serves at once; the others are "
                     "answered busy and retry, so the trainer has at most fetch_streams x "
                     "fetch_window chunks in flight however many explorers fetch")
+    lora_transfer: Literal["merged", "adapter"] = Field(
+        default="merged",
+        description="with model.lora: merged = explorers get full weights with the adapters "
+                    "folded in (every engine); adapter = only the adapters, for vLLM's LoRA API "
+                    "(not built yet: refused at load)")
 
     @field_validator("fetch_address")
     @classmethod
