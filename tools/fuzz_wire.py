@@ -12,8 +12,9 @@ as a request, unknown types, bad versions, ids and bodies). Each socket is hit f
 client identities in turn. It counts the messages sent, the error replies by code, crashes
 (a component that died or restarted, or an `internal` reply: a handler that failed), and reads
 every component's RSS (`VmRSS` in /proc/PID/status) before and after, with the peak (`VmHWM`).
-Then it lets the run finish and checks its data: exit code 0, every step trained, the buffer
-database passes SQLite's integrity check. Prints a table and writes JSON.
+Then it lets the run finish (or, with `then="stop"` as the test uses, train a few more steps
+and stop on SIGTERM) and checks its data: exit code 0, every step trained, the buffer database
+passes SQLite's integrity check. Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -292,8 +293,14 @@ def _wait(predicate, timeout: float, what: str, proc: subprocess.Popen):
 
 
 def fuzz_run(workdir: Path, model_dir: Path, *, frames: int, steps: int, seed: int = 0,
-             settle: float = 2.0, run_timeout: float = 900.0) -> dict:
-    """Fuzz a live `tandem up` run in `workdir`; returns the report (see the module doc)."""
+             settle: float = 2.0, run_timeout: float = 900.0, then: str = "finish",
+             more_steps: int = 3) -> dict:
+    """Fuzz a live `tandem up` run in `workdir`; returns the report (see the module doc).
+
+    `then="finish"` lets the run train all `steps` afterwards; `then="stop"` waits for
+    `more_steps` trained after the fuzzing and stops the run with SIGTERM, which must end it
+    cleanly (exit 0): a run of many steps then always outlasts the fuzzing, however fast the
+    machine trains."""
     config = write_config(workdir, model_dir, steps)
     run_dir = workdir / "run"
     tandem = str(Path(sys.executable).parent / "tandem")
@@ -340,7 +347,14 @@ def fuzz_run(workdir: Path, model_dir: Path, *, frames: int, steps: int, seed: i
                 info["rss_after_kib"], info["rss_peak_kib"] = rss_kib(info["pid"])
             info["crashes"] = int(not info["same_process"]) + info["internal_replies"]
         report["fuzz_seconds"] = round(time.monotonic() - started, 1)
-        report["steps_when_fuzz_ended"] = trained_steps(run_dir)
+        report["steps_when_fuzz_ended"] = fuzz_end = trained_steps(run_dir)
+        if then == "stop" and proc.poll() is None:
+            try:
+                _wait(lambda: trained_steps(run_dir) >= fuzz_end + more_steps, run_timeout,
+                      f"{more_steps} steps trained after the fuzzing", proc)
+            except RuntimeError as exc:
+                report["stop_error"] = str(exc)
+            proc.terminate()
         try:
             report["exit_code"] = proc.wait(timeout=run_timeout)
         except subprocess.TimeoutExpired:
@@ -361,8 +375,13 @@ def fuzz_run(workdir: Path, model_dir: Path, *, frames: int, steps: int, seed: i
             report["buffer_db"] = conn.execute("PRAGMA integrity_check").fetchone()[0]
     else:
         report["buffer_db"] = "missing"
-    report["finished"] = (report["exit_code"] == 0 and report["steps_trained"] == steps
-                          and report["buffer_db"] == "ok")
+    if then == "stop":  # trained on after the fuzzing and stopped cleanly when told to
+        trained = report["steps_trained"] >= report.get("steps_when_fuzz_ended", 0) + more_steps
+    else:
+        trained = report["steps_trained"] == steps
+    # `tandem up` stopped by SIGTERM exits 130 once every component stopped cleanly
+    ended = report["exit_code"] == (130 if then == "stop" else 0)
+    report["finished"] = ended and trained and report["buffer_db"] == "ok"
     report["crashes"] = sum(t.get("crashes", 1) for t in report["targets"].values())
     report["up_tail"] = out_path.read_text()[-2000:]
     return report

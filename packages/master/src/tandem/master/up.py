@@ -410,7 +410,9 @@ class Supervisor:
         `tandem timeline` so the exit code does not wait for matplotlib."""
         from .timeline import load_timeline, render_png, summary_rows
 
-        rows: list[tuple[str, str]] = [("result", "finished" if code == 0 else f"failed ({code})")]
+        result = ("finished" if code == 0 else f"stopped by {self._stop_reason} ({code})"
+                  if code == 130 and self._stop_reason else f"failed ({code})")
+        rows: list[tuple[str, str]] = [("result", result)]
         rewards = [r for _, r in sorted(self.progress.rewards)]
         if rewards:
             last = rewards[-10:]
