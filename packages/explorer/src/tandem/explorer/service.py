@@ -49,6 +49,7 @@ from tandem.common.trace import Tracer
 
 from .engine import Engine
 from .engines import create_engine
+from .evaluation import Evaluator
 from .rewards import RewardScorer, create_scorer
 from .sampling import SamplingParams
 from .weights import WeightLoader
@@ -74,6 +75,7 @@ class Explorer:
         self.sampling = SamplingParams.from_config(self.cfg.sampling)
         self.workflow: Workflow | None = None
         self.loader: WeightLoader | None = None
+        self.evaluator: Evaluator | None = None  # this explorer evaluates (`eval.explorer`)
         self.tracer = Tracer(config.run_dir if config.logging.trace else None, name)
         self.master = RpcClient(config.master.address, peer="master",
                                 transport=config.transport, name=name)
@@ -123,6 +125,9 @@ class Explorer:
                                         self.cfg.workflow_args)
         if self.scorer is None and isinstance(self.workflow, SingleTurn):
             self.scorer = create_scorer(self.config.reward, self.config.transport, name=self.name)
+        ev = self.config.eval
+        if ev.enabled and (ev.explorer or self.config.explorers[0].name) == self.name:
+            self.evaluator = Evaluator(self.config, self.name)
         fetcher = None
         if self.config.weights.transport == "fetch":
             from tandem.weights.fetch import WeightFetcher
@@ -210,6 +215,8 @@ class Explorer:
                 raise
             if not more:
                 break
+        if self.evaluator is not None and self.evaluator.cfg.at_end and not self._stopping:
+            await self._evaluate_at_end()
 
     async def _release_lease(self, reason: str) -> None:
         """Hand an unfinished lease back at once (best effort: if the master cannot be reached,
@@ -316,6 +323,8 @@ class Explorer:
                                   method=barrier.method) as attrs:
                 stats = await self.loader.load(barrier.version, barrier.method, rendezvous)
                 attrs.update(stats)
+        if self.evaluator is not None and self.evaluator.due(engine.version):
+            await self._evaluate(step=barrier.step)
         try:
             lease = await self.master.call(
                 LeaseTasks(explorer=self.name, count=self.cfg.batch_size, step=barrier.step),
@@ -373,6 +382,31 @@ class Explorer:
                  version=barrier.version, experiences=len(experiences),
                  seconds=round(rollout_s, 3), reward=round(metrics["reward_mean"], 4))
         return True
+
+    async def _evaluate(self, *, step: int | None, final: bool = False) -> None:
+        """The eval tasksets on the weights the engine holds (between steps: no lease open)."""
+        version = self.engine.version
+        with self.tracer.span("eval", step=step, version=version, final=final) as attrs:
+            rows = await self.evaluator.evaluate(self.engine, self.workflow, self.scorer,
+                                                 version=version, step=step, final=final)
+            attrs.update(tasks=sum(r["tasks"] for r in rows),
+                         **{f"{r['taskset']}/{k}": v for r in rows
+                            for k, v in r["metrics"].items()})
+        for row in rows:
+            log.info("explorer.eval", explorer=self.name, version=version, final=final,
+                     taskset=row["taskset"], seconds=row["seconds"], **row["metrics"])
+
+    async def _evaluate_at_end(self) -> None:
+        """The run is over: evaluate the newest weights this explorer can have. A version
+        published as files after its last step is loaded first; a broadcast one cannot be
+        (its group is gone), so the held weights are evaluated."""
+        latest = self._latest_weights
+        if (latest is not None and latest.method == "checkpoint"
+                and latest.version > self.engine.version):
+            with self.tracer.span("sync", step=self.steps_done, version=latest.version,
+                                  method="checkpoint") as attrs:
+                attrs.update(await self.loader.load(latest.version, "checkpoint"))
+        await self._evaluate(step=self.steps_done, final=True)
 
     async def _put(self, experiences: list[Experience], barrier: Barrier) -> None:
         """Put to the buffer and wait for its ack; a `full` buffer is retried until put_timeout."""

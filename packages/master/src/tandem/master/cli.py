@@ -25,6 +25,8 @@ LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
     "timeline": ("tandem.master.timeline", "timeline", "Draw a run's trace as a timeline."),
     "quickstart": ("tandem.master.quickstart", "quickstart",
                    "Run a tiny end-to-end example on CPU."),
+    "eval": ("tandem.master.evaluate", "evaluate",
+             "Evaluate a saved model on the config's eval tasksets."),
     "deploy": ("tandem.master.deploy.cli", "deploy",
                "Render a run for Kubernetes (manifests) or Slurm (an sbatch script)."),
 }

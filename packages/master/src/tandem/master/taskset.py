@@ -1,7 +1,7 @@
 """The taskset and its leases: tasks go out in batches, come back done, or expire and go again.
 
 `load_rows` reads JSONL or Parquet files (a file or a folder of them) or a `datasets` dataset
-saved with `save_to_disk`. `TaskDispatcher` walks the rows epoch by epoch in a seeded order and
+saved with `save_to_disk` (`tandem.common.tasks`, the reader eval tasksets share). `TaskDispatcher` walks the rows epoch by epoch in a seeded order and
 hands them out as leases; a lease not completed before its deadline (the explorer died) puts its
 tasks at the front of the queue, so the next explorer to ask gets them. Its state changes only
 through `lease`, `complete` and `expire`, which the master journals, so replaying the journal
@@ -10,77 +10,20 @@ rebuilds the cursor after a restart.
 
 from __future__ import annotations
 
-import json
 import random
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from tandem.common.config import TasksetConfig
-from tandem.common.errors import ConfigError
 from tandem.common.messages import Task
+from tandem.common.tasks import load_rows as read_rows
 
 
 def load_rows(cfg: TasksetConfig) -> list[dict[str, Any]]:
-    """Every row of the taskset, in file order; ConfigError naming the path on any problem."""
-    path = Path(cfg.path)
-    if not cfg.path or not path.exists():
-        raise ConfigError([f"master.taskset.path: {cfg.path!r} does not exist"])
-    if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "state.json").exists()
-                          or (path / "dataset_dict.json").exists()):
-        return _load_saved_dataset(path, cfg.split)
-    files = [path] if path.is_file() else sorted(
-        p for p in path.iterdir() if p.suffix in (".jsonl", ".parquet"))
-    if not files:
-        raise ConfigError([f"master.taskset.path: no .jsonl or .parquet files in {path}"])
-    rows: list[dict[str, Any]] = []
-    for file in files:
-        if file.suffix == ".jsonl":
-            rows.extend(_read_jsonl(file))
-        elif file.suffix == ".parquet":
-            import pyarrow.parquet as pq
-
-            rows.extend(pq.read_table(file).to_pylist())
-        else:
-            raise ConfigError([f"master.taskset.path: {file} is neither .jsonl nor .parquet"])
-    if not rows:
-        raise ConfigError([f"master.taskset.path: {path} holds no tasks"])
-    return rows
-
-
-def _read_jsonl(file: Path) -> list[dict[str, Any]]:
-    rows = []
-    with open(file, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ConfigError([f"master.taskset.path: {file}:{lineno}: {exc.msg}"]) from None
-            if not isinstance(row, dict):
-                raise ConfigError([f"master.taskset.path: {file}:{lineno}: a task must be a "
-                                   f"JSON object, got {type(row).__name__}"])
-            rows.append(row)
-    return rows
-
-
-def _load_saved_dataset(path: Path, split: str | None) -> list[dict[str, Any]]:
-    import datasets
-
-    data = datasets.load_from_disk(str(path))
-    if isinstance(data, datasets.DatasetDict):
-        if split is None:
-            if len(data) != 1:
-                raise ConfigError([f"master.taskset.split: {path} has splits {sorted(data)}; "
-                                   "name one"])
-            split = next(iter(data))
-        if split not in data:
-            raise ConfigError([f"master.taskset.split: {split!r} not in {sorted(data)}"])
-        data = data[split]
-    return [dict(row) for row in data]
+    """Every row of the training taskset, in file order (`tandem.common.tasks.load_rows`)."""
+    return read_rows(cfg.path, cfg.split, key="master.taskset")
 
 
 @dataclass

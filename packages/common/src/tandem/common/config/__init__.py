@@ -7,8 +7,11 @@ from typing import Any, Iterable
 
 from pydantic import Field, model_validator
 
+from ..errors import ConfigError
+from ..tasks import load_rows
 from .base import Section
 from .buffer import BufferConfig
+from .eval import EvalConfig, EvalTasksetConfig
 from .explorer import EngineConfig, ExplorerConfig, SamplingConfig
 from .loader import apply_override, interpolate_env, load, read_yaml, validate
 from .logs import LoggingConfig
@@ -41,6 +44,7 @@ class RunConfig(Section):
     up: UpConfig = Field(default_factory=UpConfig)
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
 
     @model_validator(mode="after")
     def _explorers_consistent(self) -> "RunConfig":
@@ -73,6 +77,39 @@ class RunConfig(Section):
                 "weights.lora_transfer: adapter (only the adapters, loaded through vLLM's LoRA "
                 "API) is not built yet; use weights.lora_transfer: merged, which works with "
                 "every engine")
+        return self
+
+    @model_validator(mode="after")
+    def _eval_tasksets_answerable(self) -> "RunConfig":
+        """Every eval task carries the prompt and the answer the evaluating explorer's
+        workflow and reward read; checked here so a missing column fails at load, not mid-run."""
+        ev = self.eval
+        if not ev.enabled:
+            return self
+        name = ev.explorer or self.explorers[0].name
+        if name not in [e.name for e in self.explorers]:
+            raise ValueError(f"eval.explorer: no explorer named {name!r} "
+                             f"(have {[e.name for e in self.explorers]})")
+        args = self.explorer(name).workflow_args
+        single = self.explorer(name).workflow == "single_turn"
+        answer = ev.answer_key or args.get("answer_key", "answer" if single else None)
+        needed = [("eval.answer_key", answer)] if answer else []
+        if single:
+            needed.append((f"explorers[{name}].workflow_args.prompt_key",
+                           args.get("prompt_key", "prompt")))
+        for i, ts in enumerate(ev.tasksets):
+            key = f"eval.tasksets[{i}]"
+            try:
+                rows = load_rows(ts.path, ts.split, key=key)
+            except ConfigError as exc:
+                raise ValueError("; ".join(exc.errors)) from None
+            for where, field in needed:
+                missing = next((n for n, row in enumerate(rows) if field not in row), None)
+                if missing is not None:
+                    raise ValueError(
+                        f"{key}: row {missing} of {ts.path} has no {field!r} field (has "
+                        f"{sorted(rows[missing])}); the reward needs it: add the column or "
+                        f"set {where}")
         return self
 
     @property
@@ -111,7 +148,7 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
 
 
 __all__ = [
-    "BufferConfig", "CurveConfig", "EngineConfig", "ExplorerConfig", "LoggingConfig", "LoraConfig",
+    "BufferConfig", "CurveConfig", "EngineConfig", "EvalConfig", "EvalTasksetConfig", "ExplorerConfig", "LoggingConfig", "LoraConfig",
     "MasterConfig", "ModelConfig", "PRESETS", "PlacementConfig", "RewardConfig", "RunConfig", "SamplingConfig",
     "Section", "SyncConfig", "TasksetConfig", "TrainerConfig", "TransportConfig", "UpConfig", "WeightsConfig",
     "apply_override", "interpolate_env", "load", "load_config", "read_yaml", "validate",
