@@ -27,6 +27,7 @@ import structlog
 
 from tandem.common.config import RunConfig
 from tandem.common.errors import PeerDead, RequestFailed, TandemError, WaitTimeout
+from tandem.common.groups import informative_groups
 from tandem.common.heartbeat import Heartbeater
 from tandem.common.messages.buffer import PutExperiences
 from tandem.common.messages.experience import Experience
@@ -53,7 +54,7 @@ from .evaluation import Evaluator
 from .rewards import RewardScorer, create_scorer
 from .sampling import SamplingParams
 from .weights import WeightLoader
-from .workflows import RolloutContext, SingleTurn, Workflow, create_workflow
+from .workflows import Agent, RolloutContext, SingleTurn, Workflow, create_workflow
 
 log = structlog.get_logger(__name__)
 
@@ -74,6 +75,7 @@ class Explorer:
         self.scorer = scorer
         self.sampling = SamplingParams.from_config(self.cfg.sampling)
         self.workflow: Workflow | None = None
+        self.endpoint: Any = None  # the OpenAI endpoint (openai_server), when it serves one
         self.loader: WeightLoader | None = None
         self.evaluator: Evaluator | None = None  # this explorer evaluates (`eval.explorer`)
         self.tracer = Tracer(config.run_dir if config.logging.trace else None, name)
@@ -125,6 +127,14 @@ class Explorer:
                                         self.cfg.workflow_args)
         if self.scorer is None and isinstance(self.workflow, SingleTurn):
             self.scorer = create_scorer(self.config.reward, self.config.transport, name=self.name)
+        if self.cfg.openai.enabled or isinstance(self.workflow, Agent):
+            from .openai_server import OpenAIEndpoint, model_context
+
+            self.endpoint = OpenAIEndpoint(
+                self.cfg.openai, self.engine, sampling=self.sampling,
+                context=model_context(self.config.model.path), name=self.name,
+                url_dir=os.path.join(self.config.run_dir, "openai"))
+            await self.endpoint.start()
         ev = self.config.eval
         if ev.enabled and (ev.explorer or self.config.explorers[0].name) == self.name:
             self.evaluator = Evaluator(self.config, self.name)
@@ -251,6 +261,8 @@ class Explorer:
             await self.subscriber.close()
         if self.loader is not None:
             await self.loader.close()
+        if self.endpoint is not None:
+            await self.endpoint.close()
         if self.scorer is not None and self._owns_scorer:
             await self.scorer.close()
         await self.master.close()
@@ -341,7 +353,8 @@ class Explorer:
         ctx = RolloutContext(engine=engine, sampling=self.sampling,
                              repeat_times=self.cfg.repeat_times, explorer=self.name,
                              run=self.run_id, step=barrier.step,
-                             scorer=self.scorer, version=barrier.version)
+                             scorer=self.scorer, version=barrier.version,
+                             endpoint=self.endpoint)
         t0 = time.time()
         with self.tracer.span("rollout", step=barrier.step, version=barrier.version,
                               tasks=len(lease.tasks)) as attrs:
@@ -368,7 +381,7 @@ class Explorer:
             await self.master.call(
                 ExplorerStepDone(explorer=self.name, step=barrier.step, version=barrier.version,
                                  batch=barrier.batch, experiences=len(experiences),
-                                 metrics=metrics),
+                                 informative=informative_groups(experiences), metrics=metrics),
                 timeout_key="transport.rpc_timeout")
         except RequestFailed as exc:
             if exc.code != "declared_dead":
@@ -410,8 +423,16 @@ class Explorer:
 
     async def _put(self, experiences: list[Experience], barrier: Barrier) -> None:
         """Put to the buffer and wait for its ack; a `full` buffer is retried until put_timeout."""
+        # groups are repeat_times experiences, except where a workflow says otherwise (an
+        # agent's episode that became one experience per call): one put per group size
+        sizes: dict[int, list[Experience]] = {}
+        for e in experiences:
+            sizes.setdefault(int(e.info.get("group_size", self.cfg.repeat_times)), []).append(e)
+        for size, part in sizes.items():
+            await self._put_sized(PutExperiences(experiences=part, group_size=size), barrier)
+
+    async def _put_sized(self, msg: PutExperiences, barrier: Barrier) -> None:
         deadline = time.monotonic() + self.cfg.put_timeout
-        msg = PutExperiences(experiences=experiences, group_size=self.cfg.repeat_times)
         while True:
             try:
                 await self.buffer.call(msg, timeout_key="transport.rpc_timeout")

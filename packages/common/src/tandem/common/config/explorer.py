@@ -43,17 +43,52 @@ class EngineConfig(Section):
                     "threads: torch intra-op threads of the process)")
 
 
+class OpenAIConfig(Section):
+    """The explorer's OpenAI-compatible HTTP endpoint (docs/explorer.md#openai-endpoint): served
+    when `enabled`, and always for the `agent` workflow, whose functions call it."""
+
+    enabled: bool = Field(default=False,
+                          description="serve it for any workflow (agent serves it regardless)")
+    address: str = Field(
+        default="127.0.0.1:0",
+        description="host:port to listen on; port 0 picks a free one (written to "
+                    "run_dir/openai/NAME.url); loopback unless you mean to expose the policy")
+    model: str = Field(default="policy", min_length=1,
+                       description="the model name clients ask for; any other is a 404")
+    max_concurrency: int = Field(
+        default=64, ge=1, description="requests served at once; the excess is answered 429")
+    max_n: int = Field(default=16, ge=1, description="largest `n` a request may ask for")
+    max_tokens: int = Field(default=1024, ge=1,
+                            description="largest `max_tokens` a request may ask for")
+    max_context: int | None = Field(
+        default=None, ge=1,
+        description="prompt + max_tokens limit; null: the model's max_position_embeddings")
+    batch_window: float = Field(
+        default=0.005, ge=0,
+        description="seconds a request waits for others to share its engine batch")
+
+    @model_validator(mode="after")
+    def _address_is_host_port(self) -> "OpenAIConfig":
+        host, sep, port = self.address.rpartition(":")
+        if not sep or not host or not port.isdigit() or int(port) > 65535:
+            raise ValueError(f"openai.address {self.address!r}: expected host:port, "
+                             "e.g. 127.0.0.1:8000 (port 0 picks a free one)")
+        return self
+
+
 class ExplorerConfig(Section):
     """One explorer process."""
 
     name: str = Field(default="explorer-0", min_length=1, description="unique among explorers")
     batch_size: int = Field(default=8, ge=1, description="tasks per explorer step")
     repeat_times: int = Field(default=4, ge=1, description="responses per task (the group size)")
-    workflow: str = Field(default="single_turn", description="single_turn or multi_turn")
+    workflow: str = Field(default="single_turn",
+                          description="single_turn, multi_turn or agent (docs/explorer.md)")
     workflow_args: dict[str, Any] = Field(
         default_factory=dict, description="the workflow's arguments (docs/explorer.md)")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    openai: OpenAIConfig = Field(default_factory=OpenAIConfig)
     put_timeout: float = Field(
         default=300.0, gt=0,
         description="seconds to keep retrying a put the buffer refuses as full before failing")

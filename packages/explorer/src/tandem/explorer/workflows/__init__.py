@@ -2,11 +2,13 @@
 
 from typing import Any
 
+from .agent import Agent
 from .base import RolloutContext, Trajectory, Workflow, WorkflowArgs, make_experience
 from .multi_turn import MultiTurn
 from .single_turn import SingleTurn
 
-WORKFLOWS: dict[str, type[Workflow]] = {"single_turn": SingleTurn, "multi_turn": MultiTurn}
+WORKFLOWS: dict[str, type[Workflow]] = {"single_turn": SingleTurn, "multi_turn": MultiTurn,
+                                        "agent": Agent}
 
 
 def create_workflow(name: str, tokenizer: Any, args: dict[str, Any] | None = None) -> Workflow:
@@ -17,5 +19,5 @@ def create_workflow(name: str, tokenizer: Any, args: dict[str, Any] | None = Non
     return cls(tokenizer, args)
 
 
-__all__ = ["WORKFLOWS", "MultiTurn", "RolloutContext", "SingleTurn", "Trajectory", "Workflow",
+__all__ = ["WORKFLOWS", "Agent", "MultiTurn", "RolloutContext", "SingleTurn", "Trajectory", "Workflow",
            "WorkflowArgs", "create_workflow", "make_experience"]

@@ -29,6 +29,7 @@ class RolloutContext:
     step: int = 0
     scorer: RewardScorer | None = None
     version: int | None = None  # defaults to the engine's
+    endpoint: Any = None  # the explorer's OpenAI endpoint (openai_server), when it serves one
 
     @property
     def policy_version(self) -> int:

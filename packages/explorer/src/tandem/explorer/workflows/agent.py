@@ -1,0 +1,187 @@
+"""`agent`: the user's own agent, written against OpenAI's API, rolled out through the endpoint.
+
+The user writes `async def run(task, client: openai.AsyncOpenAI) -> float | dict` and names it
+in `workflow_args.fn` ("package.module:run"). For each task, `repeat_times` episodes run
+concurrently (at most `openai.max_concurrency` at once across the step); each gets a client
+whose API key is its episode id, so the endpoint records its calls. The episode's calls become
+experiences by the rule in `openai_calls` (docs/explorer.md#agent), all with the episode's reward.
+
+A function that raises, runs past `workflow_args.timeout`, or returns something that is not a
+reward scores 0 with the reason in the experience's info; the explorer carries on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import structlog
+from pydantic import Field
+
+from tandem.common.messages.experience import Experience, Task
+
+from ..openai_calls import CallRecord, versions_of
+from .base import RolloutContext, Trajectory, Workflow, WorkflowArgs, make_experience
+
+log = structlog.get_logger(__name__)
+
+
+class AgentArgs(WorkflowArgs):
+    fn: str = Field(description='the agent: "package.module:function", an async function '
+                                "(task payload, openai.AsyncOpenAI) -> float or dict")
+    timeout: float = Field(default=300.0, gt=0,
+                           description="seconds one episode may run before it scores 0")
+    max_retries: int = Field(default=2, ge=0,
+                             description="the client's retries (a 429 when the endpoint is busy)")
+
+
+@dataclass
+class _Outcome:
+    task: Task
+    index: int
+    reward: float = 0.0
+    components: dict[str, float] = field(default_factory=dict)
+    reason: str = "ok"
+    records: list[CallRecord] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def load_agent(spec: str) -> Callable[..., Any]:
+    """The async function `spec` ("package.module:function") names."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"workflow_args.fn {spec!r}: expected 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"workflow_args.fn {spec!r}: cannot import {module_name}: {exc}") from None
+    fn = module
+    for part in attr.split("."):
+        fn = getattr(fn, part, None)
+        if fn is None:
+            raise ValueError(f"workflow_args.fn {spec!r}: {module_name} has no {attr}")
+    if not inspect.iscoroutinefunction(fn):
+        raise ValueError(f"workflow_args.fn {spec!r} must be an async function "
+                         "(async def run(task, client))")
+    return fn
+
+
+def score_of(result: Any) -> tuple[float, dict[str, float], str]:
+    """(reward, components, reason) from what an agent returned; garbage scores 0."""
+    def number(x: Any) -> float | None:
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+            return None
+        return float(x)
+
+    if isinstance(result, dict):
+        reward = number(result.get("reward"))
+        if reward is None:
+            return 0.0, {}, (f"returned a dict without a finite numeric 'reward' "
+                             f"(keys {sorted(map(str, result))[:8]})")
+        parts = {str(k): v for k, v in ((k, number(v)) for k, v in result.items())
+                 if v is not None}
+        return reward, parts, "ok"
+    reward = number(result)
+    if reward is None:
+        return 0.0, {}, f"returned {type(result).__name__} {str(result)[:80]!r}, not a reward"
+    return reward, {"reward": reward}, "ok"
+
+
+def trajectories(records: list[CallRecord]) -> tuple[list[Trajectory], str]:
+    """Trajectories of one episode by the rule above, and which way it went
+    ("chained", "per_call" or "empty")."""
+    if not records:
+        return [], "empty"
+    chained = True
+    for prev, rec in zip(records, records[1:]):
+        done = prev.prompt_ids + prev.token_ids
+        if rec.prompt_ids[:len(done)] != done:
+            chained = False
+            break
+    if chained:
+        traj = Trajectory(list(records[0].prompt_ids))
+        traj.add(records[0].token_ids, records[0].logprobs, action=True)
+        for rec in records[1:]:
+            traj.add(rec.prompt_ids[len(traj.tokens):], action=False)
+            traj.add(rec.token_ids, rec.logprobs, action=True)
+        return [traj], "chained"
+    out = []
+    for rec in records:
+        traj = Trajectory(list(rec.prompt_ids))
+        traj.add(rec.token_ids, rec.logprobs, action=True)
+        out.append(traj)
+    return out, "per_call"
+
+
+class Agent(Workflow):
+    """Episodes of a user's OpenAI-client agent; see the module docstring."""
+
+    Args = AgentArgs
+
+    def __init__(self, tokenizer: Any, args: dict[str, Any] | None = None):
+        super().__init__(tokenizer, args)
+        self.fn = load_agent(self.args.fn)
+
+    async def run(self, tasks: list[Task], ctx: RolloutContext) -> list[Experience]:
+        endpoint = ctx.endpoint
+        if endpoint is None or not endpoint.url:
+            raise RuntimeError("the agent workflow needs the explorer's OpenAI endpoint running")
+        try:
+            import openai
+        except ImportError:
+            raise RuntimeError("the agent workflow needs the openai package: "
+                               "pip install 'tandem-explorer[agent]'") from None
+        gate = asyncio.Semaphore(endpoint.config.max_concurrency)
+        start = time.time()
+        outcomes = await asyncio.gather(*(
+            self._episode(openai, endpoint, gate, task, k)
+            for task in tasks for k in range(ctx.repeat_times)))
+        wall = time.time() - start
+        experiences: list[Experience] = []
+        for task in tasks:
+            mine = [o for o in outcomes if o.task is task]
+            rows = [(o, traj, rule) for o in mine
+                    for trajs, rule in [trajectories(o.records)] for traj in trajs]
+            if not rows:
+                log.warning("agent.task_without_calls", task=task.id,
+                            reasons=sorted({o.reason for o in mine}))
+            for index, (o, traj, rule) in enumerate(rows):
+                experiences.append(make_experience(
+                    task, index, traj, ctx, reward=o.reward,
+                    rewards=o.components or {"reward": o.reward},
+                    info={"group_size": len(rows), "episode": o.index, "rule": rule,
+                          "reward_reason": o.reason, "calls": len(o.records),
+                          "call_versions": versions_of(o.records),
+                          "finish_reasons": [r.finish_reason for r in o.records],
+                          "episode_s": o.seconds, "rollout_s": wall}))
+        return experiences
+
+    async def _episode(self, openai: Any, endpoint: Any, gate: asyncio.Semaphore, task: Task,
+                       index: int) -> _Outcome:
+        out = _Outcome(task, index)
+        async with gate:
+            episode = endpoint.calls.open()
+            client = openai.AsyncOpenAI(base_url=endpoint.url, api_key=episode,
+                                        max_retries=self.args.max_retries,
+                                        timeout=self.args.timeout)
+            t0 = time.monotonic()
+            try:
+                result = await asyncio.wait_for(self.fn(dict(task.payload), client),
+                                                self.args.timeout)
+                out.reward, out.components, out.reason = score_of(result)
+            except asyncio.TimeoutError:
+                out.reason = f"timeout: ran past workflow_args.timeout = {self.args.timeout:g}s"
+            except Exception as exc:  # noqa: BLE001 - the user's code: score 0, carry on
+                out.reason = f"raised {type(exc).__name__}: {str(exc)[:200]}"
+            finally:
+                out.seconds = time.monotonic() - t0
+                out.records = endpoint.calls.close(episode)
+                await client.close()
+        if out.reason != "ok":
+            log.warning("agent.episode_failed", task=task.id, episode=index, reason=out.reason)
+        return out

@@ -1,0 +1,92 @@
+"""A tiny model for the agent tests: the tiny Qwen2 with a chat template that writes tools and
+tool calls (Hermes-style `<tool_call>` blocks), trained for a few seconds to call the
+calculator on one question and to answer with the tool's result.
+
+Trained, not faked: the tool call the tests see is one the model samples, parsed by the
+endpoint as it would parse any model's.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{%- if tools %}<|system|>\ntools:"
+    "{%- for t in tools %} {{ t.function.name }}{%- endfor %}</s>\n{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}<|assistant|>\n{{ m.content or '' }}"
+    "{%- for tc in m.tool_calls or [] %}<tool_call>"
+    '{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments | tojson }}}'
+    "</tool_call>{%- endfor %}</s>\n"
+    "{%- else %}<|{{ m.role }}|>\n{{ m.content }}</s>\n{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+QUESTION = "What is 12*7?"
+TOOL_CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "12*7"}}</tool_call>'
+TOOLS = [{"type": "function", "function": {
+    "name": "calculator", "description": "evaluate an arithmetic expression",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}]
+
+
+def conversation(tokenizer) -> str:
+    """The episode the model is trained on: question, tool call, tool result, answer."""
+    messages = [{"role": "user", "content": QUESTION},
+                {"role": "assistant", "content": TOOL_CALL},
+                {"role": "tool", "content": "84"},
+                {"role": "assistant", "content": "84"}]
+    return tokenizer.apply_chat_template(messages, tools=TOOLS, tokenize=False)
+
+
+def build_agent_model(source: Path, path: Path, steps: int = 120) -> Path:
+    """Copy the tiny model at `source` to `path`, give it the chat template and teach it the
+    calculator conversation (greedy decoding then reproduces it)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tandem.weights.hf import load_tokenizer
+
+    shutil.copytree(source, path)
+    tokenizer = load_tokenizer(path)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(path))
+    ids = torch.tensor([tokenizer(conversation(tokenizer), add_special_tokens=False).input_ids])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    model.train()
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.save_pretrained(str(path))
+    return path
+
+
+# -- agents that misbehave, for the workflow's failure tests ------------------------------------
+
+async def raises(task: dict, client) -> float:
+    await client.chat.completions.create(model="policy", max_tokens=4,
+                                         messages=[{"role": "user", "content": "Hi"}])
+    raise RuntimeError("the tool broke")
+
+
+async def hangs(task: dict, client) -> float:
+    import asyncio
+
+    await asyncio.sleep(60)
+    return 1.0
+
+
+async def garbage(task: dict, client) -> object:
+    return "very good"
+
+
+async def fresh_conversations(task: dict, client) -> float:
+    """Two unrelated calls (the second does not extend the first): one experience per call."""
+    for question in ("Hi", "What?"):
+        await client.chat.completions.create(model="policy", max_tokens=4,
+                                             messages=[{"role": "user", "content": question}])
+    return 0.5
