@@ -12,6 +12,13 @@ every step from the one it joined at, trainer step `t` may start once every memb
 every member that left after finishing `t`) has its batch `t` in the buffer. In asynchronous
 plans batches are numbered as they are granted and trainer step `t` may start once
 `(t + 1) * batches_per_step` batches are complete.
+
+Dynamic sampling (`trainer.dynamic_sampling`, synchronous plans): explorers report how many of a
+batch's groups are informative (rewards not all equal). When step `t` has all its batches but
+fewer than `top_up_target` informative groups, an idle explorer is granted one more batch for
+step `t` (a top-up: new tasks, a new batch number), up to `max_extra` per step; the trainer's
+`TrainerGo` then counts every group of the step, informative or not, so the buffer hands it all
+of them and the trainer consumes (acks) all while training only the informative ones.
 """
 
 from __future__ import annotations
@@ -88,18 +95,23 @@ class RunClock:
     last_go: TrainerGo | None = None
     stop: Stop | None = None
     published_count: Counter = field(default_factory=Counter)  # decisions per topic
+    top_up_target: int | None = None  # dynamic sampling: informative groups a step wants
+    max_extra: int = 0  # dynamic sampling: top-up batches one step may get
+    informative: dict[int, int] = field(default_factory=dict)  # synchronous: step -> groups
+    uncounted: set[int] = field(default_factory=set)  # steps with a batch of unknown signal
+    extra: dict[int, int] = field(default_factory=dict)  # step -> top-up batches granted
 
     # -- inputs --------------------------------------------------------------------------------
 
-    def join(self, name: str, *, stored: bool = False,
-             groups: int | None = None) -> list[Decision]:
+    def join(self, name: str, *, stored: bool = False, groups: int | None = None,
+             informative: int | None = None) -> list[Decision]:
         """An explorer registers: first time, after it was declared dead, or after a restart.
         `stored`: the batch it was running is in the buffer and its tasks completed (only its
         report was lost), so it counts as done instead of being redone."""
         slot = self.explorers.get(name)
         if slot is not None and slot.alive:
             if stored and slot.running is not None:
-                self._finish(slot, slot.running[2], groups)
+                self._finish(slot, slot.running[2], groups, informative)
             # it restarted faster than its liveness ran out: it redoes what it was granted
             if slot.running is not None:
                 slot.redo = slot.running[:2]
@@ -110,8 +122,8 @@ class RunClock:
         self.explorers[name] = ExplorerSlot(name, join_step=start, next_step=start)
         return self._release()
 
-    def leave(self, name: str, *, stored: bool = False,
-              groups: int | None = None) -> list[Decision]:
+    def leave(self, name: str, *, stored: bool = False, groups: int | None = None,
+              informative: int | None = None) -> list[Decision]:
         """An explorer is gone (declared dead, or deregistered); its unfinished batch is lost
         (its tasks are leased again), unless `stored`: in the buffer with its tasks completed,
         only the report missing, it counts as done."""
@@ -120,7 +132,7 @@ class RunClock:
             return []
         slot.alive = False
         if stored and slot.running is not None:
-            self._finish(slot, slot.running[2], groups)
+            self._finish(slot, slot.running[2], groups, informative)
         elif slot.running is not None or slot.redo is not None:
             self.batches_lost += 1
         slot.running = slot.redo = None
@@ -140,7 +152,8 @@ class RunClock:
         return self._release()
 
     def explorer_done(self, name: str, step: int, batch: int | None, version: int,
-                      groups: int | None = None) -> list[Decision]:
+                      groups: int | None = None, informative: int | None = None
+                      ) -> list[Decision]:
         slot = self.explorers.get(name)
         if slot is None:
             raise StepMismatch(f"{name} is not registered with the master; register first")
@@ -156,10 +169,11 @@ class RunClock:
                 f"step {slot.running[0]} batch {slot.running[1]}")
             raise StepMismatch(f"{name} reported step {step} batch {batch} but was granted "
                                f"{granted}")
-        self._finish(slot, version, groups)
+        self._finish(slot, version, groups, informative)
         return self._release()
 
-    def _finish(self, slot: ExplorerSlot, version: int, groups: int | None) -> None:
+    def _finish(self, slot: ExplorerSlot, version: int, groups: int | None,
+                informative: int | None = None) -> None:
         """Count `slot`'s running batch as done (in the buffer, rolled out with `version`)."""
         step, batch, _ = slot.running
         slot.running, slot.last_done = None, (step, batch)
@@ -171,7 +185,12 @@ class RunClock:
             self.done.setdefault(step, set()).add(slot.name)
             if groups is not None:
                 self.groups[step] = self.groups.get(step, 0) + groups
-            slot.next_step = step + 1
+            if informative is None:
+                self.uncounted.add(step)  # (a report lost with its explorer): never top it up
+            else:
+                self.informative[step] = self.informative.get(step, 0) + informative
+            # a top-up of an older step never moves the explorer back
+            slot.next_step = max(slot.next_step or 0, step + 1)
 
     def check_trainer_step(self, step: int) -> None:
         """A trainer step may be reported once `TrainerGo` released it (again: a resend)."""
@@ -258,7 +277,22 @@ class RunClock:
         if self.plan.asynchronous:
             return self.batches_done >= (step + 1) * self.plan.batches_per_step
         expected = self._expected(step)
-        return bool(expected) and expected <= self.done.get(step, set())
+        return (bool(expected) and expected <= self.done.get(step, set())
+                and not self._wants_top_up(step))
+
+    def _top_up_running(self, step: int) -> bool:
+        return any((s.running is not None and s.running[0] == step)
+                   or (s.redo is not None and s.redo[0] == step) for s in self.alive)
+
+    def _wants_top_up(self, step: int) -> bool:
+        """Dynamic sampling: `step` waits for a top-up batch, in flight or still to grant."""
+        if self.top_up_target is None:
+            return False
+        if self._top_up_running(step):
+            return True
+        short = (step not in self.uncounted
+                 and self.informative.get(step, 0) < self.top_up_target)
+        return short and self.extra.get(step, 0) < self.max_extra and bool(self.producing)
 
     def counters(self) -> dict[str, Any]:
         return dict(total_steps=self.total_steps, trainer_steps_done=self.trainer_done,
@@ -273,6 +307,9 @@ class RunClock:
         out: list[Decision] = []
         if self.stopped:
             return out
+        top_up = self._grant_top_up()
+        if top_up is not None:
+            out.append((barrier_topic(top_up.explorer), top_up))
         for slot in self.producing:
             if slot.running is None:
                 barrier = self._grant(slot)
@@ -287,14 +324,14 @@ class RunClock:
                 batches = per
                 groups = None if None in counts else sum(counts)
             else:
-                batches = len(self.done.get(t, ()))
+                batches = len(self.done.get(t, ())) + self.extra.get(t, 0)
                 groups = self.groups.get(t)
             publish = self.plan.publish_after(t, self.total_steps)
             if publish is not None and publish <= self.broadcast_through:
                 publish = None
             self.last_go = TrainerGo(
                 step=t, publish=publish, batches=batches,
-                groups=groups,
+                groups=groups, extra_batches=self.extra.get(t, 0),
                 explorers=sorted(s.name for s in self.producing),
                 in_use=sorted({s.held for s in self.alive if s.held is not None}))
             out.append(("trainer", self.last_go))
@@ -310,6 +347,38 @@ class RunClock:
             out.append(("stop", self.stop))
         self.published_count.update(topic for topic, _ in out)
         return out
+
+    def _grant_top_up(self) -> Barrier | None:
+        """Dynamic sampling: one more batch for the step the trainer waits for, when all of its
+        batches are in with too few informative groups; to the first idle explorer, with the
+        weights it holds (the step's own version, at offset 0)."""
+        t = self.trainer_go
+        if (self.top_up_target is None or self.plan.asynchronous or t >= self.total_steps
+                or t != self.trainer_done or not self._wants_top_up(t)
+                or self._top_up_running(t)):
+            return None
+        expected = self._expected(t)
+        if not expected or not expected <= self.done.get(t, set()):
+            return None  # the step's own batches first
+        for slot in self.producing:
+            if slot.running is not None or slot.redo is not None:
+                continue
+            if slot.held is not None:
+                version, load = slot.held, False
+            else:
+                go = self.plan.decide(t, newest=self.newest, held=None)
+                if go is None:
+                    continue
+                version, load = go.version, go.load
+            batch = self.batches_granted
+            self.batches_granted += 1
+            self.extra[t] = self.extra.get(t, 0) + 1
+            slot.running = (t, batch, version)
+            slot.held = version
+            slot.barrier = Barrier(explorer=slot.name, step=t, version=version, wait=load,
+                                   batch=batch, method=self.plan.method)
+            return slot.barrier
+        return None
 
     def _grant(self, slot: ExplorerSlot) -> Barrier | None:
         plan = self.plan

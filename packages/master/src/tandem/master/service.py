@@ -113,7 +113,11 @@ class Master:
         self.dispatcher = (TaskDispatcher(load_rows(cfg.taskset), cfg.taskset)
                            if cfg.taskset.path else None)
         self.total_steps = total_steps_for(config, self.dispatcher)
-        self.clock = RunClock(self.plan, self.total_steps)
+        tc = config.trainer
+        # dynamic sampling: top up synchronous steps to groups_per_step informative groups
+        self.clock = RunClock(self.plan, self.total_steps,
+                              top_up_target=tc.groups_per_step if tc.dynamic_sampling else None,
+                              max_extra=tc.max_oversample)
         self.registry: dict[str, Registration] = {}
         self.liveness = Liveness(config.transport.liveness)
         self.journal = Journal(self.run_dir / cfg.journal)
@@ -320,7 +324,7 @@ class Master:
     def _apply_explorer_step(self, msg: ExplorerStepDone) -> list[Decision]:
         groups = self._lease_sizes.get((msg.explorer, msg.step))
         decisions = self.clock.explorer_done(msg.explorer, msg.step, msg.batch, msg.version,
-                                             groups)
+                                             groups, msg.informative)
         self._lease_sizes.pop((msg.explorer, msg.step), None)
         self._step_leases.pop((msg.explorer, msg.step), None)
         return decisions

@@ -142,6 +142,7 @@ class Learner:
         if tc.dynamic_sampling:
             keep, dropped = informative_rows(batch.rewards, batch.groups)
             metrics["dynamic_sampling/dropped_groups"] = float(dropped)
+            metrics["dynamic_sampling/informative_groups"] = float(batch.num_groups - dropped)
             batch = batch.select(keep.nonzero().flatten())
         unit = 1
         if tc.loss == "dpo":

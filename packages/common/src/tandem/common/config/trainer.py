@@ -87,7 +87,14 @@ class TrainerConfig(Section):
         default=None, ge=0,
         description="sampling temperature logprobs are computed at; default explorers[0]'s")
     dynamic_sampling: bool = Field(
-        default=False, description="drop groups whose rewards are all equal (DAPO)")
+        default=False,
+        description="drop groups whose rewards are all equal (DAPO); in synchronous plans the "
+                    "master also leases extra batches until a step has groups_per_step "
+                    "informative groups")
+    max_oversample: int = Field(
+        default=2, ge=0,
+        description="dynamic_sampling: extra explorer batches the master may lease for one step "
+                    "(0: only drop, never top up)")
     kl: KLConfig = Field(default_factory=KLConfig)
     off_policy: OffPolicyConfig = Field(default_factory=OffPolicyConfig)
 

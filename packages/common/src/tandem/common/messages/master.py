@@ -118,6 +118,8 @@ class ExplorerStepDone(Request):
     version: int = Field(ge=0)
     batch: int | None = Field(default=None, ge=0, description="echo of `Barrier.batch`")
     experiences: int = 0
+    informative: int | None = Field(
+        default=None, ge=0, description="groups whose rewards are not all equal (dynamic sampling)")
     metrics: dict[str, float] = Field(default_factory=dict)
 
 
@@ -173,6 +175,8 @@ class TrainerGo(Message):
     batches: int = Field(default=0, description="explorer batches this step trains on")
     groups: int | None = Field(
         default=None, description="tasks (= groups) in those batches, when the master knows")
+    extra_batches: int = Field(
+        default=0, description="top-up batches leased for this step (trainer.dynamic_sampling)")
     explorers: list[str] = Field(
         default_factory=list, description="explorers alive now (the nccl group for `publish`)")
     in_use: list[int] = Field(
