@@ -21,7 +21,12 @@ def test_quickstart_raises_heldout_accuracy(tmp_path):
         capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((run_dir / "result.json").read_text())
-    assert result["after"]["sampled"] >= result["before"]["sampled"] + 0.1, result
+    assert result["after"]["sampled/accuracy"] >= result["before"]["sampled/accuracy"] + 0.1, \
+        result
+    # measured by the run's own evaluation: before the first step and at the end
+    rows = [json.loads(line) for line in (run_dir / "grpo" / "eval.jsonl").read_text().split()]
+    assert [(r["version"], r["final"]) for r in rows][0] == (0, False) and rows[-1]["final"]
+    assert result["versions"] == [0, rows[-1]["version"]]
     assert "held-out accuracy" in proc.stdout
     assert (run_dir / "grpo" / "timeline.png").exists()
     assert sorted(p.name for p in (run_dir / "grpo" / "trace").glob("*.jsonl")) == [

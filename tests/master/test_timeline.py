@@ -55,3 +55,19 @@ def test_empty_trace_is_a_clear_error(tmp_path):
     (tmp_path / "trace").mkdir()
     result = CliRunner().invoke(tandem, ["timeline", str(tmp_path)])
     assert result.exit_code != 0 and "no rollout, train or sync spans" in result.output
+
+
+def test_an_eval_span_is_a_busy_block_in_its_explorers_lane(tmp_path):
+    write_trace(tmp_path)
+    e0 = Tracer(tmp_path, "explorer-0")
+    e0.record("eval", 1000.0 + 2, 1000.0 + 3, step=1, version=1, tasks=100)
+    e0.close()
+    tl = load_timeline(tmp_path)
+    (block,) = [s for s in tl.lane("explorer-0") if s.kind == "eval"]
+    assert (block.start, block.end, block.version) == (2.0, 3.0, 1)
+    assert block.colour == "#4a90d9"
+    assert tl.utilization()["explorer-0"] == pytest.approx((2 + 1 + 0.5 + 2) / 8)
+    assert tl.staleness() == {0: 3, 2: 1}  # an evaluation is no rollout
+    out = tmp_path / "tl.png"
+    result = CliRunner().invoke(tandem, ["timeline", str(tmp_path), "-o", str(out)])
+    assert result.exit_code == 0 and out.read_bytes()[:4] == b"\x89PNG"

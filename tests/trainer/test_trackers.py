@@ -100,3 +100,45 @@ def test_a_tracker_without_its_package_is_a_config_error_naming_the_extra(tmp_pa
 def test_a_tracker_named_twice_fails_at_load(tmp_path):
     with pytest.raises(ValueError, match=r"logging.trackers: \['mlflow', 'mlflow'\]"):
         config(tmp_path, ["mlflow", "mlflow"])
+
+
+def test_eval_rows_reach_the_trackers_against_their_version(tmp_path):
+    import asyncio
+    import threading
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    heldout = tmp_path / "heldout.jsonl"
+    heldout.write_text(json.dumps({"prompt": "rev 12=", "answer": "21"}) + "\n")
+    cfg = RunConfig.model_validate({
+        "run_dir": str(tmp_path / "run"), "logging": {"trackers": ["tensorboard"]},
+        "eval": {"tasksets": [{"name": "heldout", "path": str(heldout)}], "final_wait": 10}})
+    rows = cfg.run_path / "eval.jsonl"
+    cfg.run_path.mkdir(parents=True)
+
+    def append(version, accuracy, final=False):
+        with open(rows, "a") as f:
+            f.write(json.dumps({"version": version, "taskset": "heldout", "final": final,
+                                "metrics": {"greedy/accuracy": accuracy}}) + "\n")
+
+    writer = MetricsWriter(cfg.run_path, config=cfg)
+    append(0, 0.25)
+    writer.write(1, STEPS[0])
+    append(2, 0.5)
+    writer.write(3, STEPS[1])
+    # the end-of-run row arrives while the trainer waits for it at its close
+    later = threading.Timer(0.3, append, (3, 0.75, True))
+    later.start()
+    assert asyncio.run(writer.await_final_eval())
+    later.join()
+    writer.close()
+    events = EventAccumulator(str(cfg.run_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("eval/heldout/greedy/accuracy")] == [
+        (0, 0.25), (2, 0.5), (3, 0.75)]
+    # no end-of-run row: the wait ends after eval.final_wait
+    cfg.eval.final_wait = 0.2
+    writer = MetricsWriter(cfg.run_path, config=cfg)
+    assert writer.write_evals()  # a fresh writer reads the file from its start
+    assert not asyncio.run(writer.await_final_eval())
+    writer.close()

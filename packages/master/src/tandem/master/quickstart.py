@@ -7,8 +7,10 @@
    policy knows the format but is often wrong.
 4. Improve it with GRPO through the full system (`tandem up`: master, buffer, trainer,
    explorers as separate processes; rewards by the `k12` short-answer check).
-5. Measure held-out accuracy before and after: the share of sampled answers (temperature 1,
-   the policy as it explores) that are exactly right, plus greedy accuracy.
+5. Measure held-out accuracy before and after with the run's own evaluation (the `eval`
+   section: the explorer scores the held-out prompts between its steps, into
+   run_dir/eval.jsonl): the share of sampled answers (temperature 1, the policy as it
+   explores) that the `k12` check marks right, plus greedy accuracy and pass@4.
 """
 
 from __future__ import annotations
@@ -95,46 +97,22 @@ def warm_start(model_dir: Path, out_dir: Path, rows: list[dict], *, steps: int, 
     return float(loss.detach())
 
 
-def accuracy(model_dir: Path, rows: list[dict], *, samples: int = 4, seed: int = 0,
-             max_new_tokens: int = 8) -> dict[str, float]:
-    """Held-out accuracy: sampled at temperature 1 (`samples` per prompt) and greedy."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from tandem.weights.hf import load_tokenizer
-
-    tok = load_tokenizer(model_dir)
-    tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    batch = tok([r["prompt"] for r in rows], return_tensors="pt", padding=True,
-                add_special_tokens=False)
-    out: dict[str, float] = {}
-    with torch.no_grad():
-        for name, kwargs in (("sampled", dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                                               num_return_sequences=samples)),
-                             ("greedy", dict(do_sample=False))):
-            torch.manual_seed(seed)
-            gen = model.generate(**batch, max_new_tokens=max_new_tokens,
-                                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                                 **kwargs)
-            texts = tok.batch_decode(gen[:, batch.input_ids.shape[1]:], skip_special_tokens=True)
-            per = len(texts) // len(rows)
-            right = sum(texts[i].strip() == rows[i // per]["answer"] for i in range(len(texts)))
-            out[name] = right / len(texts)
-    return out
-
-
-def final_model(run_dir: Path) -> Path:
-    """The trainer's last Hugging Face checkpoint of the run."""
-    found = sorted((run_dir / "checkpoints").glob("step_*/model"))
-    if not found:
-        raise click.ClickException(f"no trainer checkpoint under {run_dir / 'checkpoints'}")
-    return found[-1]
+def before_after(run_dir: Path) -> tuple[dict, dict]:
+    """The first and the last evaluation of the held-out taskset in run_dir/eval.jsonl."""
+    path = run_dir / "eval.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    rows = [r for r in rows if r.get("taskset") == "heldout"]
+    if len(rows) < 2:
+        raise click.ClickException(f"{path}: expected the evaluations before and after GRPO, "
+                                   f"found {len(rows)}")
+    return rows[0], rows[-1]
 
 
 def quickstart_config(run_dir: Path, model_dir: Path, taskset: Path, *, preset: str,
-                      steps: int, seed: int, explorers: int = 1, lr: float = 3e-4) -> RunConfig:
-    """The GRPO run: the same settings the examples/ configs spell out."""
+                      steps: int, seed: int, explorers: int = 1, lr: float = 3e-4,
+                      heldout: Path | None = None) -> RunConfig:
+    """The GRPO run: the same settings the examples/ configs spell out, plus the held-out
+    evaluation (before the first step and at the end) when `heldout` is set."""
     names = [f"explorer-{i}" for i in range(explorers)]
     return RunConfig.model_validate({
         "name": "quickstart", "run_dir": str(run_dir), "seed": seed,
@@ -150,6 +128,8 @@ def quickstart_config(run_dir: Path, model_dir: Path, taskset: Path, *, preset: 
                     "checkpoint_every": 0},
         "reward": {"functions": {"k12": 1.0}},
         "logging": {"level": "warning"},
+        "eval": {"tasksets": [{"name": "heldout", "path": str(heldout)}] if heldout else [],
+                 "every": 0, "repeat_times": 4, "seed": seed},
     })
 
 
@@ -177,7 +157,7 @@ def quickstart(run_dir: str, preset: str, steps: int, sft_steps: int, lr: float,
     started = time.monotonic()
     train, heldout = reversal_tasks(seed)
     taskset = write_jsonl(train, root / "data" / "train.jsonl")
-    write_jsonl(heldout, root / "data" / "heldout.jsonl")
+    heldout_set = write_jsonl(heldout, root / "data" / "heldout.jsonl")
     click.echo(f"1/4 building a tiny Qwen2 and a character tokenizer in {root / 'model-init'}")
     model, _ = build_tiny_model(root / "model-init", seed=seed, **MODEL)
     params = sum(p.numel() for p in model.parameters())
@@ -185,23 +165,25 @@ def quickstart(run_dir: str, preset: str, steps: int, sft_steps: int, lr: float,
                f"({len(train)} training prompts, {len(heldout)} held out)")
     click.echo(f"2/4 SFT warm start, {sft_steps} steps")
     loss = warm_start(root / "model-init", root / "model-sft", train, steps=sft_steps, seed=seed)
-    before = accuracy(root / "model-sft", heldout, seed=seed)
-    click.echo(f"    loss {loss:.3f}; held-out accuracy sampled {before['sampled']:.2f}, "
-               f"greedy {before['greedy']:.2f}")
+    click.echo(f"    loss {loss:.3f}")
     click.echo(f"3/4 GRPO through the full system ({preset}, {steps} trainer steps)")
     config = quickstart_config(root / "grpo", root / "model-sft", taskset, preset=preset,
-                               steps=steps, seed=seed, lr=lr,
+                               steps=steps, seed=seed, lr=lr, heldout=heldout_set,
                                explorers=2 if preset == "multi_explorer_async" else 1)
     code = run_up(config, live=False if plain else None, prog="tandem quickstart")
     if code != 0:
         sys.exit(code)
-    after = accuracy(final_model(root / "grpo"), heldout, seed=seed)
-    click.echo("4/4 held-out accuracy (exact answers)")
-    click.echo(f"    sampled (temperature 1): {before['sampled']:.2f} -> {after['sampled']:.2f} "
-               f"({after['sampled'] - before['sampled']:+.2f})")
-    click.echo(f"    greedy:                  {before['greedy']:.2f} -> {after['greedy']:.2f} "
-               f"({after['greedy'] - before['greedy']:+.2f})")
+    first, last = before_after(root / "grpo")
+    click.echo(f"4/4 held-out accuracy (the run's evaluation, version {first['version']} -> "
+               f"{last['version']}; run_dir/eval.jsonl)")
+    before, after = {}, {}
+    for name, key in (("sampled (temperature 1)", "sampled/accuracy"),
+                      ("sampled pass@4", "sampled/pass@4"), ("greedy", "greedy/accuracy")):
+        b, a = first["metrics"][key], last["metrics"][key]
+        before[key], after[key] = b, a
+        click.echo(f"    {name + ':':<25}{b:.2f} -> {a:.2f} ({a - b:+.2f})")
     click.echo(f"    total {time.monotonic() - started:.0f} s; run dir {root}")
     (root / "result.json").write_text(json.dumps(
-        {"before": before, "after": after, "seconds": time.monotonic() - started,
-         "preset": preset, "steps": steps, "sft_steps": sft_steps, "params": params}, indent=2))
+        {"before": before, "after": after, "versions": [first["version"], last["version"]],
+         "seconds": time.monotonic() - started, "preset": preset, "steps": steps,
+         "sft_steps": sft_steps, "params": params}, indent=2))

@@ -13,7 +13,7 @@ from rich.text import Text
 from .simulate import Block, Timeline
 
 COLOURS = {"rollout": "#f2c230", "train": "#5cb85c", "nccl": "#8e44ad", "checkpoint": "#d9534f",
-           "buffer": "#a6d8f0"}
+           "buffer": "#a6d8f0", "eval": "#4a90d9"}
 _TERM = {"rollout": ("▆", "black on yellow"), "train": ("▆", "black on green"),
          "nccl": ("S", "bold white on purple"), "checkpoint": ("C", "bold white on red")}
 

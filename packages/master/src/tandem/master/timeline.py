@@ -1,7 +1,8 @@
 """`tandem timeline RUN_DIR`: draw a run's trace in the sync-pattern figure's visual language.
 
 One lane per explorer, the buffer (its fill level over time) and the trainer; Rollout yellow,
-Train green, Sync by NCCL purple, Sync by checkpoint red, waits hatched grey, on the real time
+Train green, Sync by NCCL purple, Sync by checkpoint red, Eval blue (an explorer scoring the
+`eval` tasksets between its steps), waits hatched grey, on the real time
 axis, with each lane's utilisation (busy time / wall-clock) in the legend. `--html` writes a
 self-contained zoomable page (inline SVG, a few lines of script, no network).
 """
@@ -20,7 +21,7 @@ from tandem.common.trace import read_trace
 
 from .render import COLOURS, finish_png
 
-BUSY = ("rollout", "train", "sync")
+BUSY = ("rollout", "train", "sync", "eval")
 WAIT_COLOUR = "#d0d0d0"
 
 
@@ -54,7 +55,7 @@ class RunTimeline:
         return [s for s in self.spans if s.lane == name]
 
     def utilization(self) -> dict[str, float]:
-        """Busy fraction of the wall-clock per lane (rollout/train/sync count as busy)."""
+        """Busy fraction of the wall-clock per lane (rollout/train/sync/eval count as busy)."""
         out = {}
         for name in self.explorers + ["trainer"]:
             busy = _union([(s.start, s.end) for s in self.lane(name) if s.kind in BUSY])
@@ -144,6 +145,9 @@ def render_png(tl: RunTimeline, path: str | Path, title: str = "") -> Path:
         if s.kind in ("rollout", "train") and s.step is not None and \
                 (s.end - s.start) > tl.makespan / 60:
             ax.text((s.start + s.end) / 2, y, str(s.step), ha="center", va="center", fontsize=7)
+        elif s.kind == "eval" and s.version is not None and (s.end - s.start) > tl.makespan / 60:
+            ax.text((s.start + s.end) / 2, y, f"v{s.version}", ha="center", va="center",
+                    fontsize=7, color="white")
     if tl.buffer:
         y = y_of["buffer"]
         times = [0.0] + [t for t, _ in tl.buffer] + [tl.makespan]
@@ -160,7 +164,8 @@ def render_png(tl: RunTimeline, path: str | Path, title: str = "") -> Path:
     ax.set_xlabel("seconds since the first span")
     ax.set_title(title or f"run timeline - {tl.makespan:.1f} s wall-clock; "
                  "lane labels give each lane's busy share", fontsize=9)
-    return finish_png(fig, ax, path, len(lanes), [("Wait", WAIT_COLOUR),
+    return finish_png(fig, ax, path, len(lanes), [("Eval", COLOURS["eval"]),
+                                                  ("Wait", WAIT_COLOUR),
                                                   ("Buffer (groups ready)", COLOURS["buffer"])])
 
 

@@ -121,6 +121,7 @@ class Progress:
     status: Status | None = None
     rewards: list[tuple[int, float]] = field(default_factory=list)  # (explorer step, mean)
     tokens: int = 0
+    evals: list[dict] = field(default_factory=list)  # rows of run_dir/eval.jsonl, in order
 
     _offsets: dict[Path, int] = field(default_factory=dict)
 
@@ -147,6 +148,43 @@ class Progress:
                 if "reward_mean" in attrs:
                     self.rewards.append((span.get("step") or 0, float(attrs["reward_mean"])))
                 self.tokens += int(attrs.get("tokens", 0))
+
+    def update_from_evals(self, run_dir: Path) -> None:
+        """Read the rows run_dir/eval.jsonl gained since the last call (whole lines)."""
+        path = run_dir / "eval.jsonl"
+        offset = self._offsets.get(path, 0)
+        try:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                chunk = f.read()
+        except OSError:
+            return
+        end = chunk.rfind(b"\n") + 1
+        self._offsets[path] = offset + end
+        for line in chunk[:end].splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict) and isinstance(row.get("metrics"), dict):
+                self.evals.append(row)
+
+    def eval_text(self) -> str:
+        """The newest evaluation of each taskset, in a line: accuracy per mode, best pass@k."""
+        newest: dict[str, dict] = {}
+        for row in self.evals:
+            newest[row["taskset"]] = row
+        return "; ".join(f"{name} v{row['version']}: {headline(row['metrics'])}"
+                         for name, row in newest.items())
+
+
+def headline(metrics: dict[str, float]) -> str:
+    """The figures of an eval row worth a glance: accuracy per mode and the largest pass@k."""
+    shown = {k: v for k, v in metrics.items() if k.endswith("/accuracy")}
+    passes = sorted((int(k.rsplit("@", 1)[1]), k) for k in metrics if "/pass@" in k)
+    if passes:
+        shown[passes[-1][1]] = metrics[passes[-1][1]]
+    return ", ".join(f"{k.replace('/accuracy', ' acc')} {v:.2f}" for k, v in shown.items())
 
 
 class Supervisor:
@@ -305,6 +343,7 @@ class Supervisor:
                 except (PeerDead, RequestFailed):
                     pass
                 self.progress.update_from_trace(self.run_dir)
+                self.progress.update_from_evals(self.run_dir)
                 if display is not None:
                     display.refresh()
                 elif time.monotonic() - last_line > 5.0:
@@ -342,7 +381,8 @@ class Supervisor:
     def _finish(self) -> int:
         # whoever is still running is stopped in order by _stop_all (the trainer, writing its
         # last checkpoint after the master's Stop, then gets up.trainer_stop_timeout)
-        deadline = time.monotonic() + self.config.up.stop_timeout
+        deadline = time.monotonic() + max(self._stop_bound(c) for c in self.children
+                                          if c.role != "trainer")
         while time.monotonic() < deadline and any(
                 c.returncode is None for c in self.children):
             time.sleep(0.1)
@@ -359,6 +399,9 @@ class Supervisor:
 
     def _stop_bound(self, child: Child) -> float:
         up = self.config.up
+        if child.role == "explorer" and self.config.eval.enabled and self.config.eval.at_end:
+            # the evaluating explorer scores the last weights after the run's Stop
+            return max(up.stop_timeout, self.config.eval.final_wait)
         return up.trainer_stop_timeout if child.role == "trainer" else up.stop_timeout
 
     def _stop_all(self) -> None:
@@ -393,8 +436,27 @@ class Supervisor:
         c = status.counters
         explorers = ", ".join(f"{e.name}: step {e.steps_done} v{e.held_version}"
                               for e in status.explorers)
+        evals = self.progress.eval_text()
         return (f"[{elapsed:6.1f}s] trainer {c.trainer_steps_done}/{c.total_steps} "
-                f"v{c.newest_version} | reward {reward:.3f} | {explorers}")
+                f"v{c.newest_version} | reward {reward:.3f} | {explorers}"
+                + (f" | eval {evals}" if evals else ""))
+
+    def eval_rows(self) -> list[tuple[str, str]]:
+        """Per eval taskset: each metric from the first evaluation to the last (eval.jsonl,
+        which the explorer may have finished writing after the last look)."""
+        self.progress.update_from_evals(self.run_dir)
+        by_set: dict[str, list[dict]] = {}
+        for row in self.progress.evals:
+            by_set.setdefault(row["taskset"], []).append(row)
+        out = []
+        for name, evals in by_set.items():
+            first, last = evals[0], evals[-1]
+            out.append((f"eval {name} v{first['version']} -> v{last['version']}",
+                        ", ".join(f"{k} {first['metrics'].get(k, float('nan')):.2f} -> {v:.2f}"
+                                  for k, v in last["metrics"].items())))
+        if by_set:
+            out.append(("eval results", str(self.run_dir / "eval.jsonl")))
+        return out
 
     def placement_rows(self) -> list[tuple[str, str]]:
         p = self.config.placement
@@ -418,6 +480,7 @@ class Supervisor:
             last = rewards[-10:]
             rows += [("reward first step / last 10 / best",
                       f"{rewards[0]:.3f} / {sum(last) / len(last):.3f} / {max(rewards):.3f}")]
+        rows += self.eval_rows()
         run_seconds = None
         try:
             tl = load_timeline(self.run_dir)
@@ -478,6 +541,8 @@ class _Display:
         reward = f"{p.rewards[-1][1]:.3f}" if p.rewards else "-"
         table.add_row("trainer", f"{done}/{total}", str(newest), "",
                       f"reward mean {reward}")
+        if p.evals:
+            table.add_row("eval", "", str(p.evals[-1]["version"]), "", p.eval_text())
         table.caption = (f"elapsed {elapsed:.0f}s, remaining ~{remaining:.0f}s, "
                          f"{p.tokens / max(elapsed, 1e-9):.0f} generated tokens/s")
         self.live.update(table)

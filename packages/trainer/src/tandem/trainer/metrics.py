@@ -15,6 +15,7 @@ import os
 import time
 from pathlib import Path
 
+import structlog
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -24,6 +25,8 @@ from tandem.common.config.transport import move_secrets_to_env
 from tandem.common.errors import ConfigError
 from tandem.common.metrics import MetricsEndpoint
 from tandem.common.trace import Tracer
+
+log = structlog.get_logger(__name__)
 
 
 def _kind(name: str) -> str:
@@ -129,15 +132,25 @@ class MetricsWriter:
     run_dir/tensorboard, wandb, mlflow), each told the run's config first, and, with a `config`,
     the trainer's Prometheus endpoint (`logging.metrics`): steps, step and sync seconds from the
     `tracer`'s spans, tokens, staleness, reward. Without a `run_dir` (ranks > 0) it does nothing.
+
+    Evaluation results reach the trackers here too: an explorer writes them to
+    run_dir/eval.jsonl, and each `write` passes on the rows that appeared since, as
+    `eval/<taskset>/<mode>/<metric>` against the version evaluated (`await_final_eval` waits at
+    the end of the run for the explorer's last evaluation).
     """
 
     def __init__(self, run_dir: str | Path | None, enabled: bool = True, *,
                  config: RunConfig | None = None, tracer: Tracer | None = None):
         self._trackers: list[_Tracker] = []
         self.endpoint: MetricsEndpoint | None = None
+        self._evals: EvalRows | None = None
+        self._final_wait = 0.0
         if run_dir is None:
             return
         run_dir = Path(run_dir)
+        if config is not None and config.eval.enabled:
+            self._evals = EvalRows(run_dir / "eval.jsonl")
+            self._final_wait = config.eval.final_wait if config.eval.at_end else 0.0
         trackers = config.logging.trackers if config is not None else ["tensorboard"]
         params = _public_config(config) if config is not None else {}
         try:
@@ -174,6 +187,34 @@ class MetricsWriter:
                     gauge.set(metrics[name])
         for tracker in self._trackers:
             tracker.write(step, metrics)
+        self.write_evals()
+
+    def write_evals(self) -> list[dict]:
+        """Pass the eval rows that appeared since the last call to the trackers."""
+        rows = self._evals.read() if self._evals is not None else []
+        for row in rows:
+            metrics = {f"eval/{row['taskset']}/{k}": float(v) for k, v in row["metrics"].items()}
+            for tracker in self._trackers:
+                tracker.write_eval(int(row.get("version") or 0), metrics)
+        return rows
+
+    async def await_final_eval(self) -> bool:
+        """The run is over: wait up to `eval.final_wait` for the explorer's end-of-run rows
+        (`final`), passing on what arrives; False (and a warning) if they never come."""
+        if self._evals is None or self._final_wait <= 0:
+            return True
+        import asyncio
+
+        deadline = time.monotonic() + self._final_wait
+        while True:
+            if any(row.get("final") for row in self.write_evals()):
+                return True
+            if time.monotonic() >= deadline:
+                log.warning("trainer.eval_missing", waited=self._final_wait,
+                            hint="the evaluating explorer wrote no end-of-run row to "
+                                 "eval.jsonl; raise eval.final_wait if it is only slow")
+                return False
+            await asyncio.sleep(0.2)
 
     def close(self) -> None:
         for tracker in self._trackers:
@@ -202,11 +243,42 @@ def _flatten(data: dict, prefix: str = "") -> dict[str, str]:
     return out
 
 
+class EvalRows:
+    """The rows run_dir/eval.jsonl gained since the last `read` (whole lines only)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.offset = 0
+
+    def read(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except OSError:
+            return []
+        end = chunk.rfind(b"\n") + 1
+        self.offset += end
+        rows = []
+        for line in chunk[:end].splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict) and isinstance(row.get("metrics"), dict):
+                rows.append(row)
+        return rows
+
+
 class _Tracker:
     name = ""
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         raise NotImplementedError
+
+    def write_eval(self, version: int, metrics: dict[str, float]) -> None:
+        """Eval results, against the weights version they measured."""
+        self.write(version, metrics)
 
     def close(self) -> None:
         raise NotImplementedError
@@ -247,9 +319,19 @@ class _Wandb(_Tracker):
         self._wandb = wandb
         self._run = wandb.init(project=config.logging.project or config.name, name=config.name,
                                dir=str(run_dir), config=params)
+        self._eval_axis = False
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         self._run.log(dict(metrics), step=step)
+
+    def write_eval(self, version: int, metrics: dict[str, float]) -> None:
+        # wandb's own step only grows, and an evaluation lands after the step that follows
+        # its version: eval/* is plotted against its own axis, eval/version
+        if not self._eval_axis:
+            self._run.define_metric("eval/version")
+            self._run.define_metric("eval/*", step_metric="eval/version")
+            self._eval_axis = True
+        self._run.log({**metrics, "eval/version": version})
 
     def close(self) -> None:
         self._run.finish()

@@ -92,6 +92,7 @@ class Trainer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._in_use: list[int] = []
         self._publisher = None
+        self._run_over = False  # the master's Stop said the run is done
         self._broadcaster = None
         self._weight_server = None  # weights.transport: fetch
         self._master = self._buffer = self._sub = self._heartbeat = None
@@ -134,25 +135,18 @@ class Trainer:
 
     # -- without sockets -----------------------------------------------------------------------
 
-    def train_step(self, experiences: Sequence[Experience], *, step: int | None = None,
-                   extra_batches: int = 0) -> dict[str, float]:
-        """One step on these experiences; under torchrun, rank 0 calls it and the others follow.
-        `extra_batches`: the master's top-up batches in them (dynamic sampling)."""
+    def train_step(self, experiences: Sequence[Experience], *, step: int | None = None
+                   ) -> dict[str, float]:
+        """One step on these experiences; under torchrun, rank 0 calls it and the others follow."""
         if self.dist.enabled:
             dd.send_command(dd.STEP)
             experiences = dd.broadcast_experiences(list(experiences))
         step = self.learner.step_count if step is None else step
         start = time.time()
         metrics = self.learner.step(experiences)
-        discarded = {}
-        if self.tc.dynamic_sampling:
-            metrics["dynamic_sampling/extra_batches"] = float(extra_batches)
-            # consumed with the step (acked) but not trained: no group-relative signal
-            discarded = dict(discarded_groups=int(metrics["dynamic_sampling/dropped_groups"]),
-                             extra_batches=extra_batches)
         self.tracer.record("train", start, time.time(), step=step, version=self.learner.version,
                            tokens=int(metrics["batch/tokens"]),
-                           loss=round(metrics.get("loss/total", 0.0), 6), **discarded)
+                           loss=round(metrics.get("loss/total", 0.0), 6))
         self.writer.write(self.learner.step_count, metrics)
         log.info("train.step", step=step, version=self.learner.version,
                  loss=round(metrics.get("loss/total", float("nan")), 5),
@@ -351,6 +345,7 @@ class Trainer:
                 continue
             if isinstance(event.body, Stop):
                 log.info("trainer.stop", reason=event.body.reason)
+                self._run_over = event.body.ok
                 return None
             go = event.body
             if not isinstance(go, TrainerGo) or go.step <= self._trained_through:
@@ -369,8 +364,7 @@ class Trainer:
         self._in_use = list(go.in_use)
         groups = go.groups or self.tc.groups_per_step
         sample = await self._unless_stopped(self._sample(groups, go.step))
-        metrics = await asyncio.to_thread(self.train_step, sample.experiences, step=go.step,
-                                          extra_batches=go.extra_batches)
+        metrics = await asyncio.to_thread(self.train_step, sample.experiences, step=go.step)
         self._trained_through = go.step
         metrics["buffer/dropped_stale"] = float(sample.dropped_stale)
         await self._buffer.call(AckLease(lease_id=sample.lease_id, step=go.step),
@@ -490,4 +484,8 @@ class Trainer:
         if self._broadcaster is not None:
             self._broadcaster.close()
         self.tracer.close()
+        if self._run_over:
+            # the evaluating explorer scores the last weights after the same Stop: its rows
+            # reach the trackers, which this process owns, before they close
+            await self.writer.await_final_eval()
         self.writer.close()

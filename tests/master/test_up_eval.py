@@ -1,0 +1,27 @@
+"""`tandem up` shows evaluations: the rows an explorer appends to run_dir/eval.jsonl, read as
+they arrive (a half-written last line waits for the next look)."""
+
+from __future__ import annotations
+
+import json
+
+from tandem.master.up import Progress, headline
+
+
+def test_progress_reads_eval_rows_as_they_arrive(tmp_path):
+    row = {"version": 0, "taskset": "heldout", "metrics": {
+        "greedy/reward_mean": 0.4, "greedy/accuracy": 0.4, "sampled/accuracy": 0.25,
+        "sampled/pass@1": 0.25, "sampled/pass@4": 0.5}}
+    later = dict(row, version=50, metrics=dict(row["metrics"], **{"greedy/accuracy": 0.75}))
+    path = tmp_path / "eval.jsonl"
+    path.write_text(json.dumps(row) + "\n" + json.dumps(later)[:20])  # the second half-written
+    progress = Progress()
+    progress.update_from_evals(tmp_path)
+    assert [r["version"] for r in progress.evals] == [0]
+    assert progress.eval_text() == "heldout v0: greedy acc 0.40, sampled acc 0.25, " \
+                                   "sampled/pass@4 0.50"
+    path.write_text(json.dumps(row) + "\n" + json.dumps(later) + "\n")
+    progress.update_from_evals(tmp_path)
+    assert [r["version"] for r in progress.evals] == [0, 50]
+    assert progress.eval_text().startswith("heldout v50: greedy acc 0.75")
+    assert headline({"sampled/pass@1": 0.1, "sampled/pass@16": 0.9}) == "sampled/pass@16 0.90"
