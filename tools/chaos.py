@@ -606,10 +606,17 @@ class Chaos:
         return None
 
     def _at_mid_train(self, strike: Strike, name: str) -> int | None:
-        """Freeze the buffer until the trainer's next request waits in its socket, freeze the
-        trainer, thaw the buffer, and strike once the buffer logged the sample it answered: the
-        trainer holds its step's groups and cannot ack them (a tiny model trains a step in
-        milliseconds, quicker than any log can be read)."""
+        """Strike while the trainer holds its step's groups, leased and not acked (a tiny model
+        trains a step in milliseconds, quicker than any log can be read), step by step:
+
+        1. once the master journaled a trainer step, freeze the trainer (it publishes, then
+           waits for its next `TrainerGo`);
+        2. wait until an explorer reports a step to the master (the journal gains an
+           `ExplorerStepDone`): the master can release the next step, which waits unread in the
+           frozen trainer's socket;
+        3. freeze the buffer, thaw the trainer, and wait for its request in the buffer's socket;
+        4. freeze the trainer, thaw the buffer, and strike once the buffer logged the sample it
+           answered: its reply sits unread in the trainer's socket."""
         deadline = time.monotonic() + self.moment_timeout
         tries: Counter = Counter()
         while time.monotonic() < deadline:
@@ -618,38 +625,57 @@ class Chaos:
             trainer, buffer, pid = pids.get("trainer"), pids.get("buffer"), pids.get(name)
             if trainer is None or buffer is None or pid is None:
                 return None
-            # right after an ack the trainer asks for its next step's groups at once; at other
-            # times it may be parked in a sample that only an explorer's put (to the frozen
-            # buffer) would answer
-            acks = len(self.watch.events)
-            self.wait(lambda: self.watch.since(acks, "buffer.ack", "buffer"),
-                      min(5.0, max(0.0, deadline - time.monotonic())))
-            port = self.ports["buffer"]
-            before = connections(port)
-            self._freeze(buffer)
+            left = lambda: min(15.0, max(0.0, deadline - time.monotonic()))  # noqa: E731
+            mark = len(self.watch.records)
+            if not self.wait(lambda: any(type(r).__name__ == "TrainerStepDone"
+                                         for r in self.watch.records[mark:]), left()):
+                tries["no trainer step in time"] += 1
+                continue
+            self._freeze(trainer)
+            frozen = [trainer]
             try:
-                # after an ack the trainer may first publish weights (a checkpoint file), which
-                # takes seconds on a loaded machine: wait long enough for the sample behind it
-                if not self.wait(lambda: waiting_bytes(port, trainer, before) > 0, 15.0):
+                mark = len(self.watch.records)
+
+                def next_step_ready() -> bool:
+                    kinds = Counter(type(r).__name__ for r in self.watch.records)
+                    return (kinds["ExplorerStepDone"] > kinds["TrainerStepDone"]
+                            or any(type(r).__name__ == "ExplorerStepDone"
+                                   for r in self.watch.records[mark:]))
+
+                if not self.wait(next_step_ready, left()):
+                    tries["no explorer step in time"] += 1
+                    continue
+                time.sleep(0.2)  # the master's TrainerGo on its way to the frozen trainer
+                port = self.ports["buffer"]
+                before = connections(port)
+                self._freeze(buffer)
+                frozen.append(buffer)
+                self._thaw(trainer)
+                frozen.remove(trainer)
+                if not self.wait(lambda: waiting_bytes(port, trainer, before) > 0, left()):
                     tries["no request in time"] += 1
                     continue
-                time.sleep(0.05)
+                time.sleep(0.05)  # the rest of a multi-frame request
                 self._freeze(trainer)
-            finally:
+                frozen.append(trainer)
                 mark = len(self.watch.events)
                 self._thaw(buffer)
-            try:
+                frozen.remove(buffer)
                 sample = self.wait(lambda: next(
                     (e for e in self.watch.since(mark, "buffer.sample", "buffer")
                      if f"-{trainer}-" in str(e.get("peer"))), None), 10.0)
                 if sample is None:  # that request was not a sample (an ack, a release)
                     tries["not a sample"] += 1
                     continue
+                frozen.remove(trainer)
                 return self._hit(strike, pid, f"trainer leased {sample['groups']} groups "
                                               f"(lease {sample['lease'][:8]}), its reply unread",
                                  stopped=pid == trainer)
             finally:
-                self._thaw(trainer)
+                for frozen_pid in frozen:
+                    self._thaw(frozen_pid)
+                if pid != trainer:
+                    self._thaw(trainer)
         return None
 
     def _at_mid_score(self, strike: Strike, name: str) -> int | None:

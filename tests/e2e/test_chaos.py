@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
 import chaos  # noqa: E402
 
-STEPS = 10
+STEPS = 16
 
 
 @pytest.mark.slow
