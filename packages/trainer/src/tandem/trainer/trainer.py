@@ -135,18 +135,25 @@ class Trainer:
 
     # -- without sockets -----------------------------------------------------------------------
 
-    def train_step(self, experiences: Sequence[Experience], *, step: int | None = None
-                   ) -> dict[str, float]:
-        """One step on these experiences; under torchrun, rank 0 calls it and the others follow."""
+    def train_step(self, experiences: Sequence[Experience], *, step: int | None = None,
+                   extra_batches: int = 0) -> dict[str, float]:
+        """One step on these experiences; under torchrun, rank 0 calls it and the others follow.
+        `extra_batches`: the master's top-up batches in them (dynamic sampling)."""
         if self.dist.enabled:
             dd.send_command(dd.STEP)
             experiences = dd.broadcast_experiences(list(experiences))
         step = self.learner.step_count if step is None else step
         start = time.time()
         metrics = self.learner.step(experiences)
+        discarded = {}
+        if self.tc.dynamic_sampling:
+            metrics["dynamic_sampling/extra_batches"] = float(extra_batches)
+            # consumed with the step (acked) but not trained: no group-relative signal
+            discarded = dict(discarded_groups=int(metrics["dynamic_sampling/dropped_groups"]),
+                             extra_batches=extra_batches)
         self.tracer.record("train", start, time.time(), step=step, version=self.learner.version,
                            tokens=int(metrics["batch/tokens"]),
-                           loss=round(metrics.get("loss/total", 0.0), 6))
+                           loss=round(metrics.get("loss/total", 0.0), 6), **discarded)
         self.writer.write(self.learner.step_count, metrics)
         log.info("train.step", step=step, version=self.learner.version,
                  loss=round(metrics.get("loss/total", float("nan")), 5),
@@ -364,7 +371,8 @@ class Trainer:
         self._in_use = list(go.in_use)
         groups = go.groups or self.tc.groups_per_step
         sample = await self._unless_stopped(self._sample(groups, go.step))
-        metrics = await asyncio.to_thread(self.train_step, sample.experiences, step=go.step)
+        metrics = await asyncio.to_thread(self.train_step, sample.experiences, step=go.step,
+                                          extra_batches=go.extra_batches)
         self._trained_through = go.step
         metrics["buffer/dropped_stale"] = float(sample.dropped_stale)
         await self._buffer.call(AckLease(lease_id=sample.lease_id, step=go.step),
