@@ -27,11 +27,11 @@ class EvalTasksetConfig(Section):
 
 
 class EvalConfig(Section):
-    """Evaluation during training (docs/explorer.md#evaluation). One explorer (`explorer`)
-    evaluates every taskset on the weights it holds: before its first step, whenever the
-    version it holds has advanced `every` trainer steps since the last evaluation, and when
-    the run ends. Results go to run_dir/eval.jsonl, the trace (an `eval` span), the trainer's
-    trackers and `tandem up`'s panel."""
+    """Evaluation during training (docs/explorer.md#evaluation-eval-section). One explorer
+    (`explorer`) evaluates every taskset on the weights it holds: before its first step,
+    whenever the version it holds has advanced `every` trainer steps since the last
+    evaluation, and when the run ends. Results go to run_dir/eval.jsonl, the trace (an `eval`
+    span), the trainer's trackers and `tandem up`'s panel."""
 
     tasksets: list[EvalTasksetConfig] = Field(
         default_factory=list, description="held-out tasksets; none: no evaluation")
