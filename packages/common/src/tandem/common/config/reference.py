@@ -121,6 +121,17 @@ def reference_yaml() -> str:
             if field.description:
                 out.append(f"{pad}# {field.description}")
             if sub is not None and typing.get_origin(field.annotation) is list:
+                if _default(field) == []:
+                    # empty by default (eval.tasksets): one item's keys, commented out, since
+                    # an item's required keys (a path that must exist) have no default
+                    out.append(f"{pad}{name}: []")
+                    out.append(f"{pad}# {name}:")
+                    start = len(out)
+                    emit(sub, indent + 2)
+                    out[start:] = [f"{pad}#   -"] + [
+                        f"{pad}# {line[len(pad):]}" if not line[len(pad):].startswith("#")
+                        else f"{pad}#{line[len(pad) + 1:]}" for line in out[start:]]
+                    continue
                 out.append(f"{pad}{name}:")
                 out.append(f"{pad}  -")
                 emit(sub, indent + 2)
