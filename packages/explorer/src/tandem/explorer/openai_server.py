@@ -80,6 +80,7 @@ class EngineBatcher:
     def __init__(self, engine: Engine, window: float):
         self.engine = engine
         self.window = window
+        self.max_rows = int(getattr(engine, "max_batch", 0) or 256)
         self._queues: dict[SamplingParams, list[_Pending]] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -101,11 +102,19 @@ class EngineBatcher:
             if self.window:
                 await asyncio.sleep(self.window)
             self._wake.clear()
-            queues, self._queues = self._queues, {}
-            for sampling, pending in queues.items():
-                pending = [p for p in pending if not p.future.done()]
+            for sampling in list(self._queues):
+                pending = [p for p in self._queues.pop(sampling) if not p.future.done()]
+                # at most one engine batch per call: the rest waits its turn in the queue, and
+                # requests keep being parsed while the engine samples
+                take, rows = [], 0
+                while pending and (not take or rows + pending[0].n <= self.max_rows):
+                    rows += pending[0].n
+                    take.append(pending.pop(0))
                 if pending:
-                    await self._run(sampling, pending)
+                    self._queues[sampling] = pending + self._queues.get(sampling, [])
+                    self._wake.set()
+                if take:
+                    await self._run(sampling, take)
 
     async def _run(self, sampling: SamplingParams, pending: list[_Pending]) -> None:
         # each of a request's n samples is its own row: one call serves mixed n
@@ -356,7 +365,8 @@ class OpenAIEndpoint:
                 temperature=_num(body, "temperature", d.temperature),
                 top_p=_num(body, "top_p", d.top_p),
                 top_k=max(0, _int(body, "top_k", d.top_k, low=-1)),  # -1 is vLLM's "off"
-                max_tokens=max_tokens, stop=tuple(stop), seed=_int(body, "seed", d.seed, low=None))
+                max_tokens=max_tokens, stop=tuple(stop), seed=_int(body, "seed", d.seed, low=None),
+                ignore_eos=d.ignore_eos)
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
         return {"n": n, "sampling": sampling, "stream": bool(body.get("stream", False)),

@@ -1,0 +1,178 @@
+"""Requests/s and generated tokens/s through the explorer's OpenAI endpoint against calling the
+engine directly: same engine, same prompts, same sampling, side by side in one run.
+
+`--concurrency` clients, each making `--requests` chat requests one after the other (as
+concurrent agent episodes do), with the official `openai` client from the same process and
+event loop as the endpoint, as the `agent` workflow runs them. The direct path hands the same
+prompt token ids to `engine.generate` in the same order: `--requests` calls of `--concurrency`
+prompts each, as a workflow rolling out the same episodes would. Every response is exactly
+`--max-tokens` long (the endpoint's default sampling ignores eos), so both generate the same
+number of tokens. Rounds are paired and alternate which path goes first; the table gives
+medians, and the ratio is the median of each round's endpoint/direct tokens/s ratio.
+
+    .venv/bin/python tools/bench_openai.py [--concurrency 1,8,32,64] [--requests 3]
+                                           [--max-batch 32] [--max-tokens 64] [--repeats 5]
+                                           [--threads 1] [--out .bench/openai.json]
+
+Without `--model` it builds the tiny test model (tandem.weights.tiny) and gives it a minimal
+chat template.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}</s>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def questions(n: int) -> list[str]:
+    base = ["What is 12+30?", "Guess the number.", "Solve 7*6 and say why.",
+            "The quick brown fox jumps over the lazy dog, then what?", "x=?", "Tell me 2+2"]
+    return [f"{base[i % len(base)]} {i}" for i in range(n)]
+
+
+async def through_endpoint(client, prompts: list[list[str]],
+                           max_tokens: int) -> tuple[int, float]:
+    async def agent(mine: list[str]) -> int:
+        tokens = 0
+        for p in mine:
+            reply = await client.chat.completions.create(
+                model="policy", max_tokens=max_tokens, messages=[{"role": "user", "content": p}])
+            tokens += reply.usage.completion_tokens
+        return tokens
+
+    t0 = time.perf_counter()
+    tokens = await asyncio.gather(*(agent(list(col)) for col in zip(*prompts)))
+    return sum(tokens), time.perf_counter() - t0
+
+
+async def direct(engine, prompt_ids: list[list[list[int]]], sampling) -> tuple[int, float]:
+    t0 = time.perf_counter()
+    tokens = 0
+    for batch in prompt_ids:
+        out = await engine.generate(batch, 1, sampling)
+        tokens += sum(len(c[0]) for c in out)
+    return tokens, time.perf_counter() - t0
+
+
+async def run(args, engine, model_name: str) -> list[dict]:
+    import openai
+
+    from tandem.common.config.explorer import OpenAIConfig
+    from tandem.explorer.openai_server import OpenAIEndpoint
+    from tandem.explorer.sampling import SamplingParams
+
+    sampling = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    endpoint = OpenAIEndpoint(OpenAIConfig(max_concurrency=max(levels)), engine,
+                              sampling=sampling, context=None, name="bench")
+    await endpoint.start()
+    client = openai.AsyncOpenAI(base_url=endpoint.url, api_key="bench", max_retries=0,
+                                timeout=600)
+    tok = engine.tokenizer
+    rows = []
+    try:
+        await through_endpoint(client, [questions(2)], 4)  # warm both paths
+        await direct(engine, [[[5, 6, 7]]], SamplingParams(max_tokens=4))
+        for n in levels:
+            # prompts[r][i]: client i's r-th request
+            flat = questions(n * args.requests)
+            prompts = [flat[r * n:(r + 1) * n] for r in range(args.requests)]
+            ids = []
+            for row in prompts:
+                enc = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=True,
+                                               add_generation_prompt=True) for p in row]
+                ids.append([list(i["input_ids"]) if hasattr(i, "keys") else list(i)
+                            for i in enc])
+            paths = {"endpoint": lambda: through_endpoint(client, prompts, args.max_tokens),
+                     "direct": lambda: direct(engine, ids, sampling)}
+            rates: dict[str, list[tuple[float, float]]] = {"endpoint": [], "direct": []}
+            for r in range(args.repeats):
+                for name in (("direct", "endpoint") if r % 2 == 0 else ("endpoint", "direct")):
+                    tokens, seconds = await paths[name]()
+                    assert tokens == n * args.requests * args.max_tokens, (name, tokens)
+                    rates[name].append((n * args.requests / seconds, tokens / seconds))
+            ratios = sorted(e[1] / d[1] for e, d in zip(rates["endpoint"], rates["direct"]))
+            rows.append({
+                "concurrency": n, "requests": args.requests, "max_tokens": args.max_tokens,
+                "endpoint_req_s": round(statistics.median(x[0] for x in rates["endpoint"]), 2),
+                "endpoint_tok_s": round(statistics.median(x[1] for x in rates["endpoint"]), 1),
+                "direct_req_s": round(statistics.median(x[0] for x in rates["direct"]), 2),
+                "direct_tok_s": round(statistics.median(x[1] for x in rates["direct"]), 1),
+                "ratio": round(statistics.median(ratios), 3),
+                "ratio_min": round(ratios[0], 3), "ratio_max": round(ratios[-1], 3),
+                "engine_batches": endpoint.batcher.batches})
+    finally:
+        await client.close()
+        await endpoint.close()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", help="HF model folder with a chat template; default: tiny")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--concurrency", default="1,8,32,64")
+    parser.add_argument("--requests", type=int, default=3, help="requests per client, in turn")
+    parser.add_argument("--max-batch", type=int, default=32, help="engine.max_batch")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (1 is steadiest on a shared box)")
+    parser.add_argument("--out", default=".bench/openai.json")
+    args = parser.parse_args()
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from tandem.explorer.transformers_engine import TransformersEngine
+
+    tmp = None
+    model_path = args.model
+    if model_path is None:
+        from tandem.weights.tiny import build_tiny_model
+
+        tmp = tempfile.TemporaryDirectory()
+        model_path = tmp.name
+        build_tiny_model(model_path)
+    engine = TransformersEngine.from_pretrained(model_path, device=args.device,
+                                                max_batch=args.max_batch)
+    if not getattr(engine.tokenizer, "chat_template", None):
+        engine.tokenizer.chat_template = TEMPLATE
+    try:
+        rows = asyncio.run(run(args, engine, Path(model_path).name))
+    finally:
+        engine.close()
+        if tmp is not None:
+            tmp.cleanup()
+
+    print(f"OpenAI endpoint vs engine.generate — {'tiny' if args.model is None else model_path}, "
+          f"device {args.device}, {args.threads} thread(s), engine max_batch {args.max_batch}, "
+          f"{args.requests} requests per client, {args.max_tokens} tokens per response, "
+          f"median of {args.repeats} paired rounds")
+    print(f"{'concurrent':>10} {'endpoint req/s':>15} {'endpoint tok/s':>15} "
+          f"{'direct req/s':>13} {'direct tok/s':>13} {'ratio':>7} {'ratio range':>13}")
+    for r in rows:
+        print(f"{r['concurrency']:>10} {r['endpoint_req_s']:>15.2f} {r['endpoint_tok_s']:>15.1f} "
+              f"{r['direct_req_s']:>13.2f} {r['direct_tok_s']:>13.1f} {r['ratio']:>7.3f} "
+              f"{r['ratio_min']:>6.2f}-{r['ratio_max']:<6.2f}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "benchmark": "openai", "device": args.device,
+        "model": model_path if args.model else "tiny (tandem.weights.tiny)",
+        "torch": torch.__version__, "threads": args.threads, "machine": platform.machine(),
+        "rows": rows}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
