@@ -245,3 +245,44 @@ async def test_a_stalled_sync_point_fails_after_sync_timeout_naming_the_key(tmp_
         await master.close()
         engine.close()
     assert explorer.steps_done == 1 and "after step 1" in str(info.value)
+
+
+async def test_the_evaluating_explorer_scores_between_steps_and_at_the_end(tmp_path,
+                                                                            tiny_model_path):
+    heldout = write_tasks(tmp_path / "heldout.jsonl", 3)
+    config = make_config(tmp_path, tiny_model_path, "eval.every=1", "eval.repeat_times=2",
+                         "eval.answer_key=secret", "eval.final_wait=0")
+    config.eval.tasksets = [{"name": "heldout", "path": str(heldout)}]
+    config = type(config).model_validate(config.model_dump())  # the run-level checks again
+    master = Master(config)
+    await master.start()
+    buffer = Buffer(config)
+    config.buffer.address = await buffer.start()
+    config.master.address = master.address
+    trained = TransformersEngine.from_pretrained(tiny_model_path)
+    engine = TransformersEngine.from_pretrained(tiny_model_path, max_batch=8)
+    explorer = Explorer(config, "explorer-0", engine=engine)
+    trainer = asyncio.create_task(play_trainer(config, master.address, master.publish_address,
+                                               trained, []))
+    try:
+        await asyncio.wait_for(explorer.serve(), 60)
+        await asyncio.wait_for(trainer, 10)
+    finally:
+        trainer.cancel()
+        await explorer.close()
+        await buffer.close()
+        await master.close()
+    engine.close()
+    trained.close()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().split("\n")
+            if line]
+    # before step 0 (v0), before step 1 (v1, `every` 1 later), and the end (still v1: the
+    # trainer's last version is never published, so those rows are repeated as final)
+    assert [(r["version"], r["step"], r["final"]) for r in rows] == [
+        (0, 0, False), (1, 1, False), (1, 2, True)]
+    assert all(r["tasks"] == 3 and set(r["metrics"]) >= {"greedy/reward_mean",
+                                                           "sampled/pass@2"} for r in rows)
+    spans = [s for s in read_trace(config.run_dir) if s["kind"] == "eval"]
+    assert [(s["component"], s["version"], s["attrs"]["final"]) for s in spans] == [
+        ("explorer-0", 0, False), ("explorer-0", 1, False), ("explorer-0", 1, True)]
+    assert explorer.steps_done == 2  # evaluations are no steps
