@@ -148,7 +148,8 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
 
 
 __all__ = [
-    "BufferConfig", "CurveConfig", "EngineConfig", "EvalConfig", "EvalTasksetConfig", "ExplorerConfig", "LoggingConfig", "LoraConfig",
+    "BufferConfig", "CurveConfig", "EngineConfig", "EvalConfig", "EvalTasksetConfig",
+    "ExplorerConfig", "LoggingConfig", "LoraConfig",
     "MasterConfig", "ModelConfig", "PRESETS", "PlacementConfig", "RewardConfig", "RunConfig", "SamplingConfig",
     "Section", "SyncConfig", "TasksetConfig", "TrainerConfig", "TransportConfig", "UpConfig", "WeightsConfig",
     "apply_override", "interpolate_env", "load", "load_config", "read_yaml", "validate",

@@ -16,7 +16,8 @@ class EvalTasksetConfig(Section):
     name: str = Field(min_length=1, description="names its results (eval/<name>/... metrics)")
     path: str = Field(description="JSONL or Parquet file, folder of them, or saved dataset folder")
     split: str | None = Field(default=None, description="split of a saved DatasetDict")
-    id_field: str | None = Field(default=None, description="column holding task ids; else row index")
+    id_field: str | None = Field(default=None,
+                                 description="column holding task ids; else row index")
     limit: int | None = Field(default=None, ge=1, description="evaluate only the first N rows")
 
     @model_validator(mode="after")
