@@ -100,3 +100,23 @@ def test_liveness_marks_silent_peers():
     assert live.silent(now=1.2) == ["a"]
     live.touch("a", now=1.2)
     assert live.silent(now=1.6) == ["b"]
+
+
+async def test_a_snapshot_replays_topics_in_the_order_they_were_published(zmq_sockets_closed):
+    """A late joiner must see the weights group announced before the barrier that loads from
+    it, as a live subscriber would (sorted by topic name, `barrier.*` came first)."""
+    from tandem.common.messages import WeightsPublished
+
+    server, pub, address, pub_address = await _master()
+    await pub.publish("weights", WeightsPublished(version=3, method="checkpoint", path="/v3"))
+    await pub.publish("barrier.e0", Barrier(explorer="e0", step=4, version=3, wait=True))
+    client = RpcClient(address, peer="master", transport=T)
+    sub = Subscriber(pub_address, topics=["barrier.e0", "weights"], transport=T, snapshot=client)
+    try:
+        got = [await sub.recv(2), await sub.recv(2)]
+        assert [e.topic for e in got] == ["weights", "barrier.e0"]
+    finally:
+        await sub.close()
+        await client.close()
+        await pub.close()
+        await server.close()

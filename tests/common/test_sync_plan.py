@@ -161,3 +161,18 @@ def test_synchronous_rule_properties(interval, offset, step):
     if version > 0:
         assert plan.publish_after(version - 1) == version
         assert plan.decide(step, newest=version - 1, held=None) is None
+
+
+def test_a_fresh_incarnation_under_nccl_takes_the_newest_version_then_keeps_it():
+    """A restarted explorer redoing step 5 of one_step_off_policy cannot receive version 4: it
+    went by in a broadcast the explorer was not in. It takes the version the trainer broadcasts
+    next (the newest), and keeps it until the schedule catches up instead of asking again for
+    versions that are never sent."""
+    plan = SyncPlan.preset("one_step_off_policy")
+    assert plan.decide(5, newest=6, held=None) == Go(5, 6, load=True)
+    assert plan.decide(6, newest=6, held=6) == Go(6, 6, load=False)
+    assert plan.decide(7, newest=7, held=6) == Go(7, 6, load=False)
+    assert plan.decide(8, newest=7, held=6) == Go(8, 7, load=True)
+    # with checkpoint any version can be read from disk: the step's own one
+    ckpt = SyncPlan(method="checkpoint", interval=1, offset=1)
+    assert ckpt.decide(5, newest=6, held=None) == Go(5, 4, load=True)

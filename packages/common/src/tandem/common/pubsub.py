@@ -46,7 +46,9 @@ class Publisher:
         self._sock = None
         self.bound: str | None = None
         self._seq: dict[str, int] = {}
-        self._latest: dict[str, tuple[int, Message]] = {}
+        # topic -> (seq, message, publish order): a snapshot replays in the order published
+        self._latest: dict[str, tuple[int, Message, int]] = {}
+        self._published = 0
 
     async def start(self) -> str:
         if self.bound is None:
@@ -63,18 +65,21 @@ class Publisher:
         """Send `msg` on `topic`; returns its sequence number."""
         seq = self._seq.get(topic, 0) + 1
         self._seq[topic] = seq
-        self._latest[topic] = (seq, msg)
+        self._published += 1
+        self._latest[topic] = (seq, msg, self._published)
         frames = codec.encode_event(msg, uuid.uuid4().hex, seq,
                                     inline_threshold=self.factory.transport.inline_threshold)
         await self._sock.send_multipart([topic.encode(), *frames], copy=False)
         return seq
 
     def snapshot(self, prefixes: list[str] | None = None) -> list[SnapshotEntry]:
-        """The newest event of every topic matching one of `prefixes` (all when empty)."""
+        """The newest event of every topic matching one of `prefixes` (all when empty), in the
+        order they were published: a late joiner acts on them as a live subscriber would have
+        (the weights group announced before the barrier that loads from it)."""
         return [
             SnapshotEntry(topic=topic, seq=seq, type=msg.TYPE,
                           body=msg.model_dump(mode="python", round_trip=True))
-            for topic, (seq, msg) in sorted(self._latest.items())
+            for topic, (seq, msg, _) in sorted(self._latest.items(), key=lambda kv: kv[1][2])
             if not prefixes or any(topic.startswith(p) for p in prefixes)
         ]
 

@@ -136,10 +136,17 @@ class SyncPlan:
         """
         if not self.asynchronous:
             version = self.version_for_step(step)
-            if not self.is_sync_point(step) and held is not None:
+            if held is not None and (not self.is_sync_point(step) or held >= version):
+                # between sync points, or ahead of the step's version: an explorer that rejoined
+                # a broadcast took the newest version, and an older one is never sent again
                 return Go(step, held, load=False)
             if newest < version:  # a sync point, or a joiner that needs the current version
                 return None
+            if held is None and self.method == "nccl" and newest > version:
+                # a fresh incarnation (restarted, or redoing a dead one's step) can receive only
+                # a broadcast still to come: the trainer's retry of `newest` to a fresh group that
+                # names it. `version` went by in a broadcast it was not in and is never sent again.
+                return Go(step, newest, load=True)
             return Go(step, version, load=version > 0)
         floor = self.min_version(step)
         if newest < floor:
