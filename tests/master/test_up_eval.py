@@ -25,3 +25,16 @@ def test_progress_reads_eval_rows_as_they_arrive(tmp_path):
     assert [r["version"] for r in progress.evals] == [0, 50]
     assert progress.eval_text().startswith("heldout v50: greedy acc 0.75")
     assert headline({"sampled/pass@1": 0.1, "sampled/pass@16": 0.9}) == "sampled/pass@16 0.90"
+
+
+def test_free_addresses_leave_the_metrics_ports_free_too():
+    """`run_up` from Python (the quickstart) gives every loopback address a free port; the
+    metrics ports stay unset, so `prepare` picks free ones too and two runs never clash."""
+    from tandem.common.config import RunConfig
+    from tandem.master.up import resolve_addresses
+
+    config = resolve_addresses(RunConfig.model_validate({"logging": {"level": "warning"}}))
+    assert "port" not in config.logging.metrics.model_fields_set
+    assert config.master.address != RunConfig().master.address
+    pinned = resolve_addresses(RunConfig.model_validate({"logging": {"metrics": {"port": 9500}}}))
+    assert pinned.logging.metrics.port == 9500

@@ -47,13 +47,17 @@ def free_port() -> int:
 
 
 def resolve_addresses(config: RunConfig) -> RunConfig:
-    """Give every loopback address a free port, so runs never collide."""
-    data = config.model_dump(mode="json")
+    """Give every loopback address a free port, so runs never collide. A copy, not a dump
+    validated again: that would mark every key as set, and `prepare` leaves the metrics ports
+    free only where `logging.metrics.port` was not set."""
+    updates: dict[str, dict[str, str]] = {}
     for section, key in (("master", "address"), ("master", "publish_address"),
                          ("buffer", "address"), ("reward", "address")):
-        if data[section][key].startswith(LOOPBACK):
-            data[section][key] = f"tcp://127.0.0.1:{free_port()}"
-    return RunConfig.model_validate(data)
+        if getattr(getattr(config, section), key).startswith(LOOPBACK):
+            updates.setdefault(section, {})[key] = f"tcp://127.0.0.1:{free_port()}"
+    return config.model_copy(update={
+        section: getattr(config, section).model_copy(update=values)
+        for section, values in updates.items()})
 
 
 def script(name: str) -> str:
