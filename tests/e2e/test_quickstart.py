@@ -24,7 +24,8 @@ def test_quickstart_raises_heldout_accuracy(tmp_path):
     assert result["after"]["sampled/accuracy"] >= result["before"]["sampled/accuracy"] + 0.1, \
         result
     # measured by the run's own evaluation: before the first step and at the end
-    rows = [json.loads(line) for line in (run_dir / "grpo" / "eval.jsonl").read_text().split()]
+    lines = (run_dir / "grpo" / "eval.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
     assert [(r["version"], r["final"]) for r in rows][0] == (0, False) and rows[-1]["final"]
     assert result["versions"] == [0, rows[-1]["version"]]
     assert "held-out accuracy" in proc.stdout
