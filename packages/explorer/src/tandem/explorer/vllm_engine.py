@@ -1,121 +1,371 @@
-"""`VLLMEngine`: rollouts on vLLM, coded against its documented offline API.
+"""`VLLMEngine`: rollouts on vLLM's asynchronous engine (`AsyncLLM`), requests streamed in and out.
 
-`vllm.LLM` with `SamplingParams(n, temperature, top_p, top_k, max_tokens, stop, logprobs=0)`
-returns each sampled token's log-probability; `logprobs_mode="processed_logprobs"` makes that
-the probability *after* temperature and top-k/top-p, which is tandem's definition (see
-`tandem.explorer.sampling`), so the trainer's importance ratios start at 1.
+Every prompt of a `generate` call is its own vLLM request (with `n` samples), all submitted at
+once: vLLM batches them continuously, so a long response never holds the others back, and other
+callers (an OpenAI-style server) could share the engine. `AsyncLLM` lives on an event loop of its
+own, on a thread this engine starts, so it serves any caller's loop and survives it.
+
+Each sampled token's log-probability comes back with `SamplingParams(logprobs=0)`;
+`logprobs_mode="processed_logprobs"` makes that the probability *after* temperature and
+top-k/top-p, which is tandem's definition (see `tandem.explorer.sampling`), so the trainer's
+importance ratios start at 1.
 
 New weights never pass through this process: vLLM's own workers fetch them through tandem's
-worker extension (`tandem.explorer.vllm_worker`), called with `LLM.collective_rpc`: from the
-run dir for checkpoint syncs, or by joining the trainer's broadcast group. vLLM cannot run on
-the development machine (no GPU); `tests/explorer/test_vllm_engine.py` checks this module
-against a stand-in for the `vllm` package and runs the real thing where vLLM and CUDA exist.
+worker extension (`tandem.explorer.vllm_worker`), called with `collective_rpc`, from the run dir
+for checkpoint syncs or by joining the trainer's broadcast group. A load pauses generation
+(running requests finish first), and then resets the prefix cache: a prefix cached under the
+old weights would otherwise give stale logprobs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import dataclasses
+import itertools
+import re
 import threading
 import time
+import uuid
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Coroutine, Sequence
 
 import numpy as np
+import structlog
 
 from .engine import Completion, Prompt, WorkerFetchEngine
 from .sampling import SamplingParams
 
+log = structlog.get_logger(__name__)
+
+# Set by tandem itself, so not accepted from `engine.options`.
+_OWN_ARGS = {"model", "tokenizer", "dtype", "logprobs_mode", "worker_extension_cls",
+             "tensor_parallel_size", "enable_prefix_caching"}
+
+
+class VLLMError(ValueError):
+    """vLLM refused the model, the config or a request; the message names the config key."""
+
+
+class _EngineLoop:
+    """An event loop on its own thread: `AsyncLLM` is bound to the loop it was created on."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="vllm-engine-loop",
+                                       daemon=True)
+        self.thread.start()
+
+    def submit(self, coro: Coroutine) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    async def run(self, coro: Coroutine) -> Any:
+        """Await `coro` on the engine's loop from the caller's loop (cancellation carries over)."""
+        return await asyncio.wrap_future(self.submit(coro))
+
+    def run_sync(self, coro: Coroutine, timeout: float) -> Any:
+        return self.submit(coro).result(timeout)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=30)
+        if not self.thread.is_alive():
+            self.loop.close()
+
 
 class VLLMEngine(WorkerFetchEngine):
-    """An engine over `vllm.LLM` whose workers fetch weights; generation and weight loads run
-    one at a time."""
+    """An engine over `vllm.v1.engine.async_llm.AsyncLLM` whose workers fetch weights."""
 
-    def __init__(self, llm: Any, *, workers: int = 1):
+    def __init__(self, llm: Any, engine_loop: _EngineLoop, tokenizer: Any, *,
+                 workers: int = 1, seed: int = 0, max_model_len: int | None = None,
+                 processes: "_VLLMProcesses | None" = None):
         self.llm = llm
+        self._processes = processes
+        self._loop = engine_loop
+        self._tokenizer = tokenizer
         self.workers = workers
+        self.seed = seed
+        self.max_model_len = max_model_len
         self.version = 0
-        self._lock = threading.Lock()  # one generate or weight load at a time
+        self._requests = itertools.count()
+        self._prefix = uuid.uuid4().hex[:8]
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, *, dtype: str = "bfloat16", seed: int = 0,
+    def from_pretrained(cls, path: str | Path, *, dtype: str = "bfloat16",
+                        tensor_parallel_size: int = 1, max_batch: int | None = None,
                         **options: Any) -> "VLLMEngine":
-        """Load a Hugging Face folder from disk; `options` go to `vllm.LLM` as they are
-        (tensor_parallel_size, gpu_memory_utilization, max_model_len, enforce_eager...)."""
+        """Start vLLM on a Hugging Face folder; `options` (`engine.options`) go to
+        `AsyncEngineArgs` as they are (max_model_len, enforce_eager, gpu_memory_utilization...).
+        """
         try:
-            import vllm
-        except ImportError:
-            raise RuntimeError("engine.kind: vllm needs vLLM installed (pip install vllm) and a "
-                               "GPU; use engine.kind: transformers otherwise") from None
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+        except ImportError as exc:
+            raise VLLMError(f"engine.kind: vllm needs vLLM installed ({exc}); pip install "
+                            "'tandem-explorer[vllm]', or `make test-vllm` for the CPU build "
+                            "(docs/explorer.md)") from None
+        from tandem.weights.hf import load_tokenizer
+
         from .vllm_worker import vllm_engine_kwargs
 
-        llm = vllm.LLM(model=str(path), tokenizer=str(path), dtype=dtype, seed=seed,
-                       logprobs_mode="processed_logprobs", **vllm_engine_kwargs(), **options)
-        return cls(llm, workers=int(options.get("tensor_parallel_size", 1)))
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise VLLMError(f"model.path {str(path)!r} is not a Hugging Face model folder "
+                            "(no config.json)")
+        known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+        unknown = sorted(set(options) - known)
+        clash = sorted(set(options) & _OWN_ARGS)
+        if unknown or clash:
+            raise VLLMError(f"engine.options: {unknown or clash} "
+                            + ("are not AsyncEngineArgs fields" if unknown else
+                               "are set by tandem (model.path, model.dtype, "
+                               "engine.tensor_parallel_size)"))
+        seed = int(options.pop("seed", 0))
+        if max_batch is not None:
+            options.setdefault("max_num_seqs", max_batch)
+        args = AsyncEngineArgs(
+            model=str(path), tokenizer=str(path), dtype=dtype, seed=seed,
+            tensor_parallel_size=tensor_parallel_size, enable_prefix_caching=True,
+            logprobs_mode="processed_logprobs", disable_log_stats=True,
+            **vllm_engine_kwargs(), **options)
+        engine_loop = _EngineLoop()
+        processes = _VLLMProcesses()
+
+        async def start() -> Any:
+            # On the engine loop, so that AsyncLLM's output handler runs there.
+            return AsyncLLM.from_engine_args(args)
+
+        start_s = time.perf_counter()
+        processes.watch()
+        try:
+            llm = engine_loop.run_sync(start(), timeout=1800)
+        except Exception as exc:
+            engine_loop.stop()
+            processes.end()
+            raise VLLMError(f"model.path {str(path)!r}: vLLM could not start on it: "
+                            f"{_first_line(exc)}") from exc
+        finally:
+            processes.unwatch()
+        log.info("vllm.started", model=str(path), seconds=round(time.perf_counter() - start_s, 1),
+                 tensor_parallel_size=tensor_parallel_size)
+        return cls(llm, engine_loop, load_tokenizer(path), workers=tensor_parallel_size,
+                   seed=seed, max_model_len=llm.model_config.max_model_len,
+                   processes=processes)
 
     @property
     def tokenizer(self) -> Any:
-        return self.llm.get_tokenizer()
+        return self._tokenizer
 
     async def generate(self, prompts: Sequence[Prompt], n: int,
                        sampling: SamplingParams) -> list[list[Completion]]:
-        return await asyncio.to_thread(self._generate, list(prompts), n, sampling)
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        encoded = [self._encode(p, i) for i, p in enumerate(prompts)]
+        return await self._loop.run(self._generate(encoded, n, sampling))
 
-    def _generate(self, prompts: list[Prompt], n: int,
-                  sampling: SamplingParams) -> list[list[Completion]]:
-        import vllm
+    def generate_sync(self, prompts: Sequence[Prompt], n: int, sampling: SamplingParams,
+                      timeout: float = 3600) -> list[list[Completion]]:
+        """The blocking form of `generate`, for callers without an event loop."""
+        encoded = [self._encode(p, i) for i, p in enumerate(prompts)]
+        return self._loop.run_sync(self._generate(encoded, n, sampling), timeout)
 
-        params = vllm.SamplingParams(
-            n=n, temperature=sampling.temperature, top_p=sampling.top_p,
-            top_k=sampling.top_k if sampling.top_k > 0 else -1, max_tokens=sampling.max_tokens,
-            stop=list(sampling.stop) or None, include_stop_str_in_output=True,
-            ignore_eos=sampling.ignore_eos, logprobs=0, seed=sampling.seed)
-        inputs = [p if isinstance(p, str) else {"prompt_token_ids": [int(t) for t in p]}
-                  for p in prompts]
+    def _encode(self, prompt: Prompt, index: int) -> list[int]:
+        ids = self._tokenizer(prompt).input_ids if isinstance(prompt, str) else [
+            int(t) for t in prompt]
+        if not ids:
+            raise ValueError(f"prompt {index} is empty")
+        if self.max_model_len is not None and len(ids) >= self.max_model_len:
+            raise VLLMError(f"engine.options.max_model_len: prompt {index} has {len(ids)} "
+                            f"tokens, vLLM's max_model_len is {self.max_model_len}; raise it")
+        return ids
+
+    async def _generate(self, prompts: list[list[int]], n: int,
+                        sampling: SamplingParams) -> list[list[Completion]]:
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
         start = time.perf_counter()
-        with self._lock:
-            outputs = self.llm.generate(inputs, params, use_tqdm=False)
-        seconds = time.perf_counter() - start
-        return [[self._completion(out, sample, seconds) for sample in out.outputs]
-                for out in outputs]
 
-    def _completion(self, out: Any, sample: Any, seconds: float) -> Completion:
+        # vLLM refuses n > 1 for greedy requests: send n requests of one sample each instead.
+        per_request = 1 if sampling.greedy else n
+
+        async def one(index: int, ids: list[int]) -> list[Completion]:
+            # A seeded call gives each prompt its own seeds (vLLM seeds sample k with seed + k),
+            # so equal prompts in one call still get different samples.
+            seed = None if sampling.seed is None else sampling.seed + index * n
+            params = VLLMSamplingParams(
+                n=per_request, temperature=sampling.temperature, top_p=sampling.top_p,
+                top_k=sampling.top_k,
+                max_tokens=min(sampling.max_tokens, self._room(ids)),
+                stop=list(sampling.stop) or None, include_stop_str_in_output=True,
+                ignore_eos=sampling.ignore_eos, logprobs=0, seed=seed,
+                output_kind=RequestOutputKind.FINAL_ONLY)
+            request_id = f"tandem-{self._prefix}-{next(self._requests)}"
+            final = None
+            async for out in self.llm.generate({"prompt_token_ids": ids}, params, request_id):
+                final = out
+            seconds = time.perf_counter() - start
+            return [self._completion(ids, sample, seconds) for sample in final.outputs]
+
+        requests = [one(i, ids) for i, ids in enumerate(prompts) for _ in range(n // per_request)]
+        done = await asyncio.gather(*requests)
+        per_prompt = n // per_request
+        return [[c for part in done[i * per_prompt:(i + 1) * per_prompt] for c in part]
+                for i in range(len(prompts))]
+
+    def _room(self, ids: list[int]) -> int:
+        return (self.max_model_len - len(ids)) if self.max_model_len else 1 << 30
+
+    @staticmethod
+    def _completion(prompt_ids: list[int], sample: Any, seconds: float) -> Completion:
         tokens = np.asarray(sample.token_ids, dtype=np.int32)
         if sample.logprobs is None or len(sample.logprobs) != len(tokens):
-            raise RuntimeError("vLLM returned no logprob for some sampled tokens; "
-                               "SamplingParams(logprobs=0) must be honoured")
+            raise VLLMError("vLLM returned no logprob for some sampled tokens; "
+                            "SamplingParams(logprobs=0) must be honoured")
         logprobs = np.asarray([step[int(t)].logprob for step, t in zip(sample.logprobs, tokens)],
                               dtype=np.float32)
         if sample.finish_reason == "length":
             reason, stop = "length", None
+        elif sample.finish_reason != "stop":
+            raise VLLMError(f"vLLM ended a request with {sample.finish_reason!r}")
         elif isinstance(sample.stop_reason, str):
             reason, stop = "stop", sample.stop_reason
         else:
             reason, stop = "eos", None  # an eos (or stop) token ended it
-        return Completion(prompt_ids=np.asarray(out.prompt_token_ids, dtype=np.int32),
-                          token_ids=tokens, logprobs=logprobs, text=sample.text,
-                          finish_reason=reason, stop=stop,
+        return Completion(prompt_ids=np.asarray(prompt_ids, dtype=np.int32), token_ids=tokens,
+                          logprobs=logprobs, text=sample.text, finish_reason=reason, stop=stop,
                           timings={"generate_s": seconds})
 
-    def _rpc(self, method: str, *args: Any) -> list[Any]:
-        with self._lock:
-            return self.llm.collective_rpc(method, args=args)
+    async def _load(self, method: str, *args: Any) -> list[Any]:
+        """Run a weight-loading method on every worker with generation paused, then drop every
+        cached prefix: it was computed under the old weights."""
+        llm = self.llm
+        await llm.pause_generation(mode="wait", clear_cache=True)
+        try:
+            try:
+                counts = await llm.collective_rpc(method, args=args)
+            except Exception as exc:  # a worker's error arrives as a plain Exception's text
+                raise VLLMError(_worker_error(exc)) from exc
+            if not await llm.reset_prefix_cache():
+                raise VLLMError("vLLM did not reset its prefix cache after a weight load")
+        finally:
+            await llm.resume_generation()
+        return counts
 
     async def fetch_checkpoint(self, run_dir: str | Path, version: int) -> int:
-        counts = await asyncio.to_thread(self._rpc, "tandem_load_checkpoint", str(run_dir),
-                                         version)
+        counts = await self._loop.run(self._load("tandem_load_checkpoint", str(run_dir), version))
         self.version = version
         return int(counts[0])
 
     async def join_group(self, rendezvous: dict[str, Any], explorer: str, timeout: float) -> None:
-        await asyncio.to_thread(self._rpc, "tandem_join", rendezvous, explorer, timeout)
+        await self._loop.run(self.llm.collective_rpc(
+            "tandem_join", args=(rendezvous, explorer, timeout)))
 
     async def fetch_broadcast(self, version: int) -> int:
-        counts = await asyncio.to_thread(self._rpc, "tandem_receive", version)
+        counts = await self._loop.run(self._load("tandem_receive", version))
         self.version = version
         return int(counts[0])
 
     def close(self) -> None:
+        """Leave the weight group, shut vLLM down (its engine core and workers) and stop the
+        engine loop."""
+        if self._loop is None:
+            return
+        loop, self._loop = self._loop, None
         try:
-            self._rpc("tandem_leave")
-        except Exception:  # the engine may already be gone; closing must not fail
+            loop.run_sync(self.llm.collective_rpc("tandem_leave", timeout=30), timeout=60)
+        except Exception:  # the engine may already be dead; closing must go on
             pass
+
+        async def shutdown() -> None:
+            self.llm.shutdown(timeout=30)
+
+        try:
+            loop.run_sync(shutdown(), timeout=60)
+        finally:
+            loop.stop()
+            self.llm = None  # collected now, not at interpreter exit when vLLM's globals are gone
+            if self._processes is not None:
+                self._processes.end()
+
+
+class _VLLMProcesses:
+    """The processes vLLM starts below this one (engine core, workers), recorded while it starts
+    so that `end()` finds them even after they were orphaned (a worker whose engine core died
+    is re-parented away from this process)."""
+
+    def __init__(self) -> None:
+        import psutil  # a vLLM dependency
+
+        self._psutil = psutil
+        self._before = {p.pid for p in psutil.Process().children(recursive=True)}
+        self.seen: dict[int, Any] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def scan(self) -> None:
+        for proc in self._psutil.Process().children(recursive=True):
+            try:
+                if proc.pid in self._before or proc.pid in self.seen:
+                    continue
+                # multiprocessing's resource tracker serves this process, not vLLM: it stays
+                if "resource_tracker" not in " ".join(proc.cmdline()):
+                    self.seen[proc.pid] = proc
+            except self._psutil.Error:
+                continue
+
+    def watch(self, interval: float = 0.2) -> None:
+        def run() -> None:
+            while not self._stop.wait(interval):
+                self.scan()
+
+        self._thread = threading.Thread(target=run, name="vllm-process-watch", daemon=True)
+        self._thread.start()
+
+    def unwatch(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self.scan()
+
+    def end(self, grace: float = 10.0) -> None:
+        """SIGTERM what is still running (the same process, not a reused pid), then SIGKILL."""
+        self.unwatch()
+        psutil = self._psutil
+        alive = [p for p in self.seen.values() if p.is_running()]
+        for proc in alive:
+            try:
+                proc.terminate()
+            except psutil.Error:
+                pass
+        _, stuck = psutil.wait_procs(alive, timeout=grace)
+        for proc in stuck:
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(stuck, timeout=grace)
+        if alive:
+            log.info("vllm.processes_ended", count=len(alive), killed=len(stuck))
+
+
+def _first_line(exc: BaseException) -> str:
+    """The innermost cause in one line: vLLM wraps a worker's error several times."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    errors = getattr(exc, "errors", None)  # pydantic: vLLM's config classes validate
+    if callable(errors):
+        try:
+            return "; ".join(str(e.get("msg", e)) for e in errors()).replace("\n", " ")
+        except Exception:
+            pass
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def _worker_error(exc: BaseException) -> str:
+    """The worker's own message out of vLLM's "Call to collective_rpc method failed: Worker
+    failed with error '...', please check the stack trace above" wrapping."""
+    text = str(exc)
+    match = re.search(r"Worker failed with error '(.*)', please check", text, re.S)
+    return (match.group(1) if match else text).strip().splitlines()[0]

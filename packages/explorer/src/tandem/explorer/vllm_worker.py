@@ -17,6 +17,7 @@ imported here: this class is imported by vLLM, inside a worker that already has 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 import torch
 
@@ -38,14 +39,29 @@ class TandemWeightExtension:
 
     def _tandem_load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         count = 0
+        last = None
 
         def counted() -> Iterator[tuple[str, torch.Tensor]]:
-            nonlocal count
+            nonlocal count, last
             for item in weights:
                 count += 1
+                last = item[0]
                 yield item
 
-        self.model_runner.model.load_weights(weights=counted())
+        runner = self.model_runner
+        try:
+            if hasattr(runner, "reload_weights"):
+                # vLLM >= 0.32: an in-place reload restores each layer's loader and then
+                # re-runs its post-load processing (the CPU backend repacks weights), which a
+                # second plain `load_weights` into the processed model cannot do
+                runner.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
+                _retie_embeddings(runner.model)
+            else:
+                runner.model.load_weights(weights=counted())
+        except (KeyError, ValueError) as exc:
+            # the model class looks each (renamed) tensor up among its parameters
+            why = str(exc).split(". ")[0]
+            raise ValueError(f"weights: vLLM refused {last!r}: {why}") from None
         return count
 
     def tandem_join(self, rendezvous: dict, explorer: str, timeout: float) -> str:
@@ -66,10 +82,47 @@ class TandemWeightExtension:
 
     def tandem_load_checkpoint(self, run_dir: str, version: int) -> int:
         """Load `run_dir/weights/v{version}`; returns the number of tensors."""
-        return self._tandem_load(WeightSubscriber(run_dir).load(version))
+        subscriber = WeightSubscriber(run_dir)
+        self._tandem_check_names([t.name for t in subscriber.manifest(version).tensors])
+        return self._tandem_load(subscriber.load(version))
+
+    def _tandem_check_names(self, names: list[str]) -> None:
+        """Refuse a version naming a tensor the model's own checkpoint does not have, before
+        anything is loaded: a reload that fails half-way leaves vLLM's model unusable."""
+        config = getattr(getattr(self, "vllm_config", None), "model_config", None)
+        folder = Path(getattr(config, "model", "") or "")
+        files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+        if not files:
+            return  # a hub name or another format: vLLM's own loader is the only check
+        from safetensors import safe_open
+
+        known: set[str] = set()
+        for path in files:
+            with safe_open(str(path), framework="pt") as handle:
+                known.update(handle.keys())
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise ValueError(f"weights: vLLM refused {unknown[0]!r}: the model at {folder} has "
+                             f"no such tensor ({len(unknown)} unknown); is this the same "
+                             "architecture?")
 
     def tandem_leave(self) -> None:
         """Leave the current group, if any."""
         if self._tandem_receiver is not None:
             self._tandem_receiver.close()
             self._tandem_receiver = None
+
+
+def _retie_embeddings(model) -> None:
+    """Bring a tied `lm_head` up to date with the reloaded embedding. vLLM's in-place reload
+    runs post-load processing for one owner of a tied parameter only (its documented limit), so
+    the head kept what it derived from the old weights (the CPU backend's packed matmul):
+    stale logits otherwise."""
+    config = getattr(model, "config", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    head = getattr(model, "lm_head", None)
+    if getattr(config, "tie_word_embeddings", False) and embed is not None and head is not None:
+        head.weight = embed.weight
+        method = getattr(head, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(head)

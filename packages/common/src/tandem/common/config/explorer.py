@@ -34,13 +34,24 @@ class EngineConfig(Section):
     """The inference engine."""
 
     kind: Literal["transformers", "vllm"] = Field(
-        default="transformers", description="transformers: the embedded engine (CPU or CUDA)")
-    device: str = Field(default="cpu", description="cpu, cuda, cuda:1 ...")
-    max_batch: int = Field(default=64, ge=1, description="sequences generated at once")
+        default="transformers",
+        description="transformers: the embedded engine (CPU or CUDA); vllm: vLLM's AsyncLLM")
+    device: str = Field(default="cpu", description="cpu, cuda, cuda:1 ... (transformers only)")
+    max_batch: int = Field(
+        default=64, ge=1, description="sequences generated at once (vllm: max_num_seqs)")
+    tensor_parallel_size: int = Field(
+        default=1, ge=1, description="vllm: devices one engine's model is split over")
     options: dict[str, Any] = Field(
         default_factory=dict,
         description="engine-specific arguments (transformers: seed, attn_implementation, "
-                    "threads: torch intra-op threads of the process)")
+                    "threads: torch intra-op threads of the process; vllm: seed and any "
+                    "AsyncEngineArgs field, e.g. max_model_len, enforce_eager)")
+
+    @model_validator(mode="after")
+    def _tensor_parallel_needs_vllm(self) -> "EngineConfig":
+        if self.tensor_parallel_size > 1 and self.kind != "vllm":
+            raise ValueError("engine.tensor_parallel_size > 1 needs engine.kind: vllm")
+        return self
 
 
 class OpenAIConfig(Section):
