@@ -8,9 +8,11 @@ prompt token ids to `engine.generate` in the same order: `--requests` calls of `
 prompts each, as a workflow rolling out the same episodes would. Every response is exactly
 `--max-tokens` long (the endpoint's default sampling ignores eos), so both generate the same
 number of tokens. Rounds are paired and alternate which path goes first; the table gives
-medians, and the ratio is the median of each round's endpoint/direct tokens/s ratio.
+medians, and the ratio is the median of each round's endpoint/direct tokens/s ratio. The
+`outside` columns send the same load from a second process (clients elsewhere).
 
-    .venv/bin/python tools/bench_openai.py [--concurrency 1,8,32,64] [--requests 3]
+    .venv/bin/python tools/bench_openai.py [--size tiny|small] [--concurrency 1,8,32,64]
+                                           [--requests 3]
                                            [--max-batch 32] [--max-tokens 64] [--repeats 5]
                                            [--threads 1] [--out .bench/openai.json]
 
@@ -25,6 +27,7 @@ import asyncio
 import json
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -54,6 +57,51 @@ async def through_endpoint(client, prompts: list[list[str]],
     return sum(tokens), time.perf_counter() - t0
 
 
+class ClientProcess:
+    """The same load from another process (`--serve-client`): clients elsewhere, as an outside
+    user of an `openai.enabled` endpoint would be; it keeps its imports warm between rounds."""
+
+    def __init__(self, url: str, max_tokens: int):
+        self.url, self.max_tokens = url, max_tokens
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> None:
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable, __file__, "--serve-client", self.url, stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE)
+
+    async def __call__(self, prompts: list[list[str]], max_tokens: int) -> tuple[int, float]:
+        self.proc.stdin.write((json.dumps({"prompts": prompts, "max_tokens": max_tokens})
+                               + "\n").encode())
+        await self.proc.stdin.drain()
+        while True:  # skip whatever else the child printed (a library's warning)
+            line = await asyncio.wait_for(self.proc.stdout.readline(), 600)
+            if not line:
+                raise RuntimeError("the client process died; see its stderr above")
+            if line.startswith(b"result "):
+                tokens, seconds = json.loads(line[len(b"result "):])
+                return tokens, seconds
+
+    async def close(self) -> None:
+        if self.proc is not None:
+            self.proc.stdin.close()
+            await asyncio.wait_for(self.proc.wait(), 30)
+
+
+async def serve_client(url: str) -> None:
+    """The child's side of `ClientProcess`: one JSON line in, (tokens, seconds) out."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url, api_key="bench", max_retries=0, timeout=600)
+    loop = asyncio.get_running_loop()
+    while line := await loop.run_in_executor(None, sys.stdin.readline):
+        job = json.loads(line)
+        result = await through_endpoint(client, job["prompts"], job["max_tokens"])
+        sys.stdout.write("result " + json.dumps(result) + "\n")
+        sys.stdout.flush()
+    await client.close()
+
+
 async def direct(engine, prompt_ids: list[list[list[int]]], sampling) -> tuple[int, float]:
     t0 = time.perf_counter()
     tokens = 0
@@ -77,10 +125,13 @@ async def run(args, engine, model_name: str) -> list[dict]:
     await endpoint.start()
     client = openai.AsyncOpenAI(base_url=endpoint.url, api_key="bench", max_retries=0,
                                 timeout=600)
+    outside = ClientProcess(endpoint.url, args.max_tokens)
+    await outside.start()
     tok = engine.tokenizer
     rows = []
     try:
-        await through_endpoint(client, [questions(2)], 4)  # warm both paths
+        await through_endpoint(client, [questions(2)], 4)  # warm every path
+        await outside([questions(2)], 4)
         await direct(engine, [[[5, 6, 7]]], SamplingParams(max_tokens=4))
         for n in levels:
             # prompts[r][i]: client i's r-th request
@@ -93,14 +144,18 @@ async def run(args, engine, model_name: str) -> list[dict]:
                 ids.append([list(i["input_ids"]) if hasattr(i, "keys") else list(i)
                             for i in enc])
             paths = {"endpoint": lambda: through_endpoint(client, prompts, args.max_tokens),
+                     "outside": lambda: outside(prompts, args.max_tokens),
                      "direct": lambda: direct(engine, ids, sampling)}
-            rates: dict[str, list[tuple[float, float]]] = {"endpoint": [], "direct": []}
+            rates: dict[str, list[tuple[float, float]]] = {name: [] for name in paths}
             for r in range(args.repeats):
-                for name in (("direct", "endpoint") if r % 2 == 0 else ("endpoint", "direct")):
+                order = ["direct", "endpoint", "outside"]
+                for name in order[r % 3:] + order[:r % 3]:
                     tokens, seconds = await paths[name]()
                     assert tokens == n * args.requests * args.max_tokens, (name, tokens)
                     rates[name].append((n * args.requests / seconds, tokens / seconds))
             ratios = sorted(e[1] / d[1] for e, d in zip(rates["endpoint"], rates["direct"]))
+            outside_ratios = sorted(e[1] / d[1] for e, d in zip(rates["outside"],
+                                                                 rates["direct"]))
             rows.append({
                 "concurrency": n, "requests": args.requests, "max_tokens": args.max_tokens,
                 "endpoint_req_s": round(statistics.median(x[0] for x in rates["endpoint"]), 2),
@@ -109,9 +164,12 @@ async def run(args, engine, model_name: str) -> list[dict]:
                 "direct_tok_s": round(statistics.median(x[1] for x in rates["direct"]), 1),
                 "ratio": round(statistics.median(ratios), 3),
                 "ratio_min": round(ratios[0], 3), "ratio_max": round(ratios[-1], 3),
+                "outside_tok_s": round(statistics.median(x[1] for x in rates["outside"]), 1),
+                "outside_ratio": round(statistics.median(outside_ratios), 3),
                 "engine_batches": endpoint.batcher.batches})
     finally:
         await client.close()
+        await outside.close()
         await endpoint.close()
     return rows
 
@@ -120,6 +178,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", help="HF model folder with a chat template; default: tiny")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--size", default="tiny", choices=["tiny", "small"],
+                        help="the built model: tiny (hidden 64, 2 layers) or small (hidden 512, "
+                             "8 layers, ~27M parameters: per-token cost closer to a real model)")
     parser.add_argument("--concurrency", default="1,8,32,64")
     parser.add_argument("--requests", type=int, default=3, help="requests per client, in turn")
     parser.add_argument("--max-batch", type=int, default=32, help="engine.max_batch")
@@ -128,7 +189,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (1 is steadiest on a shared box)")
     parser.add_argument("--out", default=".bench/openai.json")
+    parser.add_argument("--serve-client", metavar="URL", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.serve_client:
+        asyncio.run(serve_client(args.serve_client))
+        return
 
     import torch
 
@@ -142,7 +207,9 @@ def main() -> None:
 
         tmp = tempfile.TemporaryDirectory()
         model_path = tmp.name
-        build_tiny_model(model_path)
+        sizes = {"tiny": {}, "small": {"hidden": 512, "layers": 8, "heads": 8, "kv_heads": 4,
+                                      "intermediate": 1408}}
+        build_tiny_model(model_path, **sizes[args.size])
     engine = TransformersEngine.from_pretrained(model_path, device=args.device,
                                                 max_batch=args.max_batch)
     if not getattr(engine.tokenizer, "chat_template", None):
@@ -154,21 +221,23 @@ def main() -> None:
         if tmp is not None:
             tmp.cleanup()
 
-    print(f"OpenAI endpoint vs engine.generate — {'tiny' if args.model is None else model_path}, "
+    print(f"OpenAI endpoint vs engine.generate — {args.size if args.model is None else model_path}, "
           f"device {args.device}, {args.threads} thread(s), engine max_batch {args.max_batch}, "
           f"{args.requests} requests per client, {args.max_tokens} tokens per response, "
           f"median of {args.repeats} paired rounds")
     print(f"{'concurrent':>10} {'endpoint req/s':>15} {'endpoint tok/s':>15} "
-          f"{'direct req/s':>13} {'direct tok/s':>13} {'ratio':>7} {'ratio range':>13}")
+          f"{'direct req/s':>13} {'direct tok/s':>13} {'ratio':>7} {'ratio range':>13} "
+          f"{'outside tok/s':>14} {'ratio':>7}")
     for r in rows:
         print(f"{r['concurrency']:>10} {r['endpoint_req_s']:>15.2f} {r['endpoint_tok_s']:>15.1f} "
               f"{r['direct_req_s']:>13.2f} {r['direct_tok_s']:>13.1f} {r['ratio']:>7.3f} "
-              f"{r['ratio_min']:>6.2f}-{r['ratio_max']:<6.2f}")
+              f"{r['ratio_min']:>6.2f}-{r['ratio_max']:<6.2f} {r['outside_tok_s']:>14.1f} "
+              f"{r['outside_ratio']:>7.3f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "benchmark": "openai", "device": args.device,
-        "model": model_path if args.model else "tiny (tandem.weights.tiny)",
+        "model": model_path if args.model else f"{args.size} (tandem.weights.tiny)",
         "torch": torch.__version__, "threads": args.threads, "machine": platform.machine(),
         "rows": rows}, indent=2))
     print(f"wrote {out}")

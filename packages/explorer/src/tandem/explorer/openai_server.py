@@ -100,7 +100,15 @@ class EngineBatcher:
         while True:
             await self._wake.wait()
             if self.window:
-                await asyncio.sleep(self.window)
+                # a burst of requests trickles in: wait while more keep arriving (up to 8
+                # windows, or a full batch), so one burst is one engine call
+                seen = -1
+                for _ in range(8):
+                    count = sum(len(q) for q in self._queues.values())
+                    if count == seen or count >= self.max_rows:
+                        break
+                    seen = count
+                    await asyncio.sleep(self.window)
             self._wake.clear()
             for sampling in list(self._queues):
                 pending = [p for p in self._queues.pop(sampling) if not p.future.done()]
