@@ -105,3 +105,29 @@ def test_broadcast_without_a_group_names_the_missing_rendezvous(engine):
     loader = WeightLoader(engine, run_dir="unused", explorer="explorer-0", timeout=5)
     with pytest.raises(WeightsError, match="no weight group"):
         asyncio.run(loader.load(1, "nccl", None))
+
+
+def test_a_broadcast_load_takes_the_version_from_disk_once_a_resumed_trainer_wrote_it(
+        engine, trained, tmp_path):
+    """nccl: a version that went by in a broadcast is never sent again; a trainer that resumed
+    writes it to weights/v{N}, and an explorer already waiting for it (no group announced)
+    takes it from there instead of failing."""
+    loader = WeightLoader(engine, run_dir=tmp_path, explorer="explorer-0", timeout=20)
+
+    async def scenario():
+        waiting = asyncio.ensure_future(loader.load(3, "nccl", None))
+        await asyncio.sleep(0.6)
+        assert not waiting.done()
+        await asyncio.to_thread(WeightPublisher(tmp_path).publish, 3,
+                                trained.model.named_parameters())
+        return await asyncio.wait_for(waiting, 10)
+
+    asyncio.run(scenario())
+    assert engine.version == 3 and outputs(engine) == outputs(trained)
+
+
+def test_a_broadcast_load_with_no_group_and_no_file_fails_within_its_timeout(engine, tmp_path):
+    loader = WeightLoader(engine, run_dir=tmp_path, explorer="explorer-0", timeout=1.0)
+    with pytest.raises(WeightsError, match="no weight group naming it"):
+        asyncio.run(loader.load(3, "nccl", None))
+    assert engine.version == 0

@@ -222,3 +222,27 @@ def test_exhausted_taskset_ends_the_run_after_the_complete_steps():
     assert barriers(d) == [("a", 2, 2, True)]
     d = clock.tasks_exhausted("a")
     assert [t for t, _ in d] == ["stop"] and "exhausted after 2 of 10" in d[0][1].reason
+
+
+def test_after_a_resume_under_nccl_the_lost_lineage_newest_version_goes_to_disk():
+    """synchronous, the trainer killed with no checkpoint after 3 counted steps: it retrains
+    0..2. Versions 1..3 went by in broadcasts and are never broadcast again, but a restarted
+    explorer needs version 3 for its step 3: the retrained step 2 publishes it to disk, and a
+    fresh explorer is granted it by checkpoint."""
+    clock = RunClock(SyncPlan.preset("synchronous"), total_steps=6)
+    clock.join("a")
+    for step in range(3):
+        clock.explorer_done("a", step, step, step)
+        clock.trainer_step_done(step)
+        clock.published(step + 1, "nccl")
+    assert gos(clock.trainer_resumed(0)) == [(0, None)]
+    assert clock.last_go.publish_by is None
+    assert gos(clock.trainer_step_done(0)) == [(1, None)]
+    d = clock.trainer_step_done(1)
+    assert gos(d) == [(2, 3)] and clock.last_go.publish_by == "checkpoint"
+    clock.published(3, "checkpoint")
+    d = clock.join("a")  # the explorer restarted: it holds the base model
+    assert [(m.step, m.version, m.method) for t, m in d if t.startswith("barrier.")] == [
+        (3, 3, "checkpoint")]
+    # one that came back before the file did is granted the broadcast, and takes the file
+    # once it is there (WeightLoader polls weights/v3 while it waits)

@@ -25,6 +25,10 @@ from .engine import Engine, TensorEngine, WorkerFetchEngine
 log = structlog.get_logger(__name__)
 
 
+class NoGroupAnnounced(WeightsError):
+    """A broadcast load with no weight group naming this engine announced (yet)."""
+
+
 class WeightLoader:
     """One explorer's way to new weights: `await load(version, method, rendezvous)`."""
 
@@ -90,14 +94,14 @@ class WeightLoader:
         self.offer_group(rendezvous)
         if isinstance(self.engine, WorkerFetchEngine):
             if self._worker_group is None:
-                raise WeightsError(f"{self.explorer}: asked to load version {version} by "
+                raise NoGroupAnnounced(f"{self.explorer}: asked to load version {version} by "
                                    "broadcast but no weight group naming it was announced")
             if self._joining is not None:
                 joining, self._joining = self._joining, None
                 await joining
             return await self.engine.fetch_broadcast(version)
         if self.receiver is None:
-            raise WeightsError(f"{self.explorer}: asked to load version {version} by broadcast "
+            raise NoGroupAnnounced(f"{self.explorer}: asked to load version {version} by broadcast "
                                "but no weight group naming it was announced (sync.method: nccl "
                                "needs the trainer's rendezvous on the master's `weights` topic)")
         if self._joining is not None:
@@ -110,6 +114,45 @@ class WeightLoader:
             self._close_receiver()
             raise
 
+    def _on_disk(self, version: int) -> bool:
+        """`weights/v{version}` is in place (folders are renamed in whole, manifest included)."""
+        from tandem.weights import version_dir
+
+        return self.fetcher is None and version_dir(self.run_dir, version).is_dir()
+
+    async def _broadcast_or_disk(self, version: int, rendezvous: GroupRendezvous | None) -> int:
+        """Receive `version` by broadcast, or read it from disk once a trainer wrote it there.
+
+        A trainer that (re)starts at step S under nccl writes its version S to `weights/v{S}`
+        (DESIGN §5: a member that restarts gets the current version by checkpoint): a version
+        broadcast before the restart is never broadcast again. An explorer that restarted with
+        it may have been granted that version by broadcast before the master heard of the
+        checkpoint; it takes it from disk as soon as it is there, within `sync.timeout`."""
+        if self._on_disk(version):
+            return await self.load_checkpoint(version)
+        broadcast = asyncio.ensure_future(self.load_broadcast(version, rendezvous))
+        deadline = time.monotonic() + self.timeout
+        try:
+            while True:
+                done, _ = await asyncio.wait({broadcast}, timeout=0.25)
+                if done and broadcast.exception() is None:
+                    return broadcast.result()
+                if self._on_disk(version):
+                    break
+                if done and (not isinstance(broadcast.exception(), NoGroupAnnounced)
+                             or time.monotonic() > deadline):
+                    return broadcast.result()  # its error
+                if done:
+                    await asyncio.sleep(0.25)  # no group announced (yet): the file may come
+        finally:
+            if not broadcast.done():
+                broadcast.cancel()
+                await asyncio.gather(broadcast, return_exceptions=True)
+        self._close_receiver()  # it waited on a group that will not send this version
+        log.info("explorer.weights_from_disk", explorer=self.explorer, version=version,
+                 detail="the trainer restarted and wrote this version; it is not broadcast again")
+        return await self.load_checkpoint(version)
+
     async def load(self, version: int, method: str, rendezvous: GroupRendezvous | None = None
                    ) -> dict[str, float]:
         """Load `version` by `method`; returns what the sync span records."""
@@ -117,7 +160,7 @@ class WeightLoader:
         if method == "checkpoint":
             tensors = await self.load_checkpoint(version)
         elif method == "nccl":
-            tensors = await self.load_broadcast(version, rendezvous)
+            tensors = await self._broadcast_or_disk(version, rendezvous)
         else:
             raise ValueError(f"sync.method {method!r}: expected checkpoint or nccl")
         seconds = time.perf_counter() - start

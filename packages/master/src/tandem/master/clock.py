@@ -90,6 +90,7 @@ class RunClock:
     newest: int = 0  # newest published version
     published_versions: list[int] = field(default_factory=list)  # in the trainer's lineage
     broadcast_through: int = 0  # nccl: versions a lost lineage broadcast; never broadcast again
+    on_disk: set[int] = field(default_factory=set)  # nccl: versions a resumed trainer wrote
     stopped: bool = False
     exhausted: bool = False  # the taskset ran dry
     last_go: TrainerGo | None = None
@@ -203,7 +204,9 @@ class RunClock:
         self.trainer_done = max(self.trainer_done, step + 1)
         return self._release()
 
-    def published(self, version: int) -> list[Decision]:
+    def published(self, version: int, method: str | None = None) -> list[Decision]:
+        if method == "checkpoint" and self.plan.method == "nccl":
+            self.on_disk.add(version)  # a resumed trainer's current version (DESIGN §5)
         self.newest = max(self.newest, version)
         if version not in self.published_versions:
             self.published_versions.append(version)
@@ -327,10 +330,14 @@ class RunClock:
                 batches = len(self.done.get(t, ())) + self.extra.get(t, 0)
                 groups = self.groups.get(t)
             publish = self.plan.publish_after(t, self.total_steps)
+            publish_by = None
             if publish is not None and publish <= self.broadcast_through:
-                publish = None
+                # broadcast by a lost lineage: never again. The newest of them is the version
+                # explorers that restarted with the trainer need next: it goes to disk.
+                publish, publish_by = ((publish, "checkpoint")
+                                       if publish == self.broadcast_through else (None, None))
             self.last_go = TrainerGo(
-                step=t, publish=publish, batches=batches,
+                step=t, publish=publish, publish_by=publish_by, batches=batches,
                 groups=groups, extra_batches=self.extra.get(t, 0),
                 explorers=sorted(s.name for s in self.producing),
                 in_use=sorted({s.held for s in self.alive if s.held is not None}))
@@ -397,6 +404,7 @@ class RunClock:
         go = plan.decide(step, newest=self.newest, held=slot.held, since_load=slot.since_load)
         if go is None:
             return None
+        fresh = slot.held is None
         if slot.redo is None:
             self.batches_granted += 1
         slot.redo = None
@@ -404,6 +412,10 @@ class RunClock:
         slot.held = go.version
         if go.load:
             slot.since_load = 0
+        # a fresh explorer under nccl takes a version a resumed trainer wrote from disk: it
+        # went by in a broadcast and is never sent again
+        method = ("checkpoint" if plan.method == "nccl" and go.load and fresh
+                  and go.version in self.on_disk else plan.method)
         slot.barrier = Barrier(explorer=slot.name, step=step, version=go.version, wait=go.load,
-                               batch=batch, method=plan.method)
+                               batch=batch, method=method)
         return slot.barrier

@@ -341,7 +341,7 @@ class Master:
     def _apply_weights(self, msg: WeightsPublished) -> list[Decision]:
         self._last_weights = msg
         self._weights_events += 1
-        return [("weights", msg), *self.clock.published(msg.version)]
+        return [("weights", msg), *self.clock.published(msg.version, msg.method)]
 
     def _need_taskset(self) -> TaskDispatcher:
         if self.dispatcher is None:

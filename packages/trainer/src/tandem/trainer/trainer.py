@@ -292,10 +292,14 @@ class Trainer:
         await self._master.call(TrainerResumed(
             step=start, checkpoint=None if self.resumed_from is None else str(self.resumed_from),
             lineage=self.lineage), timeout_key=rpc)
-        if superseded and start > 0 and self.config.sync.method == "checkpoint":
-            # The master's newest version is now at most S, and retention may have deleted
-            # v{S}: an explorer that (re)starts loads the newest, so v{S} must exist. The
-            # learner is at version S exactly; it writes v{S} when missing, and announces it.
+        method = self.config.sync.method
+        if start > 0 and (method == "nccl" or superseded):
+            # checkpoint: the master's newest version is now at most S, and retention may have
+            # deleted v{S}: an explorer that (re)starts loads the newest, so v{S} must exist.
+            # nccl: versions up to S went by in broadcasts of the lost incarnation and are
+            # never broadcast again; an explorer that restarted with this trainer takes v{S}
+            # from disk (DESIGN §5: the current version by checkpoint). The learner is at
+            # version S exactly; it writes v{S} when missing, and announces it.
             path = await asyncio.to_thread(self._current_version, start)
             await self._master.call(WeightsPublished(version=start, method="checkpoint",
                                                      path=str(path)), timeout_key=rpc)
@@ -412,10 +416,12 @@ class Trainer:
         return result
 
     async def _publish(self, version: int, go: TrainerGo) -> None:
-        method = self.config.sync.method
+        method = go.publish_by or self.config.sync.method
         start = time.time()
         if method == "checkpoint":
-            path = await asyncio.to_thread(self._publish_checkpoint, version)
+            # a lost lineage's version goes to disk once, maybe already at resume
+            write = self._current_version if go.publish_by else self._publish_checkpoint
+            path = await asyncio.to_thread(write, version)
             moved = sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
             await self._master.call(
                 WeightsPublished(version=version, method="checkpoint", path=str(path)),

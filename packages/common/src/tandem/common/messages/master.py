@@ -172,6 +172,9 @@ class TrainerGo(Message):
 
     step: int
     publish: int | None = Field(default=None, description="the version to publish after it")
+    publish_by: Literal["checkpoint"] | None = Field(
+        default=None, description="publish it this way instead of sync.method: a version that "
+        "a lost lineage broadcast, written to disk for explorers that restarted (nccl)")
     batches: int = Field(default=0, description="explorer batches this step trains on")
     groups: int | None = Field(
         default=None, description="tasks (= groups) in those batches, when the master knows")
