@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
 
 
 
@@ -57,9 +56,6 @@ class CallLog:
         ep = self._open.pop(episode, None)
         return ep.records if ep is not None else []
 
-    def is_open(self, episode: str | None) -> bool:
-        return episode is not None and episode in self._open
-
     def records(self, episode: str | None) -> list[CallRecord]:
         ep = self._open.get(episode) if episode is not None else None
         return ep.records if ep is not None else []
@@ -90,7 +86,3 @@ class CallLog:
 def versions_of(records: list[CallRecord]) -> list[int]:
     return sorted({r.version for r in records})
 
-
-def summary(records: list[CallRecord]) -> dict[str, Any]:
-    return {"calls": len(records), "versions": versions_of(records),
-            "finish_reasons": [r.finish_reason for r in records]}

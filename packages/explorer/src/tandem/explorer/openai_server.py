@@ -29,7 +29,7 @@ import socket
 import time
 import uuid
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -170,7 +170,6 @@ class _Request:
     logprobs: bool
     episode: str | None
     tools: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class OpenAIEndpoint:
