@@ -943,9 +943,10 @@ def run_one(workdir: Path, model_dir: Path, preset: str, strikes: list[Strike], 
                   log=log)
     log(f"{preset}: {len(strikes)} strikes, {steps} steps, run dir {chaos.run_dir}")
     result = chaos.run()
-    deadline = time.monotonic() + 5.0  # a grace period, as for any stop
-    while (left := leftovers(chaos.run_dir)) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    start = time.monotonic()  # a grace period, as for any stop; longer for the timeline
+    while (left := leftovers(chaos.run_dir)) and time.monotonic() - start < (
+            60.0 if all(" timeline " in " ".join(cmdline(p)) for p in left) else 5.0):
+        time.sleep(0.1)  # `tandem up` draws timeline.png in a detached process that ends itself
     left_cmds = [" ".join(cmdline(pid))[:200] for pid in left]
     for pid in left:  # ours: started under the run we started
         try:
