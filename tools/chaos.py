@@ -1042,7 +1042,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=2, help="tasks per explorer step "
                                                                    "(= groups per trainer step)")
     parser.add_argument("--repeat", type=int, default=2, help="responses per task")
-    parser.add_argument("--moment-timeout", type=float, default=30.0,
+    parser.add_argument("--moment-timeout", type=float, default=60.0,
                         help="seconds to wait for a strike's moment before calling it missed")
     parser.add_argument("--run-timeout", type=float, default=900.0, help="up.run_timeout")
     parser.add_argument("--model", type=Path, help="a model dir (default: a tiny Qwen2 built "
