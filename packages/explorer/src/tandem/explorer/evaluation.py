@@ -94,11 +94,13 @@ class Evaluator:
 
     async def evaluate(self, engine: Engine, workflow: Workflow, scorer: RewardScorer | None,
                        *, version: int, step: int | None = None, final: bool = False,
-                       checkpoint: str | None = None, write: bool = True) -> list[dict[str, Any]]:
+                       checkpoint: str | None = None, write: bool = True,
+                       endpoint: Any = None) -> list[dict[str, Any]]:
         """Every taskset in every mode on the weights `engine` holds; one row per taskset,
         appended to run_dir/eval.jsonl when `write`. The end-of-run evaluation (`final`) of
         weights already evaluated repeats those rows (the seeds are fixed: they would be the
-        same) instead of rolling out again."""
+        same) instead of rolling out again. `endpoint`: the explorer's OpenAI endpoint, for the
+        agent workflow."""
         if final and version == self.last_version:
             rows = [dict(r, time=round(time.time(), 3), step=step, final=True)
                     for r in self.last_rows]
@@ -112,7 +114,7 @@ class Evaluator:
             for mode, (sampling, repeat) in self.modes.items():
                 ctx = RolloutContext(engine=engine, sampling=sampling, repeat_times=repeat,
                                      explorer=self.explorer, run="eval", step=step or 0,
-                                     scorer=scorer, version=version)
+                                     scorer=scorer, version=version, endpoint=endpoint)
                 experiences = await workflow.run(ts.tasks, ctx)
                 per_task: dict[str, list[float]] = {}
                 for e in experiences:

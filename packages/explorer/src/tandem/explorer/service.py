@@ -401,7 +401,8 @@ class Explorer:
         version = self.engine.version
         with self.tracer.span("eval", step=step, version=version, final=final) as attrs:
             rows = await self.evaluator.evaluate(self.engine, self.workflow, self.scorer,
-                                                 version=version, step=step, final=final)
+                                                 version=version, step=step, final=final,
+                                                 endpoint=self.endpoint)
             attrs.update(tasks=sum(r["tasks"] for r in rows),
                          **{f"{r['taskset']}/{k}": v for r in rows
                             for k, v in r["metrics"].items()})
