@@ -10,6 +10,13 @@ a shared machine whose load drifts between rounds.
                                              [--repeats 7] [--model DIR --device cuda] [--out PATH]
 
 Without `--model` it builds the tiny test model (tandem.weights.tiny) in a temporary folder.
+
+`--engine vllm` (in `.venv-vllm`, see `make test-vllm`) measures VLLMEngine instead, against bare
+vLLM in the same run: tokens/s against `vllm.LLM.generate` on the same prompts, a checkpoint
+weight update (`WeightLoader.load`: pause, workers load, prefix cache reset) against a bare
+`model.load_weights` of the same file's tensors inside vLLM's worker, and start-up times.
+
+    .venv-vllm/bin/python tools/bench_explorer.py --engine vllm [--batches 8,64] [--max-tokens 32]
 """
 
 from __future__ import annotations
@@ -65,8 +72,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads for both (1 is steadiest on a shared box)")
-    parser.add_argument("--out", default=".bench/explorer.json")
+    parser.add_argument("--out", default=None, help="default .bench/explorer[-vllm].json")
+    parser.add_argument("--engine", choices=["transformers", "vllm"], default="transformers")
     args = parser.parse_args()
+    if args.engine == "vllm":
+        from bench_explorer_vllm import bench_vllm
+
+        bench_vllm(args, make_prompts)
+        return
+    args.out = args.out or ".bench/explorer.json"
 
     import torch
 
