@@ -88,6 +88,10 @@ class VLLMEngine(WorkerFetchEngine):
         self.max_model_len = max_model_len
         self.version = 0
         self._requests = itertools.count()
+        # Both only touched on the engine loop: requests running, and a weight load under way
+        # (new requests wait for it).
+        self._in_flight = 0
+        self._loading: asyncio.Event | None = None
         self._prefix = uuid.uuid4().hex[:8]
 
     @classmethod
@@ -202,8 +206,15 @@ class VLLMEngine(WorkerFetchEngine):
                 output_kind=RequestOutputKind.FINAL_ONLY)
             request_id = f"tandem-{self._prefix}-{next(self._requests)}"
             final = None
-            async for out in self.llm.generate({"prompt_token_ids": ids}, params, request_id):
-                final = out
+            while self._loading is not None:
+                await self._loading.wait()
+            self._in_flight += 1
+            try:
+                async for out in self.llm.generate({"prompt_token_ids": ids}, params,
+                                                   request_id):
+                    final = out
+            finally:
+                self._in_flight -= 1
             seconds = time.perf_counter() - start
             return [self._completion(ids, sample, seconds) for sample in final.outputs]
 
@@ -240,8 +251,15 @@ class VLLMEngine(WorkerFetchEngine):
         """Run a weight-loading method on every worker with generation paused, then drop every
         cached prefix: it was computed under the old weights."""
         llm = self.llm
-        await llm.pause_generation(mode="wait", clear_cache=True)
+        while self._loading is not None:  # one load at a time
+            await self._loading.wait()
+        self._loading = asyncio.Event()
+        # Requests already running finish under the old weights; with none running, pausing
+        # vLLM (three round trips to its engine core) is not needed: new ones wait above.
+        paused = self._in_flight > 0
         try:
+            if paused:
+                await llm.pause_generation(mode="wait", clear_cache=True)
             try:
                 counts = await llm.collective_rpc(method, args=args)
             except Exception as exc:  # a worker's error arrives as a plain Exception's text
@@ -249,7 +267,10 @@ class VLLMEngine(WorkerFetchEngine):
             if not await llm.reset_prefix_cache():
                 raise VLLMError("vLLM did not reset its prefix cache after a weight load")
         finally:
-            await llm.resume_generation()
+            if paused:
+                await llm.resume_generation()
+            loading, self._loading = self._loading, None
+            loading.set()
         return counts
 
     async def fetch_checkpoint(self, run_dir: str | Path, version: int) -> int:
