@@ -78,7 +78,8 @@ while [[ "$1" == --* ]]; do
   case "$1" in --nodelist=*) node="${1#--nodelist=}";; esac
   shift
 done
-trap 'echo "TERM $1" >> "$SRUN_LOG"; kill $! 2>/dev/null; exit 143' TERM
+# the job may signal a step twice (its process and its group): record it once
+trap 'trap "" TERM; echo "TERM $1" >> "$SRUN_LOG"; kill $! 2>/dev/null; exit 143' TERM
 echo "$node $*" >> "$SRUN_LOG"
 if [[ "$*" == *"$FAIL_ON"* ]]; then sleep 0.5; exit 3; fi
 sleep "$STEP_SECONDS" & wait $!
