@@ -129,19 +129,24 @@ class Progress:
 
     _offsets: dict[Path, int] = field(default_factory=dict)
 
+    def _new_lines(self, path: Path) -> list[bytes]:
+        """The whole lines `path` gained since the last call (a line still being written waits
+        for the next call); none when it cannot be read."""
+        offset = self._offsets.get(path, 0)
+        try:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                chunk = f.read()
+        except OSError:
+            return []
+        end = chunk.rfind(b"\n") + 1
+        self._offsets[path] = offset + end
+        return chunk[:end].splitlines()
+
     def update_from_trace(self, run_dir: Path) -> None:
         """Read only what the explorers' traces gained since the last call (whole lines)."""
         for path in sorted((run_dir / "trace").glob("*.jsonl")):
-            offset = self._offsets.get(path, 0)
-            try:
-                with open(path, "rb") as f:
-                    f.seek(offset)
-                    chunk = f.read()
-            except OSError:
-                continue
-            end = chunk.rfind(b"\n") + 1  # a line still being written waits for the next call
-            self._offsets[path] = offset + end
-            for line in chunk[:end].splitlines():
+            for line in self._new_lines(path):
                 try:
                     span = json.loads(line)
                 except ValueError:
@@ -155,17 +160,7 @@ class Progress:
 
     def update_from_evals(self, run_dir: Path) -> None:
         """Read the rows run_dir/eval.jsonl gained since the last call (whole lines)."""
-        path = run_dir / "eval.jsonl"
-        offset = self._offsets.get(path, 0)
-        try:
-            with open(path, "rb") as f:
-                f.seek(offset)
-                chunk = f.read()
-        except OSError:
-            return
-        end = chunk.rfind(b"\n") + 1
-        self._offsets[path] = offset + end
-        for line in chunk[:end].splitlines():
+        for line in self._new_lines(run_dir / "eval.jsonl"):
             try:
                 row = json.loads(line)
             except ValueError:
