@@ -34,19 +34,21 @@ def _bytes(array: np.ndarray) -> bytes:
     return np.ascontiguousarray(array).tobytes()
 
 
-def to_row(exp: Experience) -> tuple[str, str, bytes, bytes, bytes, bytes, int]:
-    """(id, group_id, meta, tokens, action_mask, logprobs, nbytes) for an INSERT."""
+def to_row(exp: Experience) -> tuple[str, str, bytes, bytes, bytes, bytes, int, bytes | None]:
+    """(id, group_id, meta, tokens, action_mask, logprobs, nbytes, token_versions) for an
+    INSERT; token_versions is NULL when every token is at `policy_version`."""
     meta = {name: getattr(exp, name) for name in _META_FIELDS}
     try:
         packed = msgpack.packb(meta, default=_plain, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:
         raise BadPut(f"experience {exp.id}: info or rewards cannot be stored: {exc}") from None
     return (exp.id, exp.group_id, packed, _bytes(exp.tokens), _bytes(exp.action_mask),
-            _bytes(exp.logprobs), exp.nbytes)
+            _bytes(exp.logprobs), exp.nbytes,
+            None if exp.token_versions is None else _bytes(exp.token_versions))
 
 
 def from_row(id_: str, group_id: str, meta: bytes, tokens: bytes, action_mask: bytes,
-             logprobs: bytes) -> Experience:
+             logprobs: bytes, token_versions: bytes | None = None) -> Experience:
     """The experience a row holds; trusted (we wrote it), so built without re-validation."""
     fields = msgpack.unpackb(meta, raw=False, strict_map_key=False)
     return Experience.model_construct(
@@ -54,4 +56,6 @@ def from_row(id_: str, group_id: str, meta: bytes, tokens: bytes, action_mask: b
         tokens=np.frombuffer(tokens, dtype=_INT32),
         action_mask=np.frombuffer(action_mask, dtype=_UINT8),
         logprobs=np.frombuffer(logprobs, dtype=_FLOAT32),
+        token_versions=(None if token_versions is None
+                        else np.frombuffer(token_versions, dtype=_INT32)),
         **fields)

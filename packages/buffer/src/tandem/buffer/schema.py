@@ -61,6 +61,8 @@ INSERT OR IGNORE INTO counters VALUES
 _ADDED = (
     ("groups", "step", "INTEGER"),  # the trainer step whose ack consumed the group
     ("leases", "holder", "TEXT"),  # the consumer the lease was handed to
+    # int32 per response token; NULL: every token at the experience's policy_version
+    ("experiences", "token_versions", "BLOB"),
 )
 _AFTER = "CREATE INDEX IF NOT EXISTS leases_holder ON leases(holder) WHERE holder IS NOT NULL;"
 

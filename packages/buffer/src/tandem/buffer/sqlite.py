@@ -259,8 +259,8 @@ class SqliteStore(ExperienceStore):
                 f"exceed buffer.capacity={self.capacity}; retry after {self.retry_after:g} s",
                 retry_after=self.retry_after)
         conn.executemany(
-            "INSERT INTO experiences (id, group_id, meta, tokens, action_mask, logprobs, nbytes) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?)", inserts)
+            "INSERT INTO experiences (id, group_id, meta, tokens, action_mask, logprobs, nbytes, "
+            "token_versions) VALUES (?, ?, ?, ?, ?, ?, ?, ?)", inserts)
         for group_id, group, members in plans:
             added = len(members)
             nbytes = sum(rows[i][6] for i in members)
@@ -316,10 +316,11 @@ class SqliteStore(ExperienceStore):
             conn.execute(f"UPDATE groups SET state = 'leased', lease_id = ? "
                          f"WHERE group_id IN ({marks(chunk)})", (lease_id, *chunk))
             rows.extend(conn.execute(
-                f"SELECT id, group_id, meta, tokens, action_mask, logprobs, seq FROM experiences "
+                f"SELECT id, group_id, meta, tokens, action_mask, logprobs, token_versions, seq "
+                f"FROM experiences "
                 f"WHERE group_id IN ({marks(chunk)})", chunk))
-        rows.sort(key=lambda r: (rank[r[1]], r[6]))
-        return LeasedRows(lease_id, expires_at, chosen, [r[:6] for r in rows], dropped, holder)
+        rows.sort(key=lambda r: (rank[r[1]], r[7]))
+        return LeasedRows(lease_id, expires_at, chosen, [r[:7] for r in rows], dropped, holder)
 
     def _op_ack(self, lease_id: str, step: int | None) -> None:
         conn = self._conn

@@ -27,6 +27,7 @@ class TrainBatch:
     groups: Tensor          # [B] long, 0..G-1 in order of first appearance
     versions: Tensor        # [B] long, policy version that sampled the row
     lengths: Tensor         # [B] long, real tokens per row
+    token_versions: Tensor  # [B, L-1] long, version that sampled each target (0 off the mask)
     # filled in by the learner before the update, all [B, L-1]
     advantages: Tensor | None = None
     proximal: Tensor | None = None
@@ -74,6 +75,7 @@ def build_batch(experiences: Sequence[Experience], pad_id: int = 0) -> TrainBatc
     attention = np.zeros((n, width), dtype=np.int64)
     mask = np.zeros((n, width - 1), dtype=np.float32)
     behaviour = np.zeros((n, width - 1), dtype=np.float32)
+    token_versions = np.zeros((n, width - 1), dtype=np.int64)
     group_index: dict[str, int] = {}
     groups = np.zeros(n, dtype=np.int64)
     for i, e in enumerate(experiences):
@@ -88,6 +90,7 @@ def build_batch(experiences: Sequence[Experience], pad_id: int = 0) -> TrainBatc
         attention[i, :length] = 1
         mask[i, p - 1: length - 1] = e.action_mask
         behaviour[i, p - 1: length - 1] = e.logprobs
+        token_versions[i, p - 1: length - 1] = e.versions_of_tokens()
         groups[i] = group_index.setdefault(e.group_id, len(group_index))
     return TrainBatch(
         tokens=torch.from_numpy(tokens), attention=torch.from_numpy(attention),
@@ -95,7 +98,23 @@ def build_batch(experiences: Sequence[Experience], pad_id: int = 0) -> TrainBatc
         rewards=torch.tensor([e.reward for e in experiences], dtype=torch.float32),
         groups=torch.from_numpy(groups),
         versions=torch.tensor([e.policy_version for e in experiences], dtype=torch.long),
-        lengths=torch.tensor(lengths, dtype=torch.long))
+        lengths=torch.tensor(lengths, dtype=torch.long),
+        token_versions=torch.from_numpy(token_versions))
+
+
+def staleness_metrics(batch: TrainBatch, version: int) -> dict[str, float]:
+    """How many versions behind `version` the batch was sampled: per sequence (by its oldest
+    token, `policy_version`) and per action token (a response whose weights changed
+    mid-generation counts each token at the version that produced it)."""
+    sequences = (version - batch.versions).float()
+    mask = batch.mask > 0
+    tokens = (version - batch.token_versions[mask]).float()
+    return {
+        "staleness/mean": float(sequences.mean()),
+        "staleness/max": float(sequences.max()),
+        "staleness/token_mean": float(tokens.mean()) if tokens.numel() else 0.0,
+        "staleness/token_max": float(tokens.max()) if tokens.numel() else 0.0,
+    }
 
 
 def dpo_pairs(batch: TrainBatch) -> tuple[TrainBatch, int]:

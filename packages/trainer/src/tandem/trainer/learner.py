@@ -32,7 +32,8 @@ from .algorithms import (
     behaviour_weights, informative_rows, kl_estimate, value_loss)
 from .algorithms.masked import masked_mean
 from .batch import (
-    TrainBatch, build_batch, dpo_pairs, mini_batch_rows, plan_micro_batches, shard_rows)
+    TrainBatch, build_batch, dpo_pairs, mini_batch_rows, plan_micro_batches, shard_rows,
+    staleness_metrics)
 from .distributed import DistInfo, gradient_sync, resolve_device, wrap
 from .forward import Actor, token_logprobs
 from .lora import add_adapters, merged_state
@@ -243,13 +244,11 @@ class Learner:
         return metrics
 
     def _batch_metrics(self, batch: TrainBatch) -> dict[str, float]:
-        staleness = (self.version - batch.versions).float()
         response = batch.mask.sum(-1)
         return {
             "reward/mean": float(batch.rewards.mean()),
             "reward/std": float(batch.rewards.std()) if batch.size > 1 else 0.0,
-            "staleness/mean": float(staleness.mean()),
-            "staleness/max": float(staleness.max()),
+            **staleness_metrics(batch, self.version),
             "batch/sequences": float(batch.size),
             "batch/groups": float(batch.num_groups),
             "batch/tokens": float(batch.lengths.sum()),

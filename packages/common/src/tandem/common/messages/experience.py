@@ -6,6 +6,7 @@ import hashlib
 import time
 from typing import Any
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .base import Array
@@ -53,7 +54,11 @@ class Experience(BaseModel):
     logprobs: Array("float32", 1) = Field(description="behaviour-policy logprobs of the response")
     reward: float = 0.0
     rewards: dict[str, float] = Field(default_factory=dict, description="named components")
-    policy_version: int = Field(ge=0)
+    policy_version: int = Field(
+        ge=0, description="the oldest version that produced a token of this response's group")
+    token_versions: Array("int32", 1) | None = Field(
+        default=None, description="the version that produced each response token; None: all "
+        "of them `policy_version` (weights loaded mid-generation make it a mix)")
     explorer: str = ""
     created_at: float = Field(default_factory=time.time)
     info: dict[str, Any] = Field(default_factory=dict)
@@ -64,14 +69,27 @@ class Experience(BaseModel):
         if self.prompt_len > n:
             raise ValueError(f"prompt_len {self.prompt_len} exceeds {n} tokens")
         response = n - self.prompt_len
-        for name in ("action_mask", "logprobs"):
+        for name in ("action_mask", "logprobs", "token_versions"):
+            if getattr(self, name) is None:
+                continue
             got = int(getattr(self, name).shape[0])
             if got != response:
                 raise ValueError(
                     f"{name} has {got} entries but the response has {response} tokens "
                     f"({n} tokens - prompt_len {self.prompt_len})"
                 )
+        if self.token_versions is not None and response and \
+                int(self.token_versions.min()) < self.policy_version:
+            raise ValueError(f"policy_version {self.policy_version} is newer than a token's "
+                             f"(token_versions min {int(self.token_versions.min())}); it is "
+                             "the oldest version of the response's group")
         return self
+
+    def versions_of_tokens(self) -> "np.ndarray":
+        """The version of each response token (`policy_version` throughout when not mixed)."""
+        if self.token_versions is not None:
+            return self.token_versions
+        return np.full(self.response_len, self.policy_version, dtype=np.int32)
 
     @property
     def response_len(self) -> int:
@@ -79,7 +97,8 @@ class Experience(BaseModel):
 
     @property
     def nbytes(self) -> int:
-        return int(self.tokens.nbytes + self.action_mask.nbytes + self.logprobs.nbytes)
+        extra = self.token_versions.nbytes if self.token_versions is not None else 0
+        return int(self.tokens.nbytes + self.action_mask.nbytes + self.logprobs.nbytes + extra)
 
 
 class Task(BaseModel):
