@@ -132,8 +132,8 @@ def test_every_algorithm_trains_a_step(tiny_model_path, fixed_batch, algorithm, 
     assert any(not torch.equal(before[k], v) for k, v in params(learner).items())
     if algorithm.get("off_policy"):
         # behaviour logprobs are a constant -3: the proximal/behaviour weights are reported, capped
-        assert m["off_policy/behaviour_weight_max"] > 2.0
-        assert 0 < m["off_policy/truncated_frac"] <= 1
+        assert m["mismatch/ratio_max"] > 2.0
+        assert 0 < m["mismatch/truncated_frac"] <= 1
     if algorithm.get("advantage") == "gae":
         assert m["loss/value"] > 0
 

@@ -8,7 +8,8 @@ import torch
 
 from tandem.common.config import TrainerConfig
 from tandem.trainer.algorithms import (
-    POLICY_LOSSES, Aggregator, PolicyInputs, behaviour_weights, kl_estimate, value_loss)
+    POLICY_LOSSES, Aggregator, PolicyInputs, behaviour_weights, kl_estimate, mismatch_metrics,
+    value_loss)
 
 LOG = math.log
 
@@ -165,16 +166,27 @@ def test_kl_estimators_values_and_gradients():
         assert same.abs().max().item() == 0.0
 
 
-def test_behaviour_weights_truncate_and_report():
+def test_behaviour_weights_truncate():
     prox = t([[LOG(0.5), LOG(0.5), 0.0]])
     behav = t([[LOG(0.25), LOG(0.5), 3.0]])
     mask = t([[1, 1, 0]])
-    w, m = behaviour_weights(prox, behav, mask, cap=None)
-    near(w, [[2.0, 1.0, 0.0]])
-    assert m["off_policy/behaviour_weight_max"].item() == pytest.approx(2.0)
-    w, m = behaviour_weights(prox, behav, mask, cap=1.5)
-    near(w, [[1.5, 1.0, 0.0]])
-    assert m["off_policy/truncated_frac"].item() == pytest.approx(0.5)
+    near(behaviour_weights(prox, behav, mask, cap=None), [[2.0, 1.0, 0.0]])
+    near(behaviour_weights(prox, behav, mask, cap=1.5), [[1.5, 1.0, 0.0]])
+
+
+def test_mismatch_metrics_by_hand():
+    # ratios 2 and 1 on the action tokens; the masked third token (ratio e^-3) must not count
+    trainer = t([[LOG(0.5), LOG(0.5), 0.0]])
+    behav = t([[LOG(0.25), LOG(0.5), 3.0]])
+    mask = t([[1, 1, 0]])
+    m = {k: v.item() for k, v in mismatch_metrics(trainer, behav, mask, cap=1.5).items()}
+    assert m["mismatch/ratio_mean"] == pytest.approx(1.5)
+    assert m["mismatch/ratio_max"] == pytest.approx(2.0)
+    assert m["mismatch/ratio_min"] == pytest.approx(1.0)
+    assert m["mismatch/kl"] == pytest.approx((2.0 - 1.0 - LOG(2.0)) / 2)  # k3: r - 1 - log r
+    assert m["mismatch/kl_k1"] == pytest.approx(-LOG(2.0) / 2)
+    assert m["mismatch/truncated_frac"] == pytest.approx(0.5)
+    assert "mismatch/truncated_frac" not in mismatch_metrics(trainer, behav, mask, cap=None)
 
 
 def test_value_loss_clipping():

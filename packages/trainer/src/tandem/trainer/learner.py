@@ -29,7 +29,7 @@ from tandem.common.messages.experience import Experience
 from . import checkpoint as ckpt
 from .algorithms import (
     ADVANTAGES, POLICY_LOSSES, AdvantageInputs, Aggregator, PolicyInputs, ValueHead,
-    behaviour_weights, informative_rows, kl_estimate, value_loss)
+    behaviour_weights, informative_rows, kl_estimate, mismatch_metrics, value_loss)
 from .algorithms.masked import masked_mean
 from .batch import (
     TrainBatch, build_batch, dpo_pairs, mini_batch_rows, plan_micro_batches, shard_rows,
@@ -166,6 +166,7 @@ class Learner:
         mine = plans[self.dist.rank]
         n_micro = max(len(p) for p in plans)
 
+        prox_free = not tc.off_policy.proximal
         prep_start = time.perf_counter()
         acc = MetricAccumulator()
         self._prepare(batch, mine, n_micro, acc)
@@ -180,7 +181,9 @@ class Learner:
         for epoch in range(tc.ppo_epochs):
             for rows in mini_batch_rows(batch.size, n_mini, unit, (seed, self.step_count, epoch)):
                 mb = batch if len(rows) == batch.size else batch.select(rows)
-                updates.append(self._update(mb, unit))
+                # without a proximal pre-pass the first update's forward is the step's first
+                # look at the batch: the trainer/engine mismatch is measured there, pre-update
+                updates.append(self._update(mb, unit, mismatch=not updates and prox_free))
         self.scheduler.step()
         self.step_count += 1
 
@@ -196,9 +199,10 @@ class Learner:
         metrics["throughput/tokens_per_s"] = float(batch.lengths.sum()) / elapsed
         return metrics
 
-    def _update(self, batch: TrainBatch, unit: int) -> dict[str, float]:
+    def _update(self, batch: TrainBatch, unit: int, mismatch: bool = False) -> dict[str, float]:
         """One optimiser update on `batch` (the step's batch or one mini-batch of it): forward
-        and backward over micro-batches, each rank its own share, clip, optimiser step."""
+        and backward over micro-batches, each rank its own share, clip, optimiser step.
+        `mismatch`: also report the trainer/engine mismatch of the forward's logprobs."""
         tc = self.tc
         lengths = batch.lengths.tolist()
         shards = shard_rows(lengths, self.dist.world_size, unit)
@@ -220,7 +224,7 @@ class Learner:
                 with self._autocast():
                     if i < len(mine):
                         mb = batch.select(mine[i]).to(self.device)
-                        loss, m = self._micro_loss(mb, agg)
+                        loss, m = self._micro_loss(mb, agg, mismatch)
                         acc.add(m, weight=float(mb.mask.sum()))
                     else:  # this rank has fewer micro-batches: keep collectives in step
                         loss = self._dummy_loss()
@@ -318,21 +322,26 @@ class Learner:
             AdvantageInputs(batch.rewards, batch.groups, mask, token_rewards, values), tc)
         batch.advantages, batch.returns = adv.advantages, adv.returns
         if prox is not None:
-            weights, m = behaviour_weights(prox, batch.behaviour, mask, tc.off_policy.is_cap)
             if tc.off_policy.behaviour_weight:
-                batch.weights = weights
+                batch.weights = behaviour_weights(prox, batch.behaviour, mask,
+                                                  tc.off_policy.is_cap)
+            m = mismatch_metrics(prox, batch.behaviour, mask, tc.off_policy.is_cap)
             # whole-batch values, identical on every rank: added once, on rank 0
             acc.add(m if self.dist.is_main else {}, weight=float(mask.sum()))
         adv_mean = {"advantage/mean": masked_mean(batch.advantages, mask)}
         acc.add(adv_mean if self.dist.is_main else {}, weight=float(mask.sum()))
 
-    def _micro_loss(self, mb: TrainBatch, agg: Aggregator) -> tuple[Tensor, dict[str, Tensor]]:
+    def _micro_loss(self, mb: TrainBatch, agg: Aggregator, mismatch: bool = False
+                    ) -> tuple[Tensor, dict[str, Tensor]]:
         tc = self.tc
         entropy = "loss" if tc.entropy_coef > 0 else ("metric" if tc.entropy_metric else None)
         out = self.wrapped(mb.tokens, mb.attention, self.temperature, entropy)
         anchor = mb.proximal if mb.proximal is not None else mb.behaviour
         inp = PolicyInputs(out.logprobs, anchor, mb.advantages, mb.mask, mb.weights, mb.reference)
         loss, metrics = self.loss_fn(inp, tc, agg)
+        if mismatch:
+            metrics.update(mismatch_metrics(out.logprobs, mb.behaviour, mb.mask,
+                                            tc.off_policy.is_cap))
         metrics["loss/policy"] = loss.detach()
         if mb.reference is not None and tc.loss != "dpo":
             kl = kl_estimate(out.logprobs, mb.reference, tc.kl.estimator)

@@ -388,4 +388,7 @@ STEP_GAUGES = [
     ("loss/total", "loss", "total loss of the last step"),
     ("optim/grad_norm", "grad_norm", "gradient norm of the last step (mean over updates)"),
     ("policy/clip_frac", "clip_frac", "clipped token fraction of the last step"),
+    ("mismatch/kl", "mismatch_kl", "KL(engine || trainer) of the last step's sampled tokens (k3)"),
+    ("mismatch/ratio_max", "mismatch_ratio_max",
+     "largest trainer/engine importance ratio of the last step's tokens"),
 ]
