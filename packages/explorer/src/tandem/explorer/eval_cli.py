@@ -87,7 +87,7 @@ async def evaluate_model(config, version: int | None, out: str | None) -> list[d
     from .rewards import InProcessScorer
     from .workflows import create_workflow
 
-    name = config.eval.explorer or config.explorers[0].name
+    name = config.evaluating_explorer
     evaluator = Evaluator(config, name)
     explorer = config.explorer(name)
     engine = await asyncio.to_thread(create_engine, explorer.engine, config.model)

@@ -50,6 +50,7 @@ from tandem.common.trace import Tracer
 
 from .engine import Engine
 from .engines import create_engine
+from .eval_role import WeightFollower
 from .evaluation import Evaluator
 from .rewards import RewardScorer, create_scorer
 from .sampling import SamplingParams
@@ -71,6 +72,8 @@ class Explorer:
         self.config = config
         self.cfg = config.explorer(name)
         self.name = name
+        # role eval: registers as an evaluator, which the master's clock never counts
+        self.role = "evaluator" if self.cfg.role == "eval" else "explorer"
         self.engine = engine
         self.scorer = scorer
         self.sampling = SamplingParams.from_config(self.cfg.sampling)
@@ -135,8 +138,7 @@ class Explorer:
                 context=model_context(self.config.model.path), name=self.name,
                 url_dir=os.path.join(self.config.run_dir, "openai"))
             await self.endpoint.start()
-        ev = self.config.eval
-        if ev.enabled and (ev.explorer or self.config.explorers[0].name) == self.name:
+        if self.config.eval.enabled and self.config.evaluating_explorer == self.name:
             self.evaluator = Evaluator(self.config, self.name)
         fetcher = None
         if self.config.weights.transport == "fetch":
@@ -155,7 +157,7 @@ class Explorer:
             transport=self.config.transport, snapshot=self.master)
         await self.subscriber.start()
         # the master's liveness, so both sides agree on when silence means death
-        self.heartbeater = Heartbeater(self.master, name=self.name, role="explorer",
+        self.heartbeater = Heartbeater(self.master, name=self.name, role=self.role,
                                        interval=reply.heartbeat_interval, liveness=reply.liveness,
                                        on_refused=self._on_refused)
         self.heartbeater.start()
@@ -165,11 +167,11 @@ class Explorer:
 
     async def _register(self) -> Registered:
         reply = await self.master.call(
-            Register(name=self.name, role="explorer", pid=os.getpid(), host=socket.gethostname(),
+            Register(name=self.name, role=self.role, pid=os.getpid(), host=socket.gethostname(),
                      meta={"batch_size": self.cfg.batch_size, "repeat_times": self.cfg.repeat_times,
                            "workflow": self.cfg.workflow, "engine": self.cfg.engine.kind,
                            "device": self.cfg.engine.device, "version": self.engine.version},
-                     terms=self.config.terms("explorer", self.name)),
+                     terms=self.config.terms(self.role, self.name)),
             timeout_key="transport.rpc_timeout")  # refused (config_mismatch) unless it agrees
         self.run_id = reply.run_id
         return reply
@@ -202,6 +204,9 @@ class Explorer:
             if self._stopping:
                 return
             raise
+        if self.cfg.role == "eval":
+            await WeightFollower(self).run()  # no barriers, leases or puts (eval_role.py)
+            return
         while not self._stopping:
             self._wait_task = asyncio.create_task(self._next_barrier())
             try:

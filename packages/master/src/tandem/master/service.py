@@ -77,7 +77,7 @@ def total_steps_for(config: RunConfig, dispatcher: TaskDispatcher | None) -> int
     if dispatcher is None:
         raise ConfigError(["master: the run needs a length; set master.total_steps or "
                            "master.taskset.path"])
-    per_step = sum(e.batch_size for e in config.explorers)
+    per_step = sum(e.batch_size for e in config.rollout_explorers)
     steps = dispatcher.total // per_step
     if steps < 1:
         raise ConfigError([f"master.taskset: {dispatcher.total} tasks (x epochs) fill no step of "
@@ -109,7 +109,9 @@ class Master:
         self.config = config
         self.run_dir = Path(config.run_dir)
         cfg = config.master
-        self.plan = SyncPlan.from_config(config.sync, batches_per_step=len(config.explorers))
+        # an eval explorer (`role: eval`) registers as an evaluator: never in the plan or clock
+        self.plan = SyncPlan.from_config(config.sync,
+                                         batches_per_step=len(config.rollout_explorers))
         self.dispatcher = (TaskDispatcher(load_rows(cfg.taskset), cfg.taskset)
                            if cfg.taskset.path else None)
         self.total_steps = total_steps_for(config, self.dispatcher)

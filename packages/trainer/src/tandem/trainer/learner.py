@@ -74,7 +74,7 @@ class Learner:
         torch.manual_seed(seed)
         temperature = tc.temperature
         if temperature is None:
-            temperature = config.explorers[0].sampling.temperature
+            temperature = config.rollout_explorers[0].sampling.temperature
         self.temperature = temperature if temperature > 0 else 1.0
         self.resume_from = Path(resume_from) if resume_from is not None else None
 

@@ -57,12 +57,35 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _eval_role_consistent(self) -> "RunConfig":
+        evals = [e.name for e in self.explorers if e.role == "eval"]
+        if not evals:
+            return self
+        if len(evals) == len(self.explorers):
+            raise ValueError("explorers[*].role: every explorer has role eval; at least one "
+                             "must be role: rollout (an eval explorer rolls out nothing to train)")
+        if len(evals) > 1:
+            raise ValueError(f"explorers[{evals[1]}].role: eval, but {evals[0]} already is; "
+                             "one explorer evaluates a run")
+        if not self.eval.enabled:
+            raise ValueError(f"explorers[{evals[0]}].role: eval needs an eval section with "
+                             "tasksets (eval.tasksets); add one or use role: rollout")
+        if self.eval.explorer not in (None, evals[0]):
+            raise ValueError(f"eval.explorer: {self.eval.explorer} is a rollout explorer but "
+                             f"{evals[0]} has role: eval; name {evals[0]} or leave it unset")
+        if self.sync.method == "nccl":
+            raise ValueError(f"explorers[{evals[0]}].role: eval loads published checkpoints, "
+                             "which sync.method: nccl does not write; use sync.method: "
+                             "checkpoint or role: rollout")
+        return self
+
+    @model_validator(mode="after")
     def _mini_batches_fit(self) -> "RunConfig":
         tc = self.trainer
         if tc.loss == "dpo":
             have, what = tc.groups_per_step, "pairs (trainer.groups_per_step)"
         else:
-            repeat = min(e.repeat_times for e in self.explorers)
+            repeat = min(e.repeat_times for e in self.rollout_explorers)
             have = tc.groups_per_step * repeat
             what = "sequences (trainer.groups_per_step x explorers' repeat_times)"
         if tc.mini_batches > have:
@@ -86,7 +109,7 @@ class RunConfig(Section):
         ev = self.eval
         if not ev.enabled:
             return self
-        name = ev.explorer or self.explorers[0].name
+        name = self.evaluating_explorer
         if name not in [e.name for e in self.explorers]:
             raise ValueError(f"eval.explorer: no explorer named {name!r} "
                              f"(have {[e.name for e in self.explorers]})")
@@ -123,7 +146,7 @@ class RunConfig(Section):
         s = self.sync
         out: dict[str, Any] = {"sync.method": s.method, "sync.interval": s.interval,
                                "sync.offset": s.offset, "sync.max_staleness": s.max_staleness}
-        if role in ("explorer", "trainer"):
+        if role in ("explorer", "evaluator", "trainer"):
             out["model.path"] = self.model.path
         if role == "explorer":
             for e in self.explorers:
@@ -132,8 +155,20 @@ class RunConfig(Section):
                     out[f"explorers[{name}].repeat_times"] = e.repeat_times
         if role == "trainer":
             out["trainer.groups_per_step"] = self.trainer.groups_per_step
-            out["explorers"] = ",".join(e.name for e in self.explorers)
+            out["explorers"] = ",".join(e.name for e in self.rollout_explorers)
         return out
+
+    @property
+    def rollout_explorers(self) -> list[ExplorerConfig]:
+        """The explorers that roll out steps for the trainer: the ones the sync plan counts."""
+        return [e for e in self.explorers if e.role == "rollout"]
+
+    @property
+    def evaluating_explorer(self) -> str:
+        """The explorer that evaluates (`eval`): `eval.explorer`, else the one with role eval,
+        else the first."""
+        evals = [e.name for e in self.explorers if e.role == "eval"]
+        return self.eval.explorer or (evals[0] if evals else self.explorers[0].name)
 
     def explorer(self, name: str) -> ExplorerConfig:
         for e in self.explorers:

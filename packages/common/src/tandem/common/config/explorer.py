@@ -91,6 +91,11 @@ class ExplorerConfig(Section):
     """One explorer process."""
 
     name: str = Field(default="explorer-0", min_length=1, description="unique among explorers")
+    role: Literal["rollout", "eval"] = Field(
+        default="rollout",
+        description="rollout: rolls out steps for the trainer; eval: only evaluates the `eval` "
+                    "tasksets on each published version it can load, never leases tasks nor "
+                    "counts in the sync plan (docs/explorer.md)")
     batch_size: int = Field(default=8, ge=1, description="tasks per explorer step")
     repeat_times: int = Field(default=4, ge=1, description="responses per task (the group size)")
     workflow: str = Field(default="single_turn",

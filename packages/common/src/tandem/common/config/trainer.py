@@ -85,7 +85,8 @@ class TrainerConfig(Section):
     dpo_beta: float = Field(default=0.1, gt=0, description="DPO inverse temperature")
     temperature: float | None = Field(
         default=None, ge=0,
-        description="sampling temperature logprobs are computed at; default explorers[0]'s")
+        description="sampling temperature logprobs are computed at; default the first rollout "
+                    "explorer's")
     dynamic_sampling: bool = Field(
         default=False,
         description="drop groups whose rewards are all equal (DAPO); in synchronous plans the "

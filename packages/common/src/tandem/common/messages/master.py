@@ -33,7 +33,7 @@ from .base import Message, Ok, Request, wire
 from .experience import Task
 from .weights import GroupRendezvous
 
-Role = Literal["explorer", "trainer", "buffer", "reward", "tool"]
+Role = Literal["explorer", "evaluator", "trainer", "buffer", "reward", "tool"]
 Term = str | int | float | bool | None
 
 
