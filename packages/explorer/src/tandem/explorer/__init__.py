@@ -2,7 +2,8 @@
 loading new weights. Heavy modules (torch, transformers) load on first use of what needs them.
 
 - `Engine`, `TensorEngine`, `WorkerFetchEngine`, `Completion` (engine), `create_engine`
-  (engines), `TransformersEngine` (transformers_engine), `VLLMEngine` (vllm_engine)
+  (engines), `TransformersEngine` (transformers_engine), `VLLMEngine` (vllm_engine),
+  `RemoteEngine` (remote_engine: an OpenAI-compatible server elsewhere)
 - `SamplingParams`, `policy_logprobs` (sampling): the one definition of a behaviour logprob
 - `create_workflow`, `SingleTurn`, `MultiTurn`, `RolloutContext` (workflows)
 - `Calculator`, `GuessNumber` and the environment registry (environments)
@@ -16,6 +17,7 @@ _EXPORTS = {
     "Engine": "engine", "TensorEngine": "engine", "WorkerFetchEngine": "engine",
     "Completion": "engine", "create_engine": "engines",
     "TransformersEngine": "transformers_engine", "VLLMEngine": "vllm_engine",
+    "RemoteEngine": "remote_engine",
     "SamplingParams": "sampling", "policy_logprobs": "sampling",
     "create_workflow": "workflows", "SingleTurn": "workflows", "MultiTurn": "workflows",
     "RolloutContext": "workflows",

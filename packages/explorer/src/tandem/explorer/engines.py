@@ -12,7 +12,8 @@ from .engine import Engine
 
 
 def create_engine(config: EngineConfig, model_config: ModelConfig) -> Engine:
-    """The engine an `explorers[i].engine` section asks for, loading `model.path` from disk."""
+    """The engine an `explorers[i].engine` section asks for, loading `model.path` from disk
+    (for `remote`, its tokenizer; the server at `engine.url` holds the model)."""
     if config.kind == "transformers":
         from .transformers_engine import TransformersEngine
 
@@ -25,4 +26,13 @@ def create_engine(config: EngineConfig, model_config: ModelConfig) -> Engine:
         return VLLMEngine.from_pretrained(
             model_config.path, dtype=model_config.dtype, max_batch=config.max_batch,
             tensor_parallel_size=config.tensor_parallel_size, **config.options)
-    raise ValueError(f"engine.kind {config.kind!r}: expected transformers or vllm")
+    if config.kind == "remote":
+        from .remote_engine import RemoteEngine
+
+        # model.path still names the model: tandem tokenizes with its tokenizer
+        return RemoteEngine.connect(
+            config.url, model_config.path, api_key=config.api_key,
+            served_model=config.served_model, timeout=config.request_timeout,
+            max_concurrency=config.max_concurrency, reload=config.reload,
+            seed=int(config.options.get("seed", 0)))
+    raise ValueError(f"engine.kind {config.kind!r}: expected transformers, vllm or remote")

@@ -170,6 +170,9 @@ class _Request:
     logprobs: bool
     episode: str | None
     tools: bool = False
+    # vLLM's extra fields, which a RemoteEngine sends: the ids, and the stop string kept
+    token_ids: bool = False
+    keep_stop: bool = False
 
 
 class OpenAIEndpoint:
@@ -373,11 +376,12 @@ class OpenAIEndpoint:
                 top_p=_num(body, "top_p", d.top_p),
                 top_k=max(0, _int(body, "top_k", d.top_k, low=-1)),  # -1 is vLLM's "off"
                 max_tokens=max_tokens, stop=tuple(stop), seed=_int(body, "seed", d.seed, low=None),
-                ignore_eos=d.ignore_eos)
+                ignore_eos=bool(body.get("ignore_eos", d.ignore_eos)))
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
         return {"n": n, "sampling": sampling, "stream": bool(body.get("stream", False)),
-                "episode": episode}
+                "episode": episode, "token_ids": bool(body.get("return_token_ids")),
+                "keep_stop": bool(body.get("include_stop_str_in_output"))}
 
     def _check_context(self, prompt: list[int], sampling: SamplingParams, index: int = 0) -> None:
         if not prompt:
@@ -488,9 +492,9 @@ class OpenAIEndpoint:
 
     # -- answers -------------------------------------------------------------------------------
 
-    def _text_of(self, c: Completion) -> str:
+    def _text_of(self, c: Completion, keep_stop: bool = False) -> str:
         text = c.text
-        if c.finish_reason == "stop" and c.stop and c.stop in text:
+        if c.finish_reason == "stop" and c.stop and c.stop in text and not keep_stop:
             text = text[:text.rfind(c.stop)]  # OpenAI returns the text before the stop string
         return text
 
@@ -509,7 +513,7 @@ class OpenAIEndpoint:
                       created: int) -> tuple[dict[str, Any], list[CallRecord]]:
         out, records = [], []
         for i, c in enumerate(choices):
-            text = self._text_of(c)
+            text = self._text_of(c, req.keep_stop)
             finish = self._finish(c)
             message: dict[str, Any] = {"role": "assistant", "content": text}
             calls = _parse_tool_calls(text) if req.tools else []
@@ -518,8 +522,9 @@ class OpenAIEndpoint:
                 message["content"] = _TOOL_CALL.sub("", text).strip() or None
                 finish = "tool_calls"
             out.append({"index": i, "message": message, "finish_reason": finish,
+                        "stop_reason": c.stop,
                         "logprobs": {"content": self._token_logprobs(c)} if req.logprobs
-                        else None})
+                        else None, **self._ids(req, c)})
             records.append(self._record(req, "chat", c, version, finish, message["content"],
                                         tuple(tc["id"] for tc in calls)))
         payload = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
@@ -532,7 +537,7 @@ class OpenAIEndpoint:
         out, records, flat = [], [], []
         for choices in results:
             for c in choices:
-                text = self._text_of(c)
+                text = self._text_of(c, req.keep_stop)
                 logprobs = None
                 if req.logprobs:
                     tokens = [self.tokenizer.decode([t]) for t in c.token_ids.tolist()]
@@ -543,7 +548,7 @@ class OpenAIEndpoint:
                     logprobs = {"tokens": tokens, "token_logprobs": c.logprobs.tolist(),
                                 "top_logprobs": None, "text_offset": offsets}
                 out.append({"index": len(out), "text": text, "finish_reason": self._finish(c),
-                            "logprobs": logprobs})
+                            "stop_reason": c.stop, "logprobs": logprobs, **self._ids(req, c)})
                 records.append(self._record(req, "completion", c, version, self._finish(c),
                                             text, ()))
                 flat.append(c)
@@ -551,6 +556,13 @@ class OpenAIEndpoint:
                    "created": created, "model": self.config.model, "choices": out,
                    "usage": _usage(flat), "system_fingerprint": f"policy-v{version}"}
         return payload, records
+
+    @staticmethod
+    def _ids(req: _Request, c: Completion) -> dict[str, Any]:
+        """vLLM's `return_token_ids` answer: the prompt's and the response's token ids."""
+        if not req.token_ids:
+            return {}
+        return {"prompt_token_ids": c.prompt_ids.tolist(), "token_ids": c.token_ids.tolist()}
 
     def _record(self, req: _Request, route: str, c: Completion, version: int, finish: str,
                 content: str | None, tool_call_ids: tuple[str, ...]) -> CallRecord:

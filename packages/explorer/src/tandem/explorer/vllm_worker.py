@@ -80,8 +80,10 @@ class TandemWeightExtension:
             raise RuntimeError("tandem_receive before tandem_join: join the weight group first")
         return self._tandem_load(self._tandem_receiver.receive(version))
 
-    def tandem_load_checkpoint(self, run_dir: str, version: int) -> int:
-        """Load `run_dir/weights/v{version}`; returns the number of tensors."""
+    def tandem_load_checkpoint(self, run_dir: str, version: int | str) -> int:
+        """Load `run_dir/weights/v{version}`; returns the number of tensors. (`version` may come
+        as a string: vLLM's `/collective_rpc` route passes strings only.)"""
+        version = int(version)
         subscriber = WeightSubscriber(run_dir)
         self._tandem_check_names([t.name for t in subscriber.manifest(version).tensors])
         return self._tandem_load(subscriber.load(version))

@@ -80,6 +80,15 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _remote_engines_take_checkpoints(self) -> "RunConfig":
+        remote = [e.name for e in self.explorers if e.engine.kind == "remote"]
+        if remote and self.sync.method == "nccl":
+            raise ValueError(f"sync.method: nccl cannot reach {remote[0]}'s engine.kind: remote "
+                             "(a remote server reloads weights from checkpoint files only); "
+                             "use sync.method: checkpoint")
+        return self
+
+    @model_validator(mode="after")
     def _mini_batches_fit(self) -> "RunConfig":
         tc = self.trainer
         if tc.loss == "dpo":

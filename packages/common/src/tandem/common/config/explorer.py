@@ -33,9 +33,10 @@ class SamplingConfig(Section):
 class EngineConfig(Section):
     """The inference engine."""
 
-    kind: Literal["transformers", "vllm"] = Field(
+    kind: Literal["transformers", "vllm", "remote"] = Field(
         default="transformers",
-        description="transformers: the embedded engine (CPU or CUDA); vllm: vLLM's AsyncLLM")
+        description="transformers: the embedded engine (CPU or CUDA); vllm: vLLM's AsyncLLM; "
+                    "remote: an OpenAI-compatible server elsewhere (`vllm serve`), at engine.url")
     device: str = Field(default="cpu", description="cpu, cuda, cuda:1 ... (transformers only)")
     max_batch: int = Field(
         default=64, ge=1, description="sequences generated at once (vllm: max_num_seqs)")
@@ -47,11 +48,38 @@ class EngineConfig(Section):
                     "threads: torch intra-op threads of the process; vllm: seed and any "
                     "AsyncEngineArgs field, e.g. max_model_len, enforce_eager)")
 
+    url: str | None = Field(
+        default=None,
+        description="remote: the server's base URL, e.g. http://gpu-host:8000/v1")
+    api_key: str | None = Field(
+        default=None,
+        description="remote: the server's API key; write ${env:VAR} (tandem up hands it to the "
+                    "explorer through its environment, never through a file)")
+    served_model: str | None = Field(
+        default=None, description="remote: the model name the server serves (its --served-model-"
+                                  "name); null: the one model the server lists")
+    reload: Literal["vllm", "tandem"] = Field(
+        default="vllm",
+        description="remote: the server's worker method that reloads weights/v{N} (vLLM dev "
+                    "routes, VLLM_SERVER_DEV_MODE=1): vllm = vLLM's reload_weights; tandem = "
+                    "tandem's worker extension (--worker-extension-cls tandem.explorer."
+                    "vllm_worker.TandemWeightExtension), which also re-ties a tied lm_head")
+    request_timeout: float = Field(
+        default=600.0, gt=0, description="remote: seconds one request to the server may take")
+    max_concurrency: int = Field(
+        default=64, ge=1, description="remote: requests in flight to the server at once")
+
     @model_validator(mode="after")
     def _tensor_parallel_needs_vllm(self) -> "EngineConfig":
         if self.tensor_parallel_size > 1 and self.kind != "vllm":
             raise ValueError("engine.tensor_parallel_size > 1 needs engine.kind: vllm")
+        if self.kind == "remote" and not self.url:
+            raise ValueError("engine.url: engine.kind: remote needs the server's base URL, "
+                             "e.g. http://gpu-host:8000/v1")
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"engine.url {self.url!r}: expected http://host:port/v1")
         return self
+
 
 
 class OpenAIConfig(Section):

@@ -53,8 +53,9 @@ SECRET_KEYS = ("server_secret", "client_secret")
 
 
 def move_secrets_to_env(data: dict) -> dict[str, str]:
-    """Replace the Curve secret keys of a dumped run config (`model_dump(mode="json")`) by
-    `${env:TANDEM_CURVE_...}` references, in place, and return those variables with the keys.
+    """Replace the Curve secret keys and remote engines' API keys of a dumped run config
+    (`model_dump(mode="json")`) by `${env:TANDEM_CURVE_...}` / `${env:TANDEM_ENGINE_API_KEY_i}`
+    references, in place, and return those variables with the keys.
 
     `tandem up` writes the config it gives its children into the run dir and hands them the
     secrets through their environment instead, so no secret reaches the disk."""
@@ -64,5 +65,11 @@ def move_secrets_to_env(data: dict) -> dict[str, str]:
         var = f"TANDEM_CURVE_{key.upper()}"
         env[var] = curve[key]
         curve[key] = "${env:%s}" % var
+    for i, explorer in enumerate(data.get("explorers") or ()):
+        engine = explorer.get("engine") or {}
+        if engine.get("api_key"):  # a remote engine's server key
+            var = f"TANDEM_ENGINE_API_KEY_{i}"
+            env[var] = engine["api_key"]
+            engine["api_key"] = "${env:%s}" % var
     return env
 
