@@ -66,6 +66,7 @@ def test_transformers_engine_shows_no_mismatch_before_the_update(
     learner = Learner(make_config(tiny_model_path, temperature=TEMPERATURE, ppo_epochs=2,
                                   lr=5e-2))
     m = learner.step(sampled)
+    print({k: v for k, v in m.items() if k.startswith("mismatch/")})  # docs/explorer.md
     assert_no_mismatch(m, kl=1e-4, ratio=1e-3)
     assert "mismatch/truncated_frac" not in m  # no cap, nothing truncated
     assert "mismatch/kl/last" not in m  # measured once per step, not per update
@@ -124,27 +125,28 @@ def test_trainer_step_puts_the_mismatch_in_tensorboard_and_the_trace(
 
 
 @pytest.fixture(scope="module")
-def vllm_model(tmp_path_factory):
-    """A tiny Qwen2 vLLM's CPU backend can run (its attention needs head_dim >= 32)."""
+def vllm_sampled(tmp_path_factory):
+    """A tiny Qwen2 vLLM's CPU backend can run (its attention needs head_dim >= 32) and a batch
+    vLLM sampled from it. Module-scoped: vLLM's multiprocessing resource tracker outlives the
+    engine, and must be there before the test's check for leftover processes starts."""
+    pytest.importorskip("vllm")
+    from tandem.explorer.vllm_engine import VLLMEngine
     from tandem.weights.tiny import build_tiny_model
 
     path = tmp_path_factory.mktemp("mismatch-model")
     build_tiny_model(path, hidden=128, heads=2, kv_heads=1)
-    return path
-
-
-@pytest.mark.vllm
-def test_vllm_engine_mismatch_is_bounded(vllm_model, make_config):
-    pytest.importorskip("vllm")
-    from tandem.explorer.vllm_engine import VLLMEngine
-
-    engine = VLLMEngine.from_pretrained(vllm_model, dtype="float32", max_model_len=128,
+    engine = VLLMEngine.from_pretrained(path, dtype="float32", max_model_len=128,
                                         enforce_eager=True, kv_cache_memory_bytes=128 << 20,
                                         max_batch=16)
     try:
-        experiences = sample(engine)
+        return path, sample(engine)
     finally:
         engine.close()
-    m = Learner(make_config(vllm_model, temperature=TEMPERATURE)).step(experiences)
-    print({k: v for k, v in m.items() if k.startswith("mismatch/")})
+
+
+@pytest.mark.vllm
+def test_vllm_engine_mismatch_is_bounded(vllm_sampled, make_config):
+    path, experiences = vllm_sampled
+    m = Learner(make_config(path, temperature=TEMPERATURE)).step(experiences)
+    print({k: v for k, v in m.items() if k.startswith("mismatch/")})  # docs/explorer.md
     assert_no_mismatch(m, kl=1e-2, ratio=0.1)
