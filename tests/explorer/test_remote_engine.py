@@ -140,6 +140,25 @@ def test_an_unreachable_server_is_one_line_naming_engine_url(tiny_model_path):
     assert "\n" not in str(err.value)
 
 
+def test_the_explorer_exits_1_in_one_line_when_its_server_is_unreachable(tmp_path,
+                                                                         tiny_model_path):
+    from click.testing import CliRunner
+
+    from tandem.explorer.cli import main
+
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        f"run_dir: {tmp_path / 'run'}\nmaster: {{total_steps: 1}}\nlogging: {{trace: false}}\n"
+        f"model: {{path: {tiny_model_path}}}\nsync: {{method: checkpoint}}\n"
+        f"explorers: [{{name: explorer-0, engine: {{kind: remote, url: '{url}'}}}}]\n")
+    result = CliRunner().invoke(main, ["--config", str(config), "--name", "explorer-0"])
+    assert result.exit_code == 1, result.output
+    last = result.output.strip().splitlines()[-1]  # earlier lines are the explorer's log
+    assert f"engine.url {url}: cannot reach the server" in last
+    assert "Traceback" not in result.output
+
+
 def bare_server() -> FastAPI:
     """An OpenAI-compatible server of the plainest kind: text out, no ids, no logprobs."""
     app = FastAPI()
