@@ -51,6 +51,17 @@ def _typical(values: list[float]) -> float:
     return statistics.fmean(values[1:] if len(values) > 1 else values) if values else 0.0
 
 
+def steady_step_time(train_ends: list[float]) -> float:
+    """Seconds per trainer step once the run is going: the spacing of the train steps' ends from
+    the first to the last. A makespan also holds the start-up and the first step's warm-up,
+    which a short run's per-step figure would otherwise charge to the schedule."""
+    if len(train_ends) < 2:
+        raise ValueError(f"a steady step time needs two train steps or more, got "
+                         f"{len(train_ends)}")
+    ends = sorted(train_ends)
+    return (ends[-1] - ends[0]) / (len(ends) - 1)
+
+
 def _required(values: list[float], what: str, where: str) -> float:
     if not values:
         raise click.ClickException(f"{where}: the trace has no {what} spans to measure")
@@ -91,6 +102,11 @@ class Prediction:
     @property
     def step_time(self) -> float:
         return self.timeline.makespan / self.steps
+
+    @property
+    def steady_step_time(self) -> float:
+        """The replay's `steady_step_time`, comparable with a run's own (bench_sync.py)."""
+        return steady_step_time([b.end for b in self.timeline.lane("trainer", "train")])
 
     def staleness(self) -> tuple[float, int]:
         """Mean and max of (explorer step - weight version) over the replayed rollouts."""
