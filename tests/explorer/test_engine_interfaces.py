@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from tandem.explorer.engine import Engine, TensorEngine, WorkerFetchEngine
+from tandem.explorer.remote_engine import RemoteEngine
 from tandem.explorer.transformers_engine import TransformersEngine
 from tandem.explorer.vllm_engine import VLLMEngine
 from tandem.explorer.weights import WeightLoader
@@ -35,6 +36,9 @@ def test_each_engine_is_exactly_one_kind():
     assert issubclass(VLLMEngine, WorkerFetchEngine)
     assert not issubclass(VLLMEngine, TensorEngine)
     assert not hasattr(VLLMEngine, "load_weights")
+    # a remote server's workers reload checkpoints themselves: tensors never pass through
+    assert issubclass(RemoteEngine, WorkerFetchEngine)
+    assert not issubclass(RemoteEngine, TensorEngine)
 
 
 def test_a_worker_fetch_engine_missing_a_method_cannot_be_built():
