@@ -122,3 +122,16 @@ def test_bad_uses_are_one_line_errors(run_dir, tmp_path):
     result = runner.invoke(tandem, ["plan", "--from", str(empty)])
     assert result.exit_code == 1
     assert "the trace has no rollout, train or sync spans" in result.output
+
+
+def test_steady_step_time_leaves_out_the_warm_up(run_dir):
+    d = plan_from.measure(run_dir)
+    sync = plan_from.predict(d, "synchronous", SyncPlan.preset("synchronous"))
+    assert sync.steady_step_time == pytest.approx(ROLLOUT + TRAIN + SYNC)
+    # the run's own train ends: the first step's warm-up is before the first end
+    ends = [json.loads(line)["end"] for line in
+            (run_dir / "trace" / "trainer.jsonl").read_text().splitlines()
+            if json.loads(line)["kind"] == "train"]
+    assert plan_from.steady_step_time(ends) == pytest.approx(ROLLOUT + TRAIN + SYNC)
+    with pytest.raises(ValueError, match="two train steps"):
+        plan_from.steady_step_time(ends[:1])
