@@ -39,6 +39,9 @@ class Completion:
     finish_reason: FinishReason
     stop: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    # the version that sampled each token, from an engine whose weights may change under a
+    # generation (interruptible); None: every token at the engine's version
+    token_versions: np.ndarray | None = None
 
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])
@@ -66,6 +69,22 @@ class Engine(ABC):
 
         Runs off the event loop, so the caller's heartbeats and subscriptions keep going.
         """
+
+    async def generate_each(self, prompts: Sequence[Prompt], n: int, sampling: SamplingParams,
+                            on_prompt: Callable[[int, list[Completion]], Any]
+                            ) -> list[list[Completion]]:
+        """`generate`, calling `on_prompt(i, completions)` on the event loop as soon as prompt
+        `i`'s `n` completions are done, while the others still generate (streaming rollouts).
+
+        This default sends one request per prompt at once, for engines that batch concurrent
+        requests themselves (vLLM); an engine with its own batch overrides it.
+        """
+        async def one(i: int, prompt: Prompt) -> list[Completion]:
+            [completions] = await self.generate([prompt], n, sampling)
+            on_prompt(i, completions)
+            return completions
+
+        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
 
     def close(self) -> None:
         """Release the model and any worker thread."""

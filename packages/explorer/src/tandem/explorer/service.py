@@ -9,6 +9,12 @@ The master alone decides when a step may start and with which weights (`SyncPlan
 explorer waits only for its barrier, up to `sync.timeout`. Generation runs on the engine's
 thread, so heartbeats and the subscription keep going while a batch is being sampled.
 
+Streaming (`explorers[].streaming`, on in the asynchronous presets): within a step, each task's
+group is put as soon as it is scored, while the engine samples the others; CompleteTasks and
+ExplorerStepDone still follow the step's last put. Interruptible (`on_new_weights: interrupt`):
+while a step generates, the explorer listens for published versions and loads each newer one
+at once; the engine takes it at its next token boundary and every token records its version.
+
 An explorer the master declared dead (silent past `transport.liveness`, e.g. paused) learns it
 from a refused heartbeat or report (`declared_dead`), registers again and carries on: the
 tasks of the batch it was rolling out were leased out again, and since experience ids name
@@ -21,6 +27,7 @@ import asyncio
 import os
 import socket
 import time
+from collections import deque
 from typing import Any
 
 import structlog
@@ -44,7 +51,7 @@ from tandem.common.messages.master import (
     WeightsPublished,
 )
 from tandem.common.metrics import MetricsEndpoint
-from tandem.common.pubsub import Subscriber
+from tandem.common.pubsub import Event, Subscriber
 from tandem.common.rpc import RpcClient
 from tandem.common.trace import Tracer
 
@@ -55,7 +62,8 @@ from .evaluation import Evaluator
 from .rewards import RewardScorer, create_scorer
 from .sampling import SamplingParams
 from .weights import WeightLoader
-from .workflows import Agent, RolloutContext, SingleTurn, Workflow, create_workflow
+from .workflows import (
+    Agent, RolloutContext, SingleTurn, Workflow, create_workflow, settle_group_versions)
 
 log = structlog.get_logger(__name__)
 
@@ -77,6 +85,11 @@ class Explorer:
         self.engine = engine
         self.scorer = scorer
         self.sampling = SamplingParams.from_config(self.cfg.sampling)
+        self.streaming = (self.cfg.streaming if self.cfg.streaming is not None
+                          else config.sync.asynchronous)
+        self.interrupt = self.cfg.on_new_weights == "interrupt"
+        self._held: deque[Event] = deque()  # read while a step generated, for the next wait
+        self._inflight_load: asyncio.Future | None = None  # interrupt: a load begun mid-step
         self.workflow: Workflow | None = None
         self.endpoint: Any = None  # the OpenAI endpoint (openai_server), when it serves one
         self.loader: WeightLoader | None = None
@@ -126,6 +139,11 @@ class Explorer:
                                                       self.config.model)
             except (OSError, ValueError) as exc:  # no model folder, bad engine options
                 raise TandemError(f"explorer {self.name} cannot load its engine: {exc}") from None
+        if self.interrupt:
+            if not hasattr(self.engine, "interruptible"):
+                raise TandemError(f"explorer {self.name}: on_new_weights: interrupt needs an "
+                                  f"interruptible engine, not {type(self.engine).__name__}")
+            self.engine.interruptible = True
         self.workflow = create_workflow(self.cfg.workflow, self.engine.tokenizer,
                                         self.cfg.workflow_args)
         if self.scorer is None and isinstance(self.workflow, SingleTurn):
@@ -299,7 +317,7 @@ class Explorer:
             remaining = deadline - time.monotonic()
             try:
                 # in slices of a second or less, so a refused heartbeat is acted on at once
-                event = await self.subscriber.recv(
+                event = self._held.popleft() if self._held else await self.subscriber.recv(
                     min(max(remaining, 0.0), 1.0), what=f"barrier for {self.name} (master)",
                     timeout_key="sync.timeout")
             except WaitTimeout:
@@ -334,7 +352,13 @@ class Explorer:
     async def _run_step(self, barrier: Barrier) -> bool:
         """Roll out the barrier's step; False when there is nothing left to roll out."""
         engine = self.engine
-        if barrier.wait or barrier.version != engine.version:
+        if self._inflight_load is not None:  # begun as the last step ended: done, or failed
+            load, self._inflight_load = self._inflight_load, None
+            await load
+        # interruptible: the engine may already hold a newer version than the master granted
+        # (loaded mid-step); an older one is never loaded back
+        if (barrier.version > engine.version if self.interrupt
+                else barrier.wait or barrier.version != engine.version):
             rendezvous = self._latest_weights.rendezvous if self._latest_weights else None
             with self.tracer.span("sync", step=barrier.step, version=barrier.version,
                                   method=barrier.method) as attrs:
@@ -358,19 +382,39 @@ class Explorer:
         ctx = RolloutContext(engine=engine, sampling=self.sampling,
                              repeat_times=self.cfg.repeat_times, explorer=self.name,
                              run=self.run_id, step=barrier.step,
-                             scorer=self.scorer, version=barrier.version,
+                             scorer=self.scorer,
+                             version=(max(barrier.version, engine.version) if self.interrupt
+                                      else barrier.version),
                              endpoint=self.endpoint)
         t0 = time.time()
+        streamed: set[str] = set()
+        if self.streaming:
+            async def put_group(group: list[Experience]) -> None:
+                await self._put(group, barrier)
+                streamed.update(e.group_id for e in group)
+                self.tracer.record("group", t0, time.time(), step=barrier.step,
+                                   version=group[0].policy_version, group=group[0].group_id,
+                                   experiences=len(group))
+            ctx.on_group = put_group
+        watcher = asyncio.create_task(self._watch_weights(barrier)) if self.interrupt else None
         with self.tracer.span("rollout", step=barrier.step, version=barrier.version,
                               tasks=len(lease.tasks)) as attrs:
-            experiences = await self.workflow.run(lease.tasks, ctx)
+            try:
+                experiences = await self.workflow.run(lease.tasks, ctx)
+            finally:
+                if watcher is not None:
+                    watcher.cancel()
+                    await asyncio.gather(watcher, return_exceptions=True)
             rollout_s = time.time() - t0
             metrics = step_metrics(experiences, rollout_s)
             # the timeline and `tandem up` read the step's reward and size from its span
             attrs.update(experiences=len(experiences), groups=len(lease.tasks),
                          reward_mean=round(metrics["reward_mean"], 6),
                          tokens=int(metrics["generated_tokens"]))
-        await self._put(experiences, barrier)
+        # groups the workflow did not stream (it cannot, or streaming is off) go now
+        rest = [e for e in settle_group_versions(experiences) if e.group_id not in streamed]
+        if rest:
+            await self._put(rest, barrier)
         try:
             await self.master.call(CompleteTasks(lease_id=lease.lease_id),
                                    timeout_key="transport.rpc_timeout")
@@ -400,6 +444,34 @@ class Explorer:
                  version=barrier.version, experiences=len(experiences),
                  seconds=round(rollout_s, 3), reward=round(metrics["reward_mean"], 4))
         return True
+
+    async def _watch_weights(self, barrier: Barrier) -> None:
+        """While a step generates (`on_new_weights: interrupt`): load each newer version the
+        trainer publishes as files; the engine switches at its next token boundary. Whatever
+        else arrives is kept for the next barrier wait."""
+        while True:
+            try:
+                event = await self.subscriber.recv(1.0, what="weights (master)",
+                                                   timeout_key="sync.timeout")
+            except WaitTimeout:
+                continue
+            self._held.append(event)
+            msg = event.body
+            if not isinstance(msg, WeightsPublished):
+                continue
+            self._latest_weights = msg
+            if msg.method != "checkpoint" or msg.version <= self.engine.version:
+                continue
+            # shielded: a load the engine took stays taken when the step ends meanwhile; the
+            # next step awaits it (and raises its error)
+            self._inflight_load = asyncio.ensure_future(self.loader.load(msg.version,
+                                                                         "checkpoint"))
+            with self.tracer.span("sync", step=barrier.step, version=msg.version,
+                                  method="checkpoint", interrupt=True) as attrs:
+                attrs.update(await asyncio.shield(self._inflight_load))
+            self._inflight_load = None
+            log.info("explorer.weights_in_flight", explorer=self.name, step=barrier.step,
+                     version=msg.version)
 
     async def _evaluate(self, *, step: int | None, final: bool = False) -> None:
         """The eval tasksets on the weights the engine holds (between steps: no lease open)."""

@@ -5,14 +5,20 @@ comes out of the same forward pass under the sampling policy, and rows that fini
 from the batch (and the cache) instead of decoding padding until the longest row ends.
 Generation runs on one worker thread: the event loop stays free for heartbeats and barriers, and
 weights never change under a running batch because loading runs on the same thread.
+
+An `interruptible` engine takes new weights mid-generation (`explorers[].on_new_weights:
+interrupt`): a load waits in a queue that the decode loop checks at every token boundary; the
+loop loads the weights there, prefills the partial sequences again under them (their KV cache
+belongs to the old weights) and carries on, recording the version that sampled each token.
 """
 
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -33,7 +39,7 @@ class TransformersEngine(TensorEngine):
     """The embedded default engine, on CPU or one CUDA device."""
 
     def __init__(self, model: Any, tokenizer: Any, *, device: str = "cpu", max_batch: int = 64,
-                 version: int = 0, seed: int = 0):
+                 version: int = 0, seed: int = 0, interruptible: bool = False):
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
         self._tokenizer = tokenizer
@@ -41,8 +47,12 @@ class TransformersEngine(TensorEngine):
         self.version = version
         self.seed = seed
         self._calls = 0
+        self.interruptible = interruptible
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
-        self._lock = threading.Lock()
+        # re-entrant: an interrupting load runs inside the generation that holds it
+        self._lock = threading.RLock()
+        self._loads: queue.SimpleQueue[tuple[Callable[[], Iterable], int, Future]] = \
+            queue.SimpleQueue()
         self.eos_ids = _eos_ids(model, tokenizer)
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else min(self.eos_ids)
@@ -81,21 +91,45 @@ class TransformersEngine(TensorEngine):
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self.generate_sync, prompts, n, sampling)
 
-    def generate_sync(self, prompts: Sequence[Prompt], n: int,
-                      sampling: SamplingParams) -> list[list[Completion]]:
-        """The blocking body of `generate`, for callers without an event loop."""
+    async def generate_each(self, prompts: Sequence[Prompt], n: int, sampling: SamplingParams,
+                            on_prompt: Callable[[int, list[Completion]], Any]
+                            ) -> list[list[Completion]]:
+        # one batch as `generate` samples it (same tokens for the same seed); a prompt is handed
+        # to the loop as soon as its last row leaves the batch
+        loop = asyncio.get_running_loop()
+
+        def done(i: int, completions: list[Completion]) -> None:
+            loop.call_soon_threadsafe(on_prompt, i, completions)
+
+        return await loop.run_in_executor(
+            self._executor, lambda: self.generate_sync(prompts, n, sampling, on_prompt=done))
+
+    def generate_sync(self, prompts: Sequence[Prompt], n: int, sampling: SamplingParams, *,
+                      on_prompt: Callable[[int, list[Completion]], None] | None = None
+                      ) -> list[list[Completion]]:
+        """The blocking body of `generate`, for callers without an event loop; `on_prompt(i,
+        completions)` is called (on this thread) as soon as prompt `i`'s rows are all done."""
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         encoded = [self._encode(p, i) for i, p in enumerate(prompts)]
         rows = [(p, s) for p in range(len(encoded)) for s in range(n)]
         out: list[list[Completion | None]] = [[None] * n for _ in encoded]
+        left = [n] * len(encoded)
         generator = self._generator(sampling)
         with self._lock, torch.inference_mode():
             for start in range(0, len(rows), self.max_batch):
                 chunk = rows[start:start + self.max_batch]
-                for (p, s), completion in zip(chunk, self._generate_chunk(
-                        [encoded[p] for p, _ in chunk], sampling, generator)):
+
+                def finished(j: int, completion: Completion, chunk=chunk) -> None:
+                    p, s = chunk[j]
                     out[p][s] = completion
+                    left[p] -= 1
+                    if left[p] == 0 and on_prompt is not None:
+                        on_prompt(p, out[p])  # type: ignore[arg-type]
+
+                self._take_loads()  # between chunks too: a load never waits for the whole call
+                self._generate_chunk([encoded[p] for p, _ in chunk], sampling, generator,
+                                     finished)
         return out  # type: ignore[return-value]
 
     def _encode(self, prompt: Prompt, index: int) -> list[int]:
@@ -115,10 +149,10 @@ class TransformersEngine(TensorEngine):
         generator.manual_seed(seed)
         return generator
 
-    def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingParams,
-                        generator: torch.Generator) -> list[Completion]:
-        t0 = time.perf_counter()
-        # Prefill each distinct prompt once; rows sampling the same prompt share its cache.
+    def _prefill(self, prompts: list[list[int]]) -> tuple[Any, torch.Tensor, torch.Tensor,
+                                                          torch.Tensor]:
+        """(cache, next-token logits, attention mask, next position) of each sequence, left-padded;
+        each distinct sequence is prefilled once, rows sampling the same one share its cache."""
         unique: dict[tuple[int, ...], int] = {}
         row_of = [unique.setdefault(tuple(p), len(unique)) for p in prompts]
         distinct = list(unique)
@@ -139,13 +173,33 @@ class TransformersEngine(TensorEngine):
         if len(distinct) != len(prompts) or row_of != list(range(len(prompts))):
             cache.batch_select_indices(select)
             logits, mask = logits[select], mask[select]
-        next_pos = positions[select, -1] + 1
+        return cache, logits, mask, positions[select, -1] + 1
+
+    def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingParams,
+                        generator: torch.Generator,
+                        finished: Callable[[int, Completion], None]) -> None:
+        t0 = time.perf_counter()
+        cache, logits, mask, next_pos = self._prefill(prompts)
         t_prefill = time.perf_counter()
 
         stops = _StopMatcher(sampling.stop, self._tokenizer)
         tokens: list[list[int]] = [[] for _ in prompts]
         logps: list[list[float]] = [[] for _ in prompts]
-        finish: list[tuple[str, str | None]] = [("length", None)] * len(prompts)
+        versions: list[list[int]] = [[] for _ in prompts]
+
+        def complete(row: int, reason: str, stop: str | None = None) -> None:
+            now = time.perf_counter()
+            finished(row, Completion(
+                prompt_ids=np.asarray(prompts[row], dtype=np.int32),
+                token_ids=np.asarray(tokens[row], dtype=np.int32),
+                logprobs=np.asarray(logps[row], dtype=np.float32),
+                text=self._tokenizer.decode(tokens[row], skip_special_tokens=True),
+                finish_reason=reason, stop=stop,  # type: ignore[arg-type]
+                timings={"prefill_s": t_prefill - t0, "decode_s": now - t_prefill,
+                         "generate_s": now - t0, "batch": float(len(prompts))},
+                token_versions=(np.asarray(versions[row], dtype=np.int32)
+                                if self.interruptible else None)))
+
         active = list(range(len(prompts)))
         eos_ids = set() if sampling.ignore_eos else self.eos_ids
         for step in range(sampling.max_tokens):
@@ -155,14 +209,24 @@ class TransformersEngine(TensorEngine):
             for j, row in enumerate(active):
                 tokens[row].append(tok_list[j])
                 logps[row].append(lp_list[j])
+                versions[row].append(self.version)
                 if tok_list[j] in eos_ids:
-                    finish[row] = ("eos", None)
+                    complete(row, "eos")
                 elif (hit := stops.match(tokens[row])) is not None:
-                    finish[row] = ("stop", hit)
+                    complete(row, "stop", hit)
                 elif step + 1 < sampling.max_tokens:
                     keep.append(j)
+                else:
+                    complete(row, "length")
             if not keep:
                 break
+            if self._take_loads():
+                # new weights at this token boundary: the cache is the old weights' view of the
+                # partial sequences, so they are prefilled again under the new ones
+                active = [active[j] for j in keep]
+                cache, logits, mask, next_pos = self._prefill(
+                    [prompts[r] + tokens[r] for r in active])
+                continue
             if len(keep) != len(active):
                 index = torch.tensor(keep, device=self.device)
                 cache.batch_select_indices(index)
@@ -173,17 +237,24 @@ class TransformersEngine(TensorEngine):
                                 position_ids=next_pos[:, None], past_key_values=cache,
                                 use_cache=True).logits[:, -1]
             next_pos = next_pos + 1
-        t_end = time.perf_counter()
 
-        timings = {"prefill_s": t_prefill - t0, "decode_s": t_end - t_prefill,
-                   "generate_s": t_end - t0, "batch": float(len(prompts))}
-        return [Completion(
-            prompt_ids=np.asarray(prompts[r], dtype=np.int32),
-            token_ids=np.asarray(tokens[r], dtype=np.int32),
-            logprobs=np.asarray(logps[r], dtype=np.float32),
-            text=self._tokenizer.decode(tokens[r], skip_special_tokens=True),
-            finish_reason=finish[r][0], stop=finish[r][1], timings=dict(timings),
-        ) for r in range(len(prompts))]
+    def _take_loads(self) -> bool:
+        """Carry out the loads waiting for a token boundary (engine thread); True if any ran."""
+        if not self.interruptible:
+            return False
+        ran = False
+        while True:
+            try:
+                source, version, future = self._loads.get_nowait()
+            except queue.Empty:
+                return ran
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(self.load_weights(source(), version))
+                ran = True
+            except BaseException as exc:  # the caller's await raises it
+                future.set_exception(exc)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]], version: int) -> int:
         with self._lock:
@@ -194,10 +265,17 @@ class TransformersEngine(TensorEngine):
 
     async def update_weights(self, source: Callable[[], Iterable[tuple[str, Any]]],
                              version: int) -> int:
-        # On the engine thread: weights never change under a running batch.
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._executor, lambda: self.load_weights(source(), version))
+        if not self.interruptible:
+            # on the engine thread after the running batch: weights never change under it
+            return await loop.run_in_executor(
+                self._executor, lambda: self.load_weights(source(), version))
+        # queued for the next token boundary of the running batch; the job behind it on the
+        # engine thread loads it if no batch is running (or the batch ends first)
+        future: Future = Future()
+        self._loads.put((source, version, future))
+        self._executor.submit(self._take_loads)
+        return await asyncio.wrap_future(future)
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)

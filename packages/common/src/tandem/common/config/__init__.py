@@ -89,6 +89,17 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _interrupts_are_asynchronous(self) -> "RunConfig":
+        for e in self.explorers:
+            if e.on_new_weights == "interrupt" and (not self.sync.asynchronous
+                                                   or self.sync.method != "checkpoint"):
+                raise ValueError(
+                    f"explorers[{e.name}].on_new_weights: interrupt loads weights mid-step, "
+                    "which only an asynchronous preset with sync.method: checkpoint allows "
+                    "(sync.offset: null); use on_new_weights: finish")
+        return self
+
+    @model_validator(mode="after")
     def _mini_batches_fit(self) -> "RunConfig":
         tc = self.trainer
         if tc.loss == "dpo":

@@ -140,6 +140,24 @@ class ExplorerConfig(Section):
         default=30.0, ge=0,
         description="on SIGTERM, seconds the running step may take to finish before its lease "
                     "is abandoned to the master")
+    streaming: bool | None = Field(
+        default=None,
+        description="put each task's group as soon as it is scored, while the step's other "
+                    "tasks still generate; null: on in the asynchronous presets (sync.offset: "
+                    "null), off in the synchronous ones")
+    on_new_weights: Literal["finish", "interrupt"] = Field(
+        default="finish",
+        description="weights published while a step generates (asynchronous presets with "
+                    "sync.method: checkpoint): finish the step first, or interrupt it at a "
+                    "token boundary, load them and resume the partial responses under them "
+                    "(transformers engine only)")
+
+    @model_validator(mode="after")
+    def _interrupt_needs_transformers(self) -> "ExplorerConfig":
+        if self.on_new_weights == "interrupt" and self.engine.kind != "transformers":
+            raise ValueError(f"on_new_weights: interrupt needs engine.kind: transformers (got "
+                             f"{self.engine.kind}); use on_new_weights: finish")
+        return self
 
     @model_validator(mode="after")
     def _name_is_a_topic(self) -> "ExplorerConfig":

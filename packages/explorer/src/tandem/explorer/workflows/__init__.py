@@ -3,7 +3,8 @@
 from typing import Any
 
 from .agent import Agent
-from .base import RolloutContext, Trajectory, Workflow, WorkflowArgs, make_experience
+from .base import (
+    RolloutContext, Trajectory, Workflow, WorkflowArgs, make_experience, settle_group_versions)
 from .multi_turn import MultiTurn
 from .single_turn import SingleTurn
 
@@ -20,4 +21,4 @@ def create_workflow(name: str, tokenizer: Any, args: dict[str, Any] | None = Non
 
 
 __all__ = ["WORKFLOWS", "Agent", "MultiTurn", "RolloutContext", "SingleTurn", "Trajectory", "Workflow",
-           "WorkflowArgs", "create_workflow", "make_experience"]
+           "WorkflowArgs", "create_workflow", "make_experience", "settle_group_versions"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, Awaitable, Callable, ClassVar
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -30,6 +30,9 @@ class RolloutContext:
     scorer: RewardScorer | None = None
     version: int | None = None  # defaults to the engine's
     endpoint: Any = None  # the explorer's OpenAI endpoint (openai_server), when it serves one
+    # streaming rollouts: awaited with each task's group as soon as it is scored, while the
+    # others still generate (a workflow that cannot stream leaves it to the caller)
+    on_group: Callable[[list[Experience]], Awaitable[None]] | None = None
 
     @property
     def policy_version(self) -> int:
@@ -69,12 +72,17 @@ class Trajectory:
     response_ids: list[int] = field(default_factory=list)
     action_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int | None] = field(default_factory=list)  # None: not known per token
 
-    def add(self, ids, logprobs=None, *, action: bool) -> None:
+    def add(self, ids, logprobs=None, *, action: bool, versions=None) -> None:
+        """Append response tokens; `versions`: the weights version that sampled each (a
+        completion's `token_versions`, from an interruptible engine)."""
         ids = [int(t) for t in ids]
         self.response_ids += ids
         self.action_mask += [1 if action else 0] * len(ids)
         self.logprobs += [float(x) for x in logprobs] if logprobs is not None else [0.0] * len(ids)
+        self.versions += ([int(v) for v in versions[:len(ids)]] if versions is not None
+                          else [None] * len(ids))
 
     @property
     def tokens(self) -> list[int]:
@@ -83,8 +91,21 @@ class Trajectory:
 
 def make_experience(task: Task, index: int, traj: Trajectory, ctx: RolloutContext, *,
                     reward: float, rewards: dict[str, float], info: dict[str, Any]) -> Experience:
-    """An experience per DESIGN §3, with the group size the buffer needs to close a group."""
+    """An experience per DESIGN §3, with the group size the buffer needs to close a group.
+
+    Its version is the oldest that sampled one of its tokens; per-token versions are kept when
+    they are not all that one (weights loaded mid-generation). `settle_group_versions` then
+    gives the whole group its oldest version.
+    """
     version = ctx.policy_version
+    known = [v for v, a in zip(traj.versions, traj.action_mask) if v is not None and a]
+    token_versions = None
+    if known:
+        version = min(known)
+        filled = [version if v is None or not a else v
+                  for v, a in zip(traj.versions, traj.action_mask)]
+        if any(v != version for v in filled):
+            token_versions = np.asarray(filled, dtype=np.int32)
     group = task_group_id(ctx.run, task.epoch, task.id)
     return Experience(
         id=repeat_id(group, index),
@@ -97,8 +118,21 @@ def make_experience(task: Task, index: int, traj: Trajectory, ctx: RolloutContex
         reward=float(reward),
         rewards={k: float(v) for k, v in rewards.items()},
         policy_version=version,
+        token_versions=token_versions,
         explorer=ctx.explorer,
         created_at=time.time(),
         info={"group_size": ctx.repeat_times, "repeat_index": index, "step": ctx.step,
               "epoch": task.epoch, "sampling": ctx.sampling.describe(), **info},
     )
+
+
+def settle_group_versions(experiences: list[Experience]) -> list[Experience]:
+    """One `policy_version` per group, its oldest: a response sampled after new weights arrived
+    (later in an interrupted batch) keeps its own version per token. Groups in any order."""
+    oldest: dict[str, int] = {}
+    for e in experiences:
+        oldest[e.group_id] = min(oldest.get(e.group_id, e.policy_version), e.policy_version)
+    return [e if e.policy_version == oldest[e.group_id] else
+            e.model_copy(update={"policy_version": oldest[e.group_id],
+                                 "token_versions": e.versions_of_tokens()})
+            for e in experiences]

@@ -85,7 +85,8 @@ class MultiTurn(Workflow):
                 ep.turns += 1
                 ep.finish_reasons.append(c.finish_reason)
                 room = budget - len(ep.traj.response_ids)
-                ep.traj.add(c.token_ids[:room], c.logprobs[:room], action=True)
+                ep.traj.add(c.token_ids[:room], c.logprobs[:room], action=True,
+                            versions=c.token_versions)
                 if len(c.token_ids) >= room:
                     self._finish(ep, "budget")
                 elif c.finish_reason == "eos":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any, Literal
 
@@ -10,8 +11,10 @@ from pydantic import Field
 from tandem.common.messages.experience import Experience, Task
 from tandem.common.messages.reward import ScoreItem
 
+from ..engine import Completion
 from ..templates import PromptTemplate
-from .base import RolloutContext, Trajectory, Workflow, WorkflowArgs, make_experience
+from .base import (
+    RolloutContext, Trajectory, Workflow, WorkflowArgs, make_experience, settle_group_versions)
 
 
 class SingleTurnArgs(WorkflowArgs):
@@ -47,26 +50,61 @@ class SingleTurn(Workflow):
         if ctx.scorer is None:
             raise RuntimeError("single_turn needs a reward scorer (reward section)")
         prompts = [self.template.render(self.prompt_of(t)) for t in tasks]
+        if ctx.on_group is not None:
+            return await self._stream(tasks, prompts, ctx)
         t0 = time.time()
         completions = await ctx.engine.generate(prompts, ctx.repeat_times, ctx.sampling)
         t1 = time.time()
-        texts = [self.prompt_of(t) for t in tasks]
-        items = [ScoreItem(fn=self.args.reward_fn, prompt=texts[i], response=c.text,
-                           truth=task.payload.get(self.args.answer_key),
-                           args=task.payload.get("reward_args", {}))
-                 for i, task in enumerate(tasks) for c in completions[i]]
+        items = [item for i, task in enumerate(tasks)
+                 for item in self._items(task, completions[i])]
         scores = await ctx.scorer.score(items)
         t2 = time.time()
+        n = ctx.repeat_times
+        return [e for i, task in enumerate(tasks)
+                for e in self._group(task, prompts[i], completions[i], scores[i * n:(i + 1) * n],
+                                     ctx, generate_s=t1 - t0, reward_s=t2 - t1)]
+
+    async def _stream(self, tasks: list[Task], prompts: list[str],
+                      ctx: RolloutContext) -> list[Experience]:
+        """Each task's group is scored and handed to `ctx.on_group` as soon as its responses
+        are sampled, while the engine goes on with the others."""
+        t0 = time.time()
+        pending: dict[int, asyncio.Task] = {}
+
+        async def finish(i: int, completions: list[Completion]) -> list[Experience]:
+            t1 = time.time()
+            scores = await ctx.scorer.score(self._items(tasks[i], completions))
+            group = self._group(tasks[i], prompts[i], completions, scores, ctx,
+                                generate_s=t1 - t0, reward_s=time.time() - t1)
+            await ctx.on_group(group)
+            return group
+
+        def ready(i: int, completions: list[Completion]) -> None:
+            pending[i] = asyncio.ensure_future(finish(i, completions))
+
+        try:
+            await ctx.engine.generate_each(prompts, ctx.repeat_times, ctx.sampling, ready)
+            groups = await asyncio.gather(*(pending[i] for i in range(len(tasks))))
+        finally:
+            for task in pending.values():
+                task.cancel()
+        return [e for group in groups for e in group]
+
+    def _items(self, task: Task, completions: list[Completion]) -> list[ScoreItem]:
+        return [ScoreItem(fn=self.args.reward_fn, prompt=self.prompt_of(task), response=c.text,
+                          truth=task.payload.get(self.args.answer_key),
+                          args=task.payload.get("reward_args", {}))
+                for c in completions]
+
+    def _group(self, task: Task, prompt: str, completions: list[Completion], scores: list,
+               ctx: RolloutContext, *, generate_s: float, reward_s: float) -> list[Experience]:
         experiences = []
-        for i, task in enumerate(tasks):
-            for k, c in enumerate(completions[i]):
-                score = scores[i * ctx.repeat_times + k]
-                traj = Trajectory(prompts[i])
-                traj.add(c.token_ids, c.logprobs, action=True)
-                experiences.append(make_experience(
-                    task, k, traj, ctx, reward=score.score,
-                    rewards=score.components or {"reward": score.score},
-                    info={"finish_reason": c.finish_reason, "reward_reason": score.reason,
-                          "generate_s": t1 - t0, "reward_s": t2 - t1,
-                          "engine": c.timings}))
-        return experiences
+        for k, (c, score) in enumerate(zip(completions, scores)):
+            traj = Trajectory(prompt)
+            traj.add(c.token_ids, c.logprobs, action=True, versions=c.token_versions)
+            experiences.append(make_experience(
+                task, k, traj, ctx, reward=score.score,
+                rewards=score.components or {"reward": score.score},
+                info={"finish_reason": c.finish_reason, "reward_reason": score.reason,
+                      "generate_s": generate_s, "reward_s": reward_s, "engine": c.timings}))
+        return settle_group_versions(experiences)
