@@ -10,10 +10,14 @@ from types import SimpleNamespace
 import pytest
 
 from tandem.common.config import RunConfig, validate
-from tandem.common.errors import ConfigError
-from tandem.common.trace import read_trace
+from tandem.common.errors import ConfigError, WaitTimeout
+from tandem.common.messages.master import Stop, WeightsPublished
+from tandem.common.pubsub import Event
+from tandem.common.trace import Tracer, read_trace
+from tandem.explorer.eval_role import WeightFollower
 from tandem.master.quickstart import reversal_tasks, write_jsonl
 from tandem.master.service import total_steps_for
+from tandem.weights import WeightsError
 
 STEPS = 4
 
@@ -83,6 +87,73 @@ def test_eval_role_conflicts_name_their_keys(tmp_path):
         lambda: config(tmp_path, eval__explorer="rollout-0"))
     assert "sync.method: nccl does not write" in one_line_error(
         lambda: config(tmp_path, sync__method="nccl"))
+
+
+class ScriptedRun:
+    """What WeightFollower talks to, scripted: the master's events arrive in batches (each
+    batch queued at once, as while an evaluation runs); loads and evaluations are recorded."""
+
+    def __init__(self, cfg: RunConfig, batches: list[list]):
+        from tandem.explorer.evaluation import Evaluator
+
+        self.config, self.name, self._stopping, self.stop_reason = cfg, "eval-1", False, None
+        self.evaluator = Evaluator(cfg, "eval-1")
+        self.engine = SimpleNamespace(version=0)
+        self.tracer = Tracer(None, "eval-1")
+        self.loader = SimpleNamespace(load=self._load)
+        self.subscriber = SimpleNamespace(recv=self._recv, address="tcp://scripted")
+        self.batches, self.queue = list(batches), []
+        self.evaluated: list[tuple[int, bool]] = []
+        self.missing: set[int] = set()
+        self.loads: list[int] = []
+
+    async def _recv(self, timeout, *, what="", timeout_key=""):
+        if not self.queue and timeout >= 0.1 and self.batches:
+            self.queue = [Event("weights", n, msg) for n, msg in enumerate(self.batches.pop(0))]
+        if not self.queue:
+            raise WaitTimeout(f"no {what}")
+        return self.queue.pop(0)
+
+    async def _load(self, version, method):
+        assert method == "checkpoint"
+        self.loads.append(version)
+        if version in self.missing:
+            raise WeightsError(f"weights/v{version} is gone")
+        self.engine.version = version
+        return {}
+
+    async def _evaluate(self, *, step, final=False):
+        self.evaluated.append((self.engine.version, final))
+        self.evaluator.last_version = self.engine.version
+
+
+def published(version: int) -> WeightsPublished:
+    return WeightsPublished(version=version, method="checkpoint", path=f"weights/v{version}")
+
+
+@pytest.mark.parametrize("every,expected", [
+    (1, [(0, False), (1, False), (4, False), (5, True)]),  # 2..4 came together: only 4
+    (3, [(0, False), (4, False), (5, True)]),  # 1 is not 3 past 0; 4 is
+])
+async def test_the_follower_evaluates_the_newest_version_every_n(tmp_path, every, expected):
+    run = ScriptedRun(config(tmp_path, eval__every=every), [
+        [published(1)], [published(2), published(3), published(4)], [published(5), Stop(
+            reason="done")]])
+    follower = WeightFollower(run)
+    await follower.run()
+    assert run.evaluated == expected
+    assert run.stop_reason == "done"
+
+
+async def test_a_deleted_version_is_skipped_and_the_final_row_still_comes(tmp_path):
+    run = ScriptedRun(config(tmp_path), [[published(1)], [published(2)], [published(2)],
+                                         [Stop(reason="done")]])
+    run.missing = {2}
+    await WeightFollower(run).run()
+    # v2 could not be loaded: no row for it, no second try until the end, and the final
+    # evaluation scores v1, still held
+    assert run.loads == [1, 2, 2]
+    assert run.evaluated == [(0, False), (1, False), (1, True)]
 
 
 @pytest.mark.slow

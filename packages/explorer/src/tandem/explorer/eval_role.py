@@ -41,6 +41,7 @@ class WeightFollower:
         self.explorer = explorer
         self.evaluator = explorer.evaluator
         self.newest = explorer.engine.version  # the newest version published as files
+        self.unloadable: int | None = None  # a version whose load failed: not tried again
         self.evaluations = 0
 
     async def run(self) -> None:
@@ -68,7 +69,8 @@ class WeightFollower:
                 if self.evaluator.cfg.at_end:
                     await self._evaluate(self.newest, final=True)
                 return
-            if self.newest > ex.engine.version and self.evaluator.due(self.newest):
+            if (self.newest > ex.engine.version and self.newest != self.unloadable
+                    and self.evaluator.due(self.newest)):
                 await self._evaluate(self.newest)
 
     async def _drain(self, wait: float) -> Stop | None:
@@ -100,6 +102,7 @@ class WeightFollower:
                                     method="checkpoint") as attrs:
                     attrs.update(await ex.loader.load(version, "checkpoint"))
             except (WeightsError, OSError) as exc:
+                self.unloadable = version
                 log.warning("explorer.eval_load_failed", explorer=ex.name, version=version,
                             error=str(exc), hint="deleted already? raise weights.keep_versions")
                 if not final:
