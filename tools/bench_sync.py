@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -42,7 +43,7 @@ from typing import Any
 import yaml
 
 from chaos import leftovers  # tools/ is the script's folder
-from resume_check import finish
+from resume_check import finish, kill_everything
 
 REPO = Path(__file__).resolve().parents[1]
 TANDEM = str(Path(sys.executable).parent / "tandem")
@@ -247,6 +248,7 @@ def predictions(run: dict[str, Any], steps: int) -> dict[str, float]:
 def run_one(root: Path, cache: Path, schedule: str, ratio: float, rnd: int, *, steps: int,
             evaluate: bool, timeout: float) -> dict[str, Any]:
     run_dir = root / f"r{rnd}-x{ratio:g}-{schedule}"
+    shutil.rmtree(run_dir, ignore_errors=True)  # a trace appends: start from nothing
     config, sets = overrides(schedule, ratio, run_dir=run_dir, cache=cache, steps=steps,
                              evaluate=evaluate)
     argv = [TANDEM, "up", str(config), "--plain"] + [a for s in sets for a in ("--set", s)]
@@ -255,7 +257,11 @@ def run_one(root: Path, cache: Path, schedule: str, ratio: float, rnd: int, *, s
     started = time.monotonic()
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
-    code, out = finish(proc, timeout)
+    try:
+        code, out = finish(proc, timeout)
+    except KeyboardInterrupt:  # the table of what finished still follows
+        kill_everything(proc)
+        raise
     # `tandem up` draws timeline.png in a detached process: let it end before the next run
     deadline = time.monotonic() + 60
     while leftovers(run_dir) and time.monotonic() < deadline:
@@ -334,21 +340,26 @@ def main(argv: list[str] | None = None) -> int:
     cache = build_model(Path(args.model_cache) if args.model_cache else root / "model-cache",
                         args.seed)
     runs: list[dict[str, Any]] = []
-    for rnd in range(args.rounds):
-        for ratio in ratios:
-            for schedule in schedules:
-                record = run_one(root / "runs", cache, schedule, ratio, rnd, steps=args.steps,
-                                 evaluate=ratio == 1.0, timeout=args.run_timeout)
-                runs.append(record)
-                print(f"round {rnd} ratio {ratio:g} {schedule}: "
-                      + (f"{record['step_time']:.3f} s/step, run {record['seconds']} s, load "
-                         f"{record['load_before']:.1f}-{record['load_after']:.1f}"
-                         if record["ok"] else f"FAILED (exit {record['exit_code']}) "
-                         f"{record.get('error', '')} {record['run_dir']}"), flush=True)
-                rows = summarise(runs)
-                out.parent.mkdir(parents=True, exist_ok=True)
-                out.write_text(json.dumps({"args": vars(args), "rows": rows, "runs": runs},
-                                          indent=1))
+    rows: list[dict[str, Any]] = []
+    try:
+        for rnd in range(args.rounds):
+            for ratio in ratios:
+                for schedule in schedules:
+                    record = run_one(root / "runs", cache, schedule, ratio, rnd,
+                                     steps=args.steps, evaluate=ratio == 1.0,
+                                     timeout=args.run_timeout)
+                    runs.append(record)
+                    print(f"round {rnd} ratio {ratio:g} {schedule}: "
+                          + (f"{record['step_time']:.3f} s/step, run {record['seconds']} s, "
+                             f"load {record['load_before']:.1f}-{record['load_after']:.1f}"
+                             if record["ok"] else f"FAILED (exit {record['exit_code']}) "
+                             f"{record.get('error', '')} {record['run_dir']}"), flush=True)
+                    rows = summarise(runs)
+                    out.parent.mkdir(parents=True, exist_ok=True)
+                    out.write_text(json.dumps({"args": vars(args), "rows": rows,
+                                               "runs": runs}, indent=1))
+    except KeyboardInterrupt:
+        print(f"interrupted after {len(runs)} runs: the table holds those")
     print(f"\n{args.steps} trainer steps a run, {args.rounds} round(s), medians over rounds")
     print_table(rows)
     for line in verdicts(rows):
