@@ -71,3 +71,26 @@ def test_an_eval_span_is_a_busy_block_in_its_explorers_lane(tmp_path):
     out = tmp_path / "tl.png"
     result = CliRunner().invoke(tandem, ["timeline", str(tmp_path), "-o", str(out)])
     assert result.exit_code == 0 and out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_streamed_groups_stack_inside_their_rollout_and_fill_the_buffer_one_by_one(tmp_path):
+    e0, tr = Tracer(tmp_path, "explorer-0"), Tracer(tmp_path, "trainer")
+    t = 1000.0
+    e0.record("rollout", t + 0, t + 4, step=0, version=0, groups=3)
+    for end, name in ((t + 1, "a"), (t + 2.5, "b"), (t + 4, "c")):  # stored as each is scored
+        e0.record("group", t + 0, end, step=0, version=0, group=name, experiences=2)
+    tr.record("train", t + 4, t + 5, step=0, version=1, groups=3)
+    e0.close()
+    tr.close()
+    tl = load_timeline(tmp_path)
+    stacked = [(g.attrs["group"], i, n) for g, i, n in tl.groups("explorer-0")]
+    assert stacked == [("a", 0, 3), ("b", 1, 3), ("c", 2, 3)]
+    assert tl.utilization()["explorer-0"] == pytest.approx(4 / 5)  # groups are not extra time
+    # the derived buffer line rises group by group, not all at the rollout's end
+    assert tl.buffer == [(1.0, 1), (2.5, 2), (4.0, 3), (4.0, 0)]
+    out = tmp_path / "tl.png"
+    result = CliRunner().invoke(tandem, ["timeline", str(tmp_path), "-o", str(out), "--html",
+                                         str(tmp_path / "tl.html")])
+    assert result.exit_code == 0, result.output
+    page = (tmp_path / "tl.html").read_text()
+    assert page.count("explorer-0 group ") == 3 and "stored at 2.500s" in page

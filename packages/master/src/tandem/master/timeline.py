@@ -3,7 +3,9 @@
 One lane per explorer, the buffer (its fill level over time) and the trainer; Rollout yellow,
 Train green, Sync by NCCL purple, Sync by checkpoint red, Eval blue (an explorer scoring the
 `eval` tasksets between its steps), waits hatched grey, on the real time
-axis, with each lane's utilisation (busy time / wall-clock) in the legend. `--html` writes a
+axis, with each lane's utilisation (busy time / wall-clock) in the legend. A streaming explorer's
+groups (`group` events: from its step's start to the group's put) are thin bars stacked inside
+the rollout block, ending as each group reaches the buffer. `--html` writes a
 self-contained zoomable page (inline SVG, a few lines of script, no network).
 """
 
@@ -23,6 +25,7 @@ from .render import COLOURS, finish_png
 
 BUSY = ("rollout", "train", "sync", "eval")
 WAIT_COLOUR = "#d0d0d0"
+GROUP_COLOUR = "#b8860b"
 
 
 @dataclass
@@ -62,6 +65,16 @@ class RunTimeline:
             out[name] = busy / self.makespan if self.makespan > 0 else 0.0
         return out
 
+    def groups(self, lane: str) -> list[tuple[Span, int, int]]:
+        """A lane's streamed groups: (span, index by time stored within its step, groups in
+        the step), for stacking them inside the step's rollout block."""
+        by_step: dict[int | None, list[Span]] = {}
+        for s in self.lane(lane):
+            if s.kind == "group":
+                by_step.setdefault(s.step, []).append(s)
+        return [(g, i, len(gs)) for gs in by_step.values()
+                for i, g in enumerate(sorted(gs, key=lambda g: g.end))]
+
     def staleness(self) -> dict[int, int]:
         """How many explorer steps ran with weights k versions old (step - version)."""
         counts: dict[int, int] = {}
@@ -88,7 +101,7 @@ def _union(intervals: list[tuple[float, float]]) -> float:
 def load_timeline(run_dir: str | Path) -> RunTimeline:
     """Read `run_dir/trace/*.jsonl` into lanes: explorers, the buffer level, the trainer."""
     raw = read_trace(run_dir)
-    lanes_of_interest = [s for s in raw if s["kind"] in BUSY + ("wait",)]
+    lanes_of_interest = [s for s in raw if s["kind"] in BUSY + ("wait", "group")]
     if not lanes_of_interest:
         raise click.ClickException(f"{run_dir}: the trace has no rollout, train or sync spans")
     t0 = min(s["start"] for s in lanes_of_interest)
@@ -114,9 +127,12 @@ def _buffer_levels(raw: list[dict], spans: list[Span], t0: float) -> list[tuple[
     if fills:
         return sorted(fills)
     deltas = []
+    streamed = {(s.lane, s.step) for s in spans if s.kind == "group"}
     for s in spans:
         groups = int(s.attrs.get("groups", 1))
-        if s.kind == "rollout":
+        if s.kind == "group":  # a streaming explorer's group, stored as it was scored
+            deltas.append((s.end, 1))
+        elif s.kind == "rollout" and (s.lane, s.step) not in streamed:
             deltas.append((s.end, groups))
         elif s.kind == "train":
             deltas.append((s.start, -groups))
@@ -136,6 +152,8 @@ def render_png(tl: RunTimeline, path: str | Path, title: str = "") -> Path:
     fig, ax = plt.subplots(figsize=(13, 1.2 + 0.6 * len(lanes)))
     y_of = {name: len(lanes) - 1 - i for i, name in enumerate(lanes)}
     for s in tl.spans:
+        if s.kind == "group":
+            continue
         y = y_of[s.lane]
         height = 0.9 if s.kind == "sync" else (0.35 if s.kind == "wait" else 0.7)
         ax.broken_barh([(s.start, max(s.end - s.start, tl.makespan / 2000))],
@@ -148,6 +166,12 @@ def render_png(tl: RunTimeline, path: str | Path, title: str = "") -> Path:
         elif s.kind == "eval" and s.version is not None and (s.end - s.start) > tl.makespan / 60:
             ax.text((s.start + s.end) / 2, y, f"v{s.version}", ha="center", va="center",
                     fontsize=7, color="white")
+    for lane in tl.explorers:
+        for g, i, n in tl.groups(lane):
+            h = 0.6 / n
+            ax.broken_barh([(g.start, max(g.end - g.start, tl.makespan / 2000))],
+                           (y_of[lane] - 0.3 + i * h + h * 0.15, h * 0.7),
+                           facecolors=GROUP_COLOUR, edgecolors="none")
     if tl.buffer:
         y = y_of["buffer"]
         times = [0.0] + [t for t, _ in tl.buffer] + [tl.makespan]
@@ -166,6 +190,7 @@ def render_png(tl: RunTimeline, path: str | Path, title: str = "") -> Path:
                  "lane labels give each lane's busy share", fontsize=9)
     return finish_png(fig, ax, path, len(lanes), [("Eval", COLOURS["eval"]),
                                                   ("Wait", WAIT_COLOUR),
+                                                  ("Group streamed", GROUP_COLOUR),
                                                   ("Buffer (groups ready)", COLOURS["buffer"])])
 
 
@@ -177,6 +202,8 @@ def render_html(tl: RunTimeline, path: str | Path) -> Path:
     scale = width / tl.makespan if tl.makespan > 0 else 1.0
     rects = []
     for s in tl.spans:
+        if s.kind == "group":
+            continue
         y = lanes.index(s.lane) * lane_h + (4 if s.kind == "sync" else 8)
         h = lane_h - (8 if s.kind == "sync" else 16)
         tip = html.escape(f"{s.lane} {s.kind} step={s.step} version={s.version} "
@@ -185,6 +212,15 @@ def render_html(tl: RunTimeline, path: str | Path) -> Path:
         rects.append(f'<rect class="s" data-x="{s.start * scale:.2f}" '
                      f'data-w="{max((s.end - s.start) * scale, 0.5):.2f}" y="{y}" height="{h}" '
                      f'fill="{s.colour}" stroke="#333" stroke-width="0.3"><title>{tip}</title></rect>')
+    for lane in tl.explorers:
+        for g, i, n in tl.groups(lane):
+            h = (lane_h - 16) / n
+            tip = html.escape(f"{lane} group {g.attrs.get('group', '')} step={g.step} "
+                              f"version={g.version} stored at {g.end:.3f}s")
+            rects.append(f'<rect class="s" data-x="{g.start * scale:.2f}" '
+                         f'data-w="{max((g.end - g.start) * scale, 0.5):.2f}" '
+                         f'y="{lanes.index(lane) * lane_h + 8 + i * h + h * 0.15:.1f}" '
+                         f'height="{h * 0.7:.1f}" fill="{GROUP_COLOUR}"><title>{tip}</title></rect>')
     if tl.buffer:
         top = max(1, max(n for _, n in tl.buffer))
         base = lanes.index("buffer") * lane_h + lane_h - 6
