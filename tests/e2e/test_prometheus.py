@@ -69,6 +69,7 @@ def test_each_component_serves_its_metrics_during_a_run(tmp_path, tiny_model_dir
     assert value(trainer, "tandem_trainer_tokens_per_second") > 0
     assert value(trainer, "tandem_trainer_tokens_total") > 0
     assert "tandem_trainer_staleness_max" in trainer
+    assert "tandem_trainer_staleness_token_mean" in trainer
     # fully_async publishes a checkpoint after every step
     assert value(trainer, r'tandem_trainer_span_seconds_count\{kind="sync",.*\}') >= 1
     assert value(trainer, "tandem_trainer_weight_sync_bytes_total") > 0

@@ -384,6 +384,8 @@ STEP_GAUGES = [
     ("time/step_s", "step_seconds_last", "seconds of the last step"),
     ("staleness/mean", "staleness_mean", "mean policy-version lag of the last step's batch"),
     ("staleness/max", "staleness_max", "largest policy-version lag in the last step's batch"),
+    ("staleness/token_mean", "staleness_token_mean",
+     "mean version lag of the last step's action tokens, each at the version that sampled it"),
     ("reward/mean", "reward_mean", "mean reward of the last step's batch"),
     ("loss/total", "loss", "total loss of the last step"),
     ("optim/grad_norm", "grad_norm", "gradient norm of the last step (mean over updates)"),
