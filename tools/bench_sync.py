@@ -183,7 +183,7 @@ def build_model(cache: Path, seed: int) -> Path:
 
 
 def overrides(schedule: str, ratio: float, *, run_dir: Path, cache: Path, steps: int,
-              evaluate: bool) -> tuple[Path, list[str]]:
+              evaluate: bool, threads: int | None = None) -> tuple[Path, list[str]]:
     """The example config of `schedule` and the `--set` assignments that make this run."""
     preset, knobs = SCHEDULES[schedule]
     config = REPO / "examples" / f"{preset}.yaml"
@@ -197,6 +197,9 @@ def overrides(schedule: str, ratio: float, *, run_dir: Path, cache: Path, steps:
     sets += [f"sync.{k}={v}" for k, v in knobs.items()]
     sets += [f"trainer.{k}={v}" for k, v in trainer_keys.items()]
     sets += [f"explorers.{i}.{k}={v}" for i in range(explorers) for k, v in explorer_keys.items()]
+    if threads is not None:  # every schedule's sides on the same threads (placement otherwise
+        # gives each side of synchronous every core, since they alternate)
+        sets += [f"placement.trainer.threads={threads}", f"placement.explorers.threads={threads}"]
     if evaluate:  # after the last step only: the start is the same warm start for every run
         sets += [f"eval.tasksets=[{{name: heldout, path: {cache / 'heldout.jsonl'}}}]",
                  "eval.at_start=false"]
@@ -246,11 +249,11 @@ def predictions(run: dict[str, Any], steps: int) -> dict[str, float]:
 
 
 def run_one(root: Path, cache: Path, schedule: str, ratio: float, rnd: int, *, steps: int,
-            evaluate: bool, timeout: float) -> dict[str, Any]:
+            evaluate: bool, timeout: float, threads: int | None) -> dict[str, Any]:
     run_dir = root / f"r{rnd}-x{ratio:g}-{schedule}"
     shutil.rmtree(run_dir, ignore_errors=True)  # a trace appends: start from nothing
     config, sets = overrides(schedule, ratio, run_dir=run_dir, cache=cache, steps=steps,
-                             evaluate=evaluate)
+                             evaluate=evaluate, threads=threads)
     argv = [TANDEM, "up", str(config), "--plain"] + [a for s in sets for a in ("--set", s)]
     record: dict[str, Any] = {"round": rnd, "ratio": ratio, "schedule": schedule,
                               "run_dir": str(run_dir), "load_before": os.getloadavg()[0]}
@@ -323,6 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-cache", default=None,
                         help="where the tiny model is built once (default: beside --out)")
     parser.add_argument("--run-timeout", type=float, default=900, help="seconds per run")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="placement.trainer.threads and placement.explorers.threads for "
+                             "every run (default: placement auto's choice per schedule)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true",
                         help="smoke check: 4 steps, 1 round, ratio 1")
@@ -347,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
                 for schedule in schedules:
                     record = run_one(root / "runs", cache, schedule, ratio, rnd,
                                      steps=args.steps, evaluate=ratio == 1.0,
-                                     timeout=args.run_timeout)
+                                     timeout=args.run_timeout, threads=args.threads)
                     runs.append(record)
                     print(f"round {rnd} ratio {ratio:g} {schedule}: "
                           + (f"{record['step_time']:.3f} s/step, run {record['seconds']} s, "
