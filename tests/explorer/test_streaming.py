@@ -262,3 +262,18 @@ async def test_an_explorer_takes_weights_published_mid_step(tmp_path, tiny_model
     [rollout] = [s for s in read_trace(config.run_dir)
                  if s["component"] == "explorer-0" and s["kind"] == "rollout" and s["step"] == 1]
     assert rollout["start"] < sync["start"] and sync["end"] < rollout["end"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ([], "on_new_weights: interrupt loads weights mid-step, which only an asynchronous preset"),
+    (["sync.preset=fully_async", "explorers.0.engine.kind=vllm"],
+     "on_new_weights: interrupt needs engine.kind: transformers"),
+])
+def test_interrupt_is_refused_where_weights_cannot_change_mid_step(overrides, message):
+    from tandem.common.config import load_config
+    from tandem.common.errors import TandemError
+
+    with pytest.raises(TandemError, match=message):
+        load_config(None, ["explorers.0.on_new_weights=interrupt", *overrides])
+    config = load_config(None, ["explorers.0.on_new_weights=interrupt", "sync.preset=fully_async"])
+    assert config.explorers[0].on_new_weights == "interrupt"
