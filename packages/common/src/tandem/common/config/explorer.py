@@ -81,7 +81,6 @@ class EngineConfig(Section):
         return self
 
 
-
 class OpenAIConfig(Section):
     """The explorer's OpenAI-compatible HTTP endpoint (docs/explorer.md#openai-endpoint): served
     when `enabled`, and always for the `agent` workflow, whose functions call it."""
