@@ -43,9 +43,11 @@ def no_leftover_processes():
     while True:
         left = {pid: cmd for pid, cmd in descendants().items() if pid not in before}
         # `tandem up` draws timeline.png in a detached `tandem timeline` that ends on its own
-        # (seconds, more on a loaded machine): wait for it rather than kill it
-        drawing = all(" timeline " in cmd for cmd in left.values())
-        if not left or time.monotonic() - start > (60.0 if drawing else 5.0):
+        # (seconds, more on a loaded machine): wait for it rather than kill it. A process whose
+        # command line reads empty is past its exit (its memory is gone, it is not yet a
+        # zombie), which a large one takes a while to reach on a loaded machine: wait for it too
+        ending = all(" timeline " in cmd or not cmd for cmd in left.values())
+        if not left or time.monotonic() - start > (60.0 if ending else 5.0):
             break
         time.sleep(0.05)
     if left:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -73,3 +74,27 @@ def kill_and_reap(pids) -> None:
             if done:
                 waiting.discard(pid)
         time.sleep(0.02)
+
+
+def run_group(argv: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """`subprocess.run(argv, capture_output=True, text=True)` in a session of its own: past
+    `timeout`, the whole group (a `tandem up` and the components it started) gets SIGTERM, then
+    SIGKILL 20 s later, before TimeoutExpired is raised, so nothing it started is left behind."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, **kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        out = err = ""
+        for sig, wait in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+            try:
+                out, err = proc.communicate(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        raise subprocess.TimeoutExpired(argv, timeout, output=out, stderr=err) from None
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)

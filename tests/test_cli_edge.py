@@ -234,7 +234,9 @@ def test_sigterm_while_waiting_for_an_absent_master_exits_0_at_once(cli, tmp_pat
         time.sleep(0.5)  # in the middle of the registration's 60 s wait
         started = time.monotonic()
         assert waiting.stop() == 0
-        assert time.monotonic() - started < 5
+        # at once: not after the registration's 60 s wait (the bound leaves room for the
+        # interpreter's exit with torch loaded on a busy machine)
+        assert time.monotonic() - started < 10
         assert not any("Traceback" in line for line in waiting.raw)
     finally:
         waiting.stop()

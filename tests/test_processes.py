@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from processes import descendants, kill_and_reap
+from processes import descendants, kill_and_reap, run_group
 
 # A child that starts a grandchild and exits at once, printing the grandchild's pid: the shape of
 # torchrun killed while its ranks run on.
@@ -52,3 +52,14 @@ def test_grandchildren_of_a_live_child_are_listed():
         kill_and_reap([grandchild, child.pid])
         child.stdout.close()
     assert not {child.pid, grandchild} & set(descendants())
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="/proc")
+def test_run_group_past_its_timeout_stops_the_grandchildren_too():
+    # a child that waits on its own child: at the timeout both must be gone
+    before = set(descendants())
+    with pytest.raises(subprocess.TimeoutExpired) as timed_out:
+        run_group([sys.executable, "-c", ORPHANING + "; sys.stdout.flush(); p.wait()"],
+                  timeout=2)
+    assert timed_out.value.output.strip().isdigit()  # what it printed before the timeout
+    assert set(descendants()) - before == set()

@@ -94,8 +94,10 @@ async def test_request_deadline_beats_the_evaluation_timeout(zmq_sockets_closed)
             start = time.monotonic()
             [score] = await remote.score([SLEEPER])  # PeerDead if the answer came after 2 s
             elapsed = time.monotonic() - start
-        # the code reward stops itself at the deadline: its test ran out of wall clock
-        assert score.score == 0.0 and "test 1: timeout" in score.reason, score.reason
+        # the code reward stops itself before the deadline (its test ran out of wall clock);
+        # should it not be reaped in time on a busy machine, the scorer's own bound answers
+        assert score.score == 0.0, score
+        assert "test 1: timeout" in score.reason or score.reason == "timeout", score.reason
         assert 1.0 < elapsed < 2.0
     finally:
         await service.close()

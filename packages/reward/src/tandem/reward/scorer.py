@@ -145,8 +145,9 @@ class LocalScorer:
                     raise EvaluationTimeout()
                 if budgeted:
                     # it stops itself with partial credit a little before the limit, which
-                    # leaves time to kill and reap its last run
-                    stop = time.monotonic() + limit - min(0.5, 0.05 * limit)
+                    # leaves time to kill and reap its last run (a quarter of a short limit:
+                    # on a busy machine the reap alone takes a tenth of a second)
+                    stop = time.monotonic() + limit - min(0.5, 0.25 * limit)
                     score = await asyncio.wait_for(fn.score(item, deadline=stop), limit)
                 elif isinstance(fn, AsyncReward):
                     score = await asyncio.wait_for(fn.score(item), limit)
