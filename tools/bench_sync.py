@@ -2,7 +2,8 @@
 side, at several rollout/train ratios, against the ideal overlap and `tandem plan`'s prediction.
 
     .venv/bin/python tools/bench_sync.py [--steps 20] [--rounds 2] [--ratios 0.5,1,2]
-        [--presets synchronous,one_step_off_policy,...] [--out .bench/bench_sync.json] [--quick]
+        [--presets synchronous,one_step_off_policy,...] [--threads N]
+        [--out .bench/bench_sync.json] [--quick]
 
 Each run is `tandem up examples/<preset>.yaml --set ... --plain` (placement `auto`, the quickstart
 task and its warm-started tiny Qwen2, built once by `tandem quickstart`'s own functions into a
@@ -13,7 +14,11 @@ are nominal: 1 is the quickstart's settings; 0.5 makes the trainer slower
 passes); 2 makes the explorer slower (`engine.max_batch`, fewer sequences generated at once: the
 same samples, more passes). The measured R/T, from the synchronous run's trace, is printed next to
 the nominal one. Runs are interleaved: every round runs every ratio's schedules in turn, so each
-comparison is between runs a few minutes apart on a shared machine.
+comparison is between runs a few minutes apart on a shared machine. `--threads N` gives every
+schedule's trainer and explorers N threads: placement `auto` gives each side of `synchronous`
+every core (they alternate), so without it the synchronous trace measures the sides on other
+threads than the overlapping schedules run with (docs/benchmarks.md says what that does on a
+loaded machine).
 
 From each run's trace (run_dir/trace): the wall-clock per trainer step in the steady state (the
 spacing of the train steps' ends, `plan_from.steady_step_time`, which leaves out start-up and the
@@ -202,7 +207,8 @@ def overrides(schedule: str, ratio: float, *, run_dir: Path, cache: Path, steps:
         sets += [f"placement.trainer.threads={threads}", f"placement.explorers.threads={threads}"]
     if evaluate:  # after the last step only: the start is the same warm start for every run
         sets += [f"eval.tasksets=[{{name: heldout, path: {cache / 'heldout.jsonl'}}}]",
-                 "eval.at_start=false"]
+                 # this reads eval.jsonl, not the trainer's trackers: no wait at its close
+                 "eval.at_start=false", "eval.final_wait=0"]
     return config, sets
 
 
