@@ -207,8 +207,7 @@ def overrides(schedule: str, ratio: float, *, run_dir: Path, cache: Path, steps:
         sets += [f"placement.trainer.threads={threads}", f"placement.explorers.threads={threads}"]
     if evaluate:  # after the last step only: the start is the same warm start for every run
         sets += [f"eval.tasksets=[{{name: heldout, path: {cache / 'heldout.jsonl'}}}]",
-                 # this reads eval.jsonl, not the trainer's trackers: no wait at its close
-                 "eval.at_start=false", "eval.final_wait=0"]
+                 "eval.at_start=false"]
     return config, sets
 
 
