@@ -38,3 +38,35 @@ def test_free_addresses_leave_the_metrics_ports_free_too():
     assert config.master.address != RunConfig().master.address
     pinned = resolve_addresses(RunConfig.model_validate({"logging": {"metrics": {"port": 9500}}}))
     assert pinned.logging.metrics.port == 9500
+
+
+def test_the_end_of_a_run_waits_for_the_clients_not_for_the_servers(tmp_path):
+    """After the master's Stop the explorers and the trainer end on their own; the buffer is a
+    server that never does, so `_finish` must not wait `up.stop_timeout` for it (it did: dead
+    time at the end of every run, a minute with an evaluating explorer's `eval.final_wait`)."""
+    import sys
+    import time
+
+    from tandem.common.config import RunConfig
+    from tandem.master.up import Child, Supervisor
+
+    sup = Supervisor(RunConfig.model_validate(
+        {"run_dir": str(tmp_path), "up": {"stop_timeout": 30}, "logging": {"level": "warning"}}),
+        live=False)
+    quick = [sys.executable, "-c", "import time; time.sleep(0.5)"]
+    sup.children = [Child(name, role, argv, tmp_path / f"{name}.out") for name, role, argv in [
+        ("master", "master", [sys.executable, "-c", "pass"]),
+        ("buffer", "buffer", [sys.executable, "-c", "import time; time.sleep(60)"]),
+        ("trainer", "trainer", quick), ("explorer-0", "explorer", quick)]]
+    for child in sup.children:
+        child.start()
+    try:
+        sup.children[0].proc.wait(30)
+        started = time.monotonic()
+        sup._finish()
+        assert time.monotonic() - started < 10  # not the 30 s stop_timeout
+        assert [c.returncode for c in sup.children[2:]] == [0, 0]  # the clients ended first
+        assert sup.children[1].returncode is None
+    finally:
+        sup._stop_all()
+    assert all(c.returncode is not None for c in sup.children)

@@ -378,13 +378,16 @@ class Supervisor:
         return None
 
     def _finish(self) -> int:
-        # whoever is still running is stopped in order by _stop_all (the trainer, writing its
-        # last checkpoint after the master's Stop, then gets up.trainer_stop_timeout)
-        deadline = time.monotonic() + max(self._stop_bound(c) for c in self.children
-                                          if c.role != "trainer")
-        while time.monotonic() < deadline and any(
-                c.returncode is None for c in self.children):
-            time.sleep(0.1)
+        # After the master's Stop the explorers (an evaluating one scores the last weights
+        # first) and the trainer end on their own; the buffer and the reward service are
+        # servers, which never do: waiting for them was up.stop_timeout of dead time at the end
+        # of every run. Whoever is still running is then stopped in order by _stop_all (the
+        # trainer, writing its last checkpoint, gets up.trainer_stop_timeout there).
+        ending = [c for c in self.children if c.role in ("explorer", "trainer")]
+        deadline = time.monotonic() + max(
+            (self._stop_bound(c) for c in ending if c.role != "trainer"), default=0.0)
+        while time.monotonic() < deadline and any(c.returncode is None for c in ending):
+            time.sleep(0.05)
         failed = [c for c in self.children if c.returncode not in (None, 0)]
         for c in failed:
             click.echo(f"{c.name} exited with code {c.returncode}:\n{c.tail()}", err=True)
