@@ -157,7 +157,8 @@ def write_config(workdir: Path, model_dir: Path, *, preset: str, steps: int, see
         "buffer": {"keep_consumed": 10**9},
         # debug: the buffer's put/sample/ack lines are the moments this tool strikes at
         "logging": {"level": "debug"},
-        "up": {"restart": "on-failure", "max_restarts": restarts, "run_timeout": run_timeout},
+        "up": {"restart": "on-failure", "max_restarts": restarts, "run_timeout": run_timeout,
+               "timeline": False},
     }
     from tandem.common.config.logs import LoggingConfig
 

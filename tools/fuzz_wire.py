@@ -268,7 +268,7 @@ def write_config(workdir: Path, model_dir: Path, steps: int) -> Path:
         "trainer": {"groups_per_step": 2, "lr": 1e-4},
         "reward": {"functions": {"k12": 1.0}, "service": True, "workers": 1},
         "logging": {"level": "warning", "metrics": {"port": 0}},  # runs may share this host
-        "up": {"run_timeout": 1200},
+        "up": {"run_timeout": 1200, "timeline": False},
     }
     path = workdir / "run.yaml"
     path.write_text(yaml.safe_dump(config))

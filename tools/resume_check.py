@@ -66,7 +66,7 @@ def write_config(workdir: Path, model_dir: Path, *, preset: str, steps: int, see
         "reward": {"functions": {"k12": 1.0}},
         "transport": {"liveness": 30.0},
         "logging": {"level": "info"},
-        "up": {"run_timeout": run_timeout},
+        "up": {"run_timeout": run_timeout, "timeline": False},
     }
     from tandem.common.config.logs import LoggingConfig
 

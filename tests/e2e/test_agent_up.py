@@ -44,7 +44,7 @@ def test_agent_workflow_trains_through_tandem_up(tmp_path, tiny_model_dir, monke
         "trainer": {"groups_per_step": 2, "lr": 1e-3},
         "transport": {"liveness": 30.0},
         "logging": {"level": "warning", "metrics": {"enabled": False}},
-        "up": {"run_timeout": 120},
+        "up": {"run_timeout": 120, "timeline": False},
     })
     assert run_up(config, live=False) == 0
     spans = read_trace(config.run_dir)

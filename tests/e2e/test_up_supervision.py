@@ -33,7 +33,7 @@ def write_config(tmp_path: Path, model_dir: Path, steps: int, **up) -> Path:
         "trainer": {"groups_per_step": 2, "lr": 1e-4},
         "reward": {"functions": {"k12": 1.0}},
         "logging": {"level": "warning"},
-        "up": {"run_timeout": 120, **up},
+        "up": {"run_timeout": 120, "timeline": False, **up},
     }
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))

@@ -38,7 +38,7 @@ def config(tmp_path: Path, model: Path | str = "model", *, roles=("rollout", "ev
         "transport": {"liveness": 30.0},
         "logging": {"level": "warning"},
         "sync": {"timeout": 60},
-        "up": {"run_timeout": 120},
+        "up": {"run_timeout": 120, "timeline": False},
     }
     if tasksets:
         path = write_jsonl(heldout[:2], tmp_path / "heldout.jsonl")
@@ -163,6 +163,7 @@ def test_a_run_with_an_eval_explorer_finishes_and_it_evaluates_each_version(
 
     cfg = config(tmp_path, tiny_model_dir)
     assert run_up(cfg, live=False) == 0
+    assert not (Path(cfg.run_dir) / "timeline.png").exists()  # up.timeline: false
     rows = [json.loads(line) for line in
             (Path(cfg.run_dir) / "eval.jsonl").read_text().splitlines()]
     assert rows and {r["explorer"] for r in rows} == {"eval-1"}, rows

@@ -489,7 +489,10 @@ class Supervisor:
             run_seconds = tl.makespan
             rows += summary_rows(tl)
             png = self.run_dir / "timeline.png"
-            if png_in_background:
+            if not self.config.up.timeline:
+                rows.append(("timeline", f"not drawn (up.timeline: false); tandem timeline "
+                                         f"{self.run_dir} draws it"))
+            elif png_in_background:
                 subprocess.Popen([script("tandem"), "timeline", str(self.run_dir), "-o", str(png)],
                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                  stderr=subprocess.DEVNULL, start_new_session=True)

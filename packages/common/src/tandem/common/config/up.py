@@ -23,5 +23,8 @@ class UpConfig(Section):
                                          "buffer and the master after it)")
     start_timeout: float = Field(default=120.0, gt=0, description="seconds for every component to register")
     run_timeout: float | None = Field(default=None, gt=0, description="seconds the whole run may last")
+    timeline: bool = Field(
+        default=True, description="draw run_dir/timeline.png when the run ends (`tandem "
+                                  "timeline RUN_DIR` draws it at any time from the trace)")
     reward_service: bool | None = Field(
         default=None, description="start tandem-reward; default: when reward.service is true")
