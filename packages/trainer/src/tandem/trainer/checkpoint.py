@@ -30,8 +30,6 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict)
 
 if TYPE_CHECKING:
     from .learner import Learner
@@ -42,14 +40,23 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "vocab.json", "merges.txt", "chat_template.jinja", "added_tokens.json")
 
 
-def _full() -> StateDictOptions:
-    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+def import_state_dict_api():
+    """torch.distributed.checkpoint's state-dict functions, imported when first used: the
+    import costs about 2 s of CPU, a quarter of the trainer's start-up, and a single-process
+    trainer never needs it."""
+    from torch.distributed.checkpoint import state_dict
+
+    return state_dict
+
+
+def _full():
+    return import_state_dict_api().StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 def full_model_state(actor: nn.Module, mode: str) -> dict[str, torch.Tensor]:
     """Unsharded parameters by name (gathered on every rank under FSDP)."""
     if mode == "fsdp":
-        return get_model_state_dict(actor, options=_full())
+        return import_state_dict_api().get_model_state_dict(actor, options=_full())
     return actor.state_dict()
 
 
@@ -106,7 +113,8 @@ def _move_aside(final: Path, lineage: str | None) -> None:
 def save(learner: "Learner", root: Path, *, lineage: str | None = None) -> Path | None:
     """Collective: every rank gathers; rank 0 writes `root/step_N` and prunes old ones."""
     model_state = full_model_state(learner.actor, learner.mode)
-    optim_state = get_optimizer_state_dict(learner.actor, learner.optimizer, options=_full())
+    optim_state = import_state_dict_api().get_optimizer_state_dict(
+        learner.actor, learner.optimizer, options=_full())
     final = None
     if learner.dist.is_main:
         start = time.perf_counter()
@@ -161,8 +169,9 @@ def load_training_state(learner: "Learner", path: Path) -> dict[str, Any]:
     """Restore optimiser, scheduler and RNG (the model was built from `path/model`)."""
     state = json.loads((path / "trainer_state.json").read_text())
     optim_state = torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu")
-    set_optimizer_state_dict(learner.actor, learner.optimizer, optim_state_dict=optim_state,
-                             options=StateDictOptions(full_state_dict=True))
+    api = import_state_dict_api()
+    api.set_optimizer_state_dict(learner.actor, learner.optimizer, optim_state_dict=optim_state,
+                                 options=api.StateDictOptions(full_state_dict=True))
     learner.scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
     _set_rng_state(torch.load(path / "rng.pt", weights_only=True))
     return state

@@ -28,6 +28,7 @@ import asyncio
 import os
 import shutil
 import socket
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -260,6 +261,10 @@ class Trainer:
 
                 self._weight_server = WeightServer.from_config(cfg)
                 await self._weight_server.start()
+            # the checkpoint's state-dict API, imported while the first batch is rolled out
+            # rather than at start-up or in the end-of-run checkpoint
+            threading.Thread(target=checkpoint.import_state_dict_api, daemon=True,
+                             name="import-state-dict-api").start()
             log.info("trainer.started", run_id=registered.run_id, step=self.step,
                      world_size=self.dist.world_size, device=str(self.learner.device))
             while not self._stopping:
