@@ -56,6 +56,11 @@ def init(info: DistInfo, device: torch.device, timeout: float) -> None:
     if not info.enabled or dist.is_initialized():
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
+    # The checkpoint's state-dict API (torch.distributed.tensor underneath) is imported before
+    # the group exists: imported after, it kept the gloo group's threads alive past `shutdown`
+    # (tests/trainer/test_distributed.py). A single process imports it later, off its start-up.
+    import torch.distributed.checkpoint.state_dict  # noqa: F401
+
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
 
 
