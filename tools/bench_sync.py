@@ -198,7 +198,9 @@ def overrides(schedule: str, ratio: float, *, run_dir: Path, cache: Path, steps:
             f"master.taskset.path={cache / 'train.jsonl'}", f"master.total_steps={steps}",
             # a loaded machine otherwise declares a busy component dead, and other runs may
             # hold the fixed /metrics ports
-            "transport.liveness=60", "logging.metrics.port=0"]
+            "transport.liveness=60", "logging.metrics.port=0",
+            # no timeline.png: drawing it would run beside the next run
+            "up.timeline=false"]
     sets += [f"sync.{k}={v}" for k, v in knobs.items()]
     sets += [f"trainer.{k}={v}" for k, v in trainer_keys.items()]
     sets += [f"explorers.{i}.{k}={v}" for i in range(explorers) for k, v in explorer_keys.items()]
