@@ -147,3 +147,4 @@ def test_tandem_eval_scores_a_checkpoint_alone(tmp_path, tiny_model_dir, heldout
         [sys.executable, "-m", "tandem.master.cli", "eval", str(cfg), "--checkpoint",
          str(tmp_path / "checkpoints")], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "holds no Hugging Face model" in bad.stderr
+    assert "no LoRA adapter" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from tandem.common.config import RunConfig
 from tandem.common.errors import ConfigError
 from tandem.common.messages.experience import Experience
+from tandem.weights.lora import merged_state
 
 from . import checkpoint as ckpt
 from .algorithms import (
@@ -36,7 +37,7 @@ from .batch import (
     staleness_metrics)
 from .distributed import DistInfo, gradient_sync, resolve_device, wrap
 from .forward import Actor, token_logprobs
-from .lora import add_adapters, merged_state
+from .lora import add_adapters
 from .metrics import MetricAccumulator, combine_updates
 
 log = structlog.get_logger(__name__)
@@ -389,7 +390,7 @@ class Learner:
         policy = {name[len("model."):]: tensor.detach().to("cpu") for name, tensor in full.items()
                   if name.startswith("model.")}
         if self.lora is not None:  # W + (alpha / r) B A: full weights for every engine
-            policy = merged_state(policy, self.lora)
+            policy = merged_state(policy, self.lora.alpha / self.lora.r)
         return {name: t.to(dtype) if dtype is not None else t for name, t in policy.items()}
 
     def save_checkpoint(self, root: str | Path) -> Path | None:

@@ -3,20 +3,18 @@
 With `model.lora` the policy is a `peft` model whose base weights are frozen: the optimiser sees
 only the adapters, and checkpoints hold only them (`checkpoints/step_N/adapter`, which plain
 `PeftModel.from_pretrained(base, path)` loads). Explorers get full weights with the adapters
-folded in, `W + (alpha / r) B A`, computed from a state dict by name, so it works the same on one
-process, under DDP and under FSDP2 (whose gathered state dict has the same names).
+folded in, `W + (alpha / r) B A`, by `tandem.weights.lora.merged_state` (shared with `tandem eval`,
+which evaluates an adapter checkpoint merged the same way).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from torch import Tensor, nn
+from torch import nn
 
 from tandem.common.config import LoraConfig
 from tandem.common.errors import ConfigError
-
-ADAPTER = "default"  # peft's name for the one adapter
 
 
 def _check_targets(model: nn.Module, lora: LoraConfig, where: str) -> None:
@@ -44,22 +42,3 @@ def add_adapters(model: nn.Module, lora: LoraConfig, where: str,
     return get_peft_model(model, PeftLoraConfig(
         r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
         target_modules=list(lora.target_modules), bias="none"))
-
-
-def merged_state(state: dict[str, Tensor], lora: LoraConfig) -> dict[str, Tensor]:
-    """Hugging Face names -> weights with the adapters folded in, from a peft model's state
-    dict (`base_model.model.` prefixed, `.base_layer.` and `.lora_A/B.default.` entries)."""
-    scale = lora.alpha / lora.r
-    out: dict[str, Tensor] = {}
-    for name, tensor in state.items():
-        if ".lora_" in name:
-            continue
-        hf = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
-        layer = name.rsplit(".base_layer.", 1)[0] if ".base_layer." in name else None
-        if layer is not None and name.endswith(".base_layer.weight"):
-            a = state[f"{layer}.lora_A.{ADAPTER}.weight"]
-            b = state[f"{layer}.lora_B.{ADAPTER}.weight"]
-            tensor = tensor.detach() + (b.detach().float() @ a.detach().float()).to(
-                tensor.dtype) * scale
-        out[hf] = tensor
-    return out

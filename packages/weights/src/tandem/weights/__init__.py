@@ -8,7 +8,9 @@ Two methods, one ending: both produce an iterator of (name, tensor) for the engi
 - broadcast: `WeightBroadcaster.open_group(members)` gives a `GroupRendezvous` to announce;
   `WeightReceiver(rendezvous, member).join()` then `.receive()` on each engine worker, while the
   trainer calls `.broadcast(version, named_tensors)`. gloo on CPU, nccl when all ends are CUDA.
-- `hf` (tokenizer loading from a model folder) and `tiny` (the tiny Qwen2 the tests build).
+- `hf` (tokenizer loading from a model folder), `tiny` (the tiny Qwen2 the tests build) and
+  `lora` (LoRA adapters folded into full weights: the trainer's published weights and
+  `tandem eval` on an adapter checkpoint).
 
 The same receivers run inside vLLM's workers through the explorer's worker extension
 (`tandem.explorer.vllm_worker`).
