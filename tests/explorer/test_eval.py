@@ -148,3 +148,20 @@ def test_tandem_eval_scores_a_checkpoint_alone(tmp_path, tiny_model_dir, heldout
          str(tmp_path / "checkpoints")], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "holds no Hugging Face model" in bad.stderr
     assert "no LoRA adapter" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_tandem_eval_forwards_its_arguments_and_help_to_the_explorer_cli(tmp_path):
+    """`tandem eval` declares no option of its own: `--help` is the explorer CLI's, and a bad
+    config is that CLI's one-line usage error."""
+    tandem = [sys.executable, "-m", "tandem.master.cli", "eval"]
+    shown = subprocess.run([*tandem, "--help"], capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith("Usage: tandem eval [OPTIONS] CONFIG_PATH")
+    for option in ("--checkpoint", "--set", "--out", "--version", "--json", "LoRA"):
+        assert option in shown.stdout, option
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("eval: {repeat_times: 0}\n")
+    bad = subprocess.run([*tandem, str(cfg), "--checkpoint", str(tmp_path), "--json"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
+    assert bad.stderr.startswith("tandem eval: invalid config") and "eval.repeat_times" in bad.stderr

@@ -57,7 +57,8 @@ def merged_model_folder(base: Path, adapter: Path, out: Path) -> Path:
 @click.command("eval", context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("config_path", type=click.Path(exists=True, dir_okay=False))
 @click.option("--checkpoint", required=True, type=click.Path(exists=True, file_okay=False),
-              help="a Hugging Face model folder or a trainer checkpoint (step_N)")
+              help="a Hugging Face model folder, a trainer checkpoint (step_N), or a LoRA "
+              "adapter checkpoint (merged into model.path)")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="override a config key, e.g. --set eval.repeat_times=8 (repeatable)")
 @click.option("--out", type=click.Path(dir_okay=False), default=None,
@@ -167,4 +168,4 @@ async def evaluate_model(config, version: int | None, out: str | None,
 
 
 if __name__ == "__main__":
-    main()
+    main(prog_name="tandem eval")  # what `tandem eval` runs; usage and help name it
