@@ -16,7 +16,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,12 +28,7 @@ from tandem.common.messages.base import Heartbeat
 from tandem.common.messages.master import ExplorerStepDone, GetStatus, Register, barrier_topic
 from tandem.common.pubsub import Subscriber
 from tandem.common.rpc import RpcClient
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tandem.common.sockets import free_port
 
 
 def start_master(workdir: Path, explorers: int, steps: int) -> tuple[subprocess.Popen, str, str]:

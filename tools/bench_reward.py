@@ -20,12 +20,12 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from tandem.common.sockets import free_port
 
 # Templates filled with the item's index, so every item is new to math-verify's parse caches.
 MATH = [
@@ -73,12 +73,6 @@ def _check(kind: str, scores) -> None:
         raise SystemExit(f"bench_reward: {len(bad)} {kind} evaluations failed, e.g. {bad[0]}")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def _wait_ready(address: str, proc: subprocess.Popen) -> None:
     from tandem.common.errors import PeerDead
     from tandem.common.messages.reward import ScoreItem
@@ -104,7 +98,7 @@ async def bench(args) -> dict:
 
     config = RewardConfig(functions={"math": 1.0, "code": 1.0}, workers=args.workers,
                           timeout=30.0)
-    port = _free_port()
+    port = free_port()
     address = f"tcp://127.0.0.1:{port}"
     tmp = tempfile.TemporaryDirectory()
     cfg = Path(tmp.name) / "run.yaml"

@@ -153,6 +153,25 @@ async def test_silent_peer_is_peer_dead_naming_it_and_the_key(zmq_sockets_closed
     assert "master at tcp://127.0.0.1:9" in str(err.value) and "master.timeout" in str(err.value)
 
 
+async def test_a_port_held_by_another_kind_of_socket_is_peer_dead_not_a_hang(
+        zmq_sockets_closed):
+    # `tandem up` once gave the master's RPC and publish addresses one port; `up` then called a
+    # PUB socket: the handshake failed, the DEALER had no peer, and its second send never returned
+    pub = zmq.asyncio.Context.instance().socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    client = RpcClient(f"tcp://127.0.0.1:{port}", peer="master", transport=FAST)
+    try:
+        for _ in range(3):
+            start = time.monotonic()
+            with pytest.raises(PeerDead):
+                await asyncio.wait_for(client.call(GetBufferStats(), timeout=0.3, retries=1), 10)
+            assert time.monotonic() - start < 1.5  # two attempts of 0.3 s, not for ever
+    finally:
+        await client.close()
+        pub.close()
+
+
 async def test_server_restart_is_survived_by_retries(zmq_sockets_closed):
     server = RpcServer("tcp://127.0.0.1:0", name="svc", transport=FAST)
     address = await server.start()
@@ -209,3 +228,10 @@ async def test_a_reply_sent_to_a_server_is_a_bad_request_without_traceback(
     finally:
         raw.close(linger=0)
         await server.close()
+
+
+def test_free_ports_are_never_handed_out_twice():
+    from tandem.common.sockets import free_port
+
+    ports = [free_port() for _ in range(300)]
+    assert len(set(ports)) == len(ports)

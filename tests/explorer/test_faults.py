@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import sqlite3
 import sys
 import time
@@ -43,6 +42,7 @@ from tandem.explorer.service import Explorer
 from tandem.explorer.transformers_engine import TransformersEngine
 from tandem.master.service import Master
 from tandem.reward import RewardService, build_scorer
+from tandem.common.sockets import free_port
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_service import make_config, play_trainer  # noqa: E402
@@ -193,12 +193,6 @@ async def test_a_batch_completed_before_its_explorer_died_counts_once(tmp_path,
     assert {t.id for t in lease2.tasks}.isdisjoint({t.id for t in lease.tasks})
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("client", ["explorer", "reward"])
 async def test_a_score_request_in_flight_when_the_reward_service_dies_is_answered_by_its_restart(
         client, zmq_sockets_closed):
@@ -206,7 +200,7 @@ async def test_a_score_request_in_flight_when_the_reward_service_dies_is_answere
     # service on the same address must get the request again long before
     # reward.request_timeout. Before the fix it was never resent: the explorer waited the
     # whole request_timeout and exited.
-    address = f"tcp://127.0.0.1:{_free_port()}"
+    address = f"tcp://127.0.0.1:{free_port()}"
     reward = RewardConfig(functions={"format": 1.0}, workers=1, service=True, address=address,
                           timeout=0.5, request_timeout=30.0)
     config = RunConfig(reward=reward)

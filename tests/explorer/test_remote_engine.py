@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,15 +28,10 @@ from tandem.explorer.remote_engine import RemoteEngine, RemoteEngineError
 from tandem.explorer.sampling import SamplingParams, policy_logprobs
 from tandem.explorer.weights import WeightLoader
 from tandem.weights import WeightPublisher
+from tandem.common.sockets import free_port
 
 PROMPTS = ["1+2=", "What is 7*6? ", "The quick brown fox"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def connect(url: str, model_path, **kwargs) -> RemoteEngine:

@@ -33,6 +33,7 @@ from tandem.common.rpc import RpcClient
 from tandem.master.cli import tandem
 from tandem.master.journal import read_journal
 from tandem.master.service import Master
+from tandem.common.sockets import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).parent))
@@ -348,14 +349,6 @@ async def test_run_stops_when_the_taskset_runs_dry(tmp_path, zmq_sockets_closed)
     assert seen == [4, 4, 2]
     assert trained == [(0, 1, 4), (1, 2, 4), (2, 3, 2)]
     assert "taskset exhausted after 3 of 5" in stop.reason
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def test_killed_master_process_restarts_and_the_run_finishes(tmp_path, zmq_sockets_closed):

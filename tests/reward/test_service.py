@@ -4,7 +4,6 @@ per-evaluation timeouts counted in metrics, errors, and the CLI as a real proces
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from tandem.common.errors import RequestFailed
 from tandem.common.messages.reward import GetRewardStats, ScoreBatch, ScoreItem
 from tandem.common.rpc import RpcClient
 from tandem.reward import LocalScorer, RemoteScorer, RewardService, build_scorer
+from tandem.common.sockets import free_port
 
 ITEMS = [
     ScoreItem(response="<think>x</think><answer>B</answer>", truth="B",
@@ -120,14 +120,8 @@ async def test_oversized_request_is_refused_with_a_code(zmq_sockets_closed):
         await service.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def test_cli_serves_and_stops_on_sigterm(tmp_path, zmq_sockets_closed):
-    port = _free_port()
+    port = free_port()
     cfg = tmp_path / "run.yaml"
     cfg.write_text(yaml.safe_dump({"run_dir": str(tmp_path / "run"),
                                    "reward": {"functions": {"format": 1.0}, "workers": 1}}))

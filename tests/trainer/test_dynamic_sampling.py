@@ -9,7 +9,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,14 +32,9 @@ from tandem.common.rpc import RpcClient
 from tandem.common.trace import read_trace
 from tandem.trainer.algorithms import informative_rows
 from tandem.trainer.trainer import Trainer
+from tandem.common.sockets import free_port
 
 BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stop(proc: subprocess.Popen) -> None:

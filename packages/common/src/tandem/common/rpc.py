@@ -402,12 +402,21 @@ class RpcClient:
                                       inline_threshold=self.transport.inline_threshold)
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         self._pending[req_id] = (future, getattr(type(msg), "REPLY", None))
+        loop = asyncio.get_running_loop()
         try:
             for attempt in range(retries + 1):
-                await self._sock.send_multipart(frames, copy=False)
+                began = loop.time()
+                try:
+                    # a DEALER with no peer to take the message (none connected yet, or the
+                    # handshake failed: a port taken by another kind of socket) blocks its send
+                    # for ever; that wait is part of the attempt's silence
+                    await asyncio.wait_for(self._sock.send_multipart(frames, copy=False), timeout)
+                except asyncio.TimeoutError:
+                    continue
                 # asyncio.wait leaves the future alone on timeout (the next attempt waits on it
                 # again) without the extra futures and callbacks of wait_for(shield(...))
-                done, _ = await asyncio.wait((future,), timeout=timeout)
+                done, _ = await asyncio.wait(
+                    (future,), timeout=max(0.0, timeout - (loop.time() - began)))
                 if not done:
                     continue
                 env = future.result()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import socket
 import time
 import uuid
 
@@ -27,6 +28,24 @@ def install_uvloop() -> bool:
         return False
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     return True
+
+
+_handed_out: set[int] = set()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now, for an address given to another process to bind.
+    Never the same one twice in this process: the kernel hands a just-closed ephemeral port out
+    again, and two addresses of one run on one port left `tandem up` a master that could not
+    bind its second socket."""
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+    raise OSError(f"no free TCP port on {host} that this process has not handed out already")
 
 
 def new_identity(name: str) -> bytes:

@@ -16,7 +16,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,18 +31,13 @@ from tandem.common.config.placement import machine_cores, resolve_placement
 from tandem.common.config.transport import move_secrets_to_env
 from tandem.common.errors import PeerDead, RequestFailed, TandemError
 from tandem.common.messages.master import Status
+from tandem.common.sockets import free_port
 
 from .startup import StartupClock
 
 log = structlog.get_logger(__name__)
 
 LOOPBACK = ("tcp://127.0.0.1:", "tcp://localhost:")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def resolve_addresses(config: RunConfig) -> RunConfig:
