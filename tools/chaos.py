@@ -46,14 +46,13 @@ import random
 import re
 import signal
 import sqlite3
-import statistics
 import struct
 import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -274,33 +273,18 @@ class RunWatch:
         self.run_dir = run_dir
         self.events: list[dict[str, Any]] = []  # every log line, with "_file" (component)
         self.records: list[Any] = []  # journal messages, in order
-        self._offsets: dict[Path, int] = {}
+        from tandem.common.trace import JsonlTail
+
+        self._tail = JsonlTail()
         self._journal_pos = 0
 
     def poll(self) -> None:
         for path in sorted((self.run_dir / "logs").glob("*.jsonl")):
-            for line in self._new_lines(path):
-                try:
-                    event = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(event, dict):
-                    event["_file"] = path.stem
-                    event["_seen"] = time.monotonic()
-                    self.events.append(event)
+            for event in self._tail.new_objects(path):
+                event["_file"] = path.stem
+                event["_seen"] = time.monotonic()
+                self.events.append(event)
         self._poll_journal()
-
-    def _new_lines(self, path: Path) -> list[bytes]:
-        offset = self._offsets.get(path, 0)
-        try:
-            with open(path, "rb") as f:
-                f.seek(offset)
-                chunk = f.read()
-        except OSError:
-            return []
-        end = chunk.rfind(b"\n") + 1  # a line still being written waits for the next poll
-        self._offsets[path] = offset + end
-        return chunk[:end].splitlines()
 
     def _poll_journal(self) -> None:
         from tandem.common.codec import decode
@@ -890,17 +874,9 @@ def read_records(path: Path) -> tuple[list[Any], int]:
 
 
 def log_events(run_dir: Path) -> list[dict[str, Any]]:
-    events = []
-    for path in sorted((run_dir / "logs").glob("*.jsonl")):
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(event, dict):
-                event["_file"] = path.stem
-                events.append(event)
-    return events
+    from tandem.common.trace import read_logs
+
+    return read_logs(run_dir)
 
 
 def restarts(output: str) -> dict[str, int]:

@@ -209,16 +209,9 @@ def newest_checkpoint_step(run_dir: Path) -> int | None:
 
 
 def log_events(run_dir: Path) -> list[dict[str, Any]]:
-    events = []
-    for path in sorted((run_dir / "logs").glob("*.jsonl")):
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(event, dict):
-                events.append(event)
-    return events
+    from tandem.common.trace import read_logs
+
+    return read_logs(run_dir)
 
 
 def account(run_dir: Path, *, groups_per_step: int) -> dict[str, Any]:

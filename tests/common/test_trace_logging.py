@@ -9,7 +9,7 @@ import time
 import structlog
 
 from tandem.common.logging import configure_logging
-from tandem.common.trace import Tracer, read_trace
+from tandem.common.trace import JsonlTail, Tracer, read_logs, read_trace
 
 
 def test_spans_are_written_in_order_and_torn_lines_skipped(tmp_path):
@@ -45,3 +45,18 @@ def test_logs_are_json_lines_in_the_run_dir(tmp_path):
     event = json.loads(lines[-1])
     assert event["event"] == "weights.loaded" and event["version"] == 7
     assert event["component"] == "buffer" and event["level"] == "info"
+
+
+def test_a_tail_returns_each_whole_object_once_and_waits_for_a_torn_line(tmp_path):
+    path = tmp_path / "logs" / "explorer-0.jsonl"
+    path.parent.mkdir()
+    tail = JsonlTail()
+    assert tail.new_objects(path) == []  # not written yet
+    path.write_text('{"event": "a"}\n[1, 2]\nnot json\n{"event": "b", "st')
+    assert tail.new_objects(path) == [{"event": "a"}]
+    assert tail.new_objects(path) == []
+    with open(path, "a") as f:
+        f.write('ep": 2}\n{"event": "c"}\n')
+    assert tail.new_objects(path) == [{"event": "b", "step": 2}, {"event": "c"}]
+    assert [(e["_file"], e["event"]) for e in read_logs(tmp_path)] == [
+        ("explorer-0", "a"), ("explorer-0", "b"), ("explorer-0", "c")]

@@ -104,3 +104,44 @@ def read_trace(run_dir: str | Path) -> list[dict[str, Any]]:
                 spans.append(span)
     spans.sort(key=lambda s: (s["start"], s.get("end", s["start"])))
     return spans
+
+
+class JsonlTail:
+    """Follows growing JSONL files (traces, logs, eval rows) of a live run: each call returns the
+    JSON objects a file gained since the last call. A line still being written waits for the next
+    call; torn or non-object lines and unreadable files yield nothing."""
+
+    def __init__(self) -> None:
+        self._offsets: dict[Path, int] = {}
+
+    def new_objects(self, path: Path) -> list[dict[str, Any]]:
+        offset = self._offsets.get(path, 0)
+        try:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                chunk = f.read()
+        except OSError:
+            return []
+        end = chunk.rfind(b"\n") + 1
+        self._offsets[path] = offset + end
+        objects = []
+        for line in chunk[:end].splitlines():
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(obj, dict):
+                objects.append(obj)
+        return objects
+
+
+def read_logs(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Every JSON log event the run's components wrote (run_dir/logs/*.jsonl), each with
+    `_file` naming the component's log; torn or foreign lines are skipped."""
+    tail = JsonlTail()
+    events: list[dict[str, Any]] = []
+    for path in sorted((Path(run_dir) / "logs").glob("*.jsonl")):
+        for event in tail.new_objects(path):
+            event["_file"] = path.stem
+            events.append(event)
+    return events

@@ -13,7 +13,6 @@ from its newest checkpoint.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
@@ -32,6 +31,7 @@ from tandem.common.config.transport import move_secrets_to_env
 from tandem.common.errors import PeerDead, RequestFailed, TandemError
 from tandem.common.messages.master import Status
 from tandem.common.sockets import free_port
+from tandem.common.trace import JsonlTail
 
 from .startup import StartupClock
 
@@ -121,31 +121,13 @@ class Progress:
     tokens: int = 0
     evals: list[dict] = field(default_factory=list)  # rows of run_dir/eval.jsonl, in order
 
-    _offsets: dict[Path, int] = field(default_factory=dict)
-
-    def _new_lines(self, path: Path) -> list[bytes]:
-        """The whole lines `path` gained since the last call (a line still being written waits
-        for the next call); none when it cannot be read."""
-        offset = self._offsets.get(path, 0)
-        try:
-            with open(path, "rb") as f:
-                f.seek(offset)
-                chunk = f.read()
-        except OSError:
-            return []
-        end = chunk.rfind(b"\n") + 1
-        self._offsets[path] = offset + end
-        return chunk[:end].splitlines()
+    _tail: JsonlTail = field(default_factory=JsonlTail)
 
     def update_from_trace(self, run_dir: Path) -> None:
         """Read only what the explorers' traces gained since the last call (whole lines)."""
         for path in sorted((run_dir / "trace").glob("*.jsonl")):
-            for line in self._new_lines(path):
-                try:
-                    span = json.loads(line)
-                except ValueError:
-                    continue
-                if not isinstance(span, dict) or span.get("kind") != "rollout":
+            for span in self._tail.new_objects(path):
+                if span.get("kind") != "rollout":
                     continue
                 attrs = span.get("attrs") or {}
                 if "reward_mean" in attrs:
@@ -154,12 +136,8 @@ class Progress:
 
     def update_from_evals(self, run_dir: Path) -> None:
         """Read the rows run_dir/eval.jsonl gained since the last call (whole lines)."""
-        for line in self._new_lines(run_dir / "eval.jsonl"):
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(row, dict) and isinstance(row.get("metrics"), dict):
+        for row in self._tail.new_objects(run_dir / "eval.jsonl"):
+            if isinstance(row.get("metrics"), dict):
                 self.evals.append(row)
 
     def eval_text(self) -> str:
