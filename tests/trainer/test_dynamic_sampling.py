@@ -109,7 +109,12 @@ async def play_explorer(cfg, tokenizer, batches: list) -> None:
             await client.close()
 
 
-async def scenario(tmp_path, tiny_model_path, tokenizer):
+SYNCHRONOUS = {"method": "checkpoint", "interval": 1, "offset": 0, "timeout": 60}
+FULLY_ASYNC = {"method": "checkpoint", "interval": 1, "offset": None, "max_staleness": 4,
+               "timeout": 60}
+
+
+async def scenario(tmp_path, tiny_model_path, tokenizer, sync=SYNCHRONOUS):
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text("".join(json.dumps({"id": f"t{i}", "prompt": f"{i}+1="}) + "\n"
                              for i in range(8)))
@@ -118,7 +123,7 @@ async def scenario(tmp_path, tiny_model_path, tokenizer):
     config_file.write_text(yaml.safe_dump({
         "run_dir": str(run_dir),
         "model": {"path": str(tiny_model_path)},
-        "sync": {"method": "checkpoint", "interval": 1, "offset": 0, "timeout": 60},
+        "sync": sync,
         "transport": {"liveness": 5.0, "heartbeat_interval": 0.2},
         "master": {"address": f"tcp://127.0.0.1:{free_port()}",
                    "publish_address": f"tcp://127.0.0.1:{free_port()}",
@@ -158,13 +163,19 @@ async def scenario(tmp_path, tiny_model_path, tokenizer):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("sync, labels", [
+    (SYNCHRONOUS, [(0, 0), (0, 1), (1, 2), (1, 3)]),
+    # asynchronous: the plan's batch for step 1 goes to step 0, then step 1 gets two top-ups
+    (FULLY_ASYNC, [(0, 0), (1, 1), (1, 2), (1, 3)]),
+], ids=["synchronous", "fully_async"])
 def test_short_steps_are_topped_up_and_every_group_is_consumed_once(tmp_path, tiny_model_path,
-                                                                    tokenizer):
+                                                                    tokenizer, sync, labels):
     trainer, batches, stats, status, run_dir = asyncio.run(
-        scenario(tmp_path, tiny_model_path, tokenizer))
+        scenario(tmp_path, tiny_model_path, tokenizer, sync))
     assert trainer.step == 2 and status.counters.trainer_steps_done == 2
-    # each batch of 2 tasks has 1 informative group: every step gets one top-up (max_oversample)
-    assert [(s, b) for s, b, _ in batches] == [(0, 0), (0, 1), (1, 2), (1, 3)]
+    # each batch of 2 tasks has 1 informative group: every step takes one batch more
+    # (max_oversample) to reach groups_per_step = 2 informative groups
+    assert [(s, b) for s, b, _ in batches] == labels
     leased = [t for _, _, tasks in batches for t in tasks]
     assert sorted(leased) == [f"t{i}" for i in range(8)]  # every task leased once
     # all 8 groups consumed (acked) by the two steps: none trained twice, none left behind

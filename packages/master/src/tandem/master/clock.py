@@ -13,12 +13,17 @@ every member that left after finishing `t`) has its batch `t` in the buffer. In 
 plans batches are numbered as they are granted and trainer step `t` may start once
 `(t + 1) * batches_per_step` batches are complete.
 
-Dynamic sampling (`trainer.dynamic_sampling`, synchronous plans): explorers report how many of a
-batch's groups are informative (rewards not all equal). When step `t` has all its batches but
+Dynamic sampling (`trainer.dynamic_sampling`): explorers report how many of a batch's groups are
+informative (rewards not all equal). In synchronous plans, when step `t` has all its batches but
 fewer than `top_up_target` informative groups, an idle explorer is granted one more batch for
-step `t` (a top-up: new tasks, a new batch number), up to `max_extra` per step; the trainer's
-`TrainerGo` then counts every group of the step, informative or not, so the buffer hands it all
-of them and the trainer consumes (acks) all while training only the informative ones.
+step `t` (a top-up: new tasks, a new batch number), up to `max_extra` per step. In asynchronous
+plans completed batches are taken in the order they completed: step `t` takes the
+`batches_per_step` after the previous step's, then one more at a time while it is short of
+`top_up_target` informative groups, up to `max_extra` more. Explorers keep producing, so the
+extra batches are mostly ones already rolled out for later steps; only when none is on the way
+does an idle explorer get a top-up for `t`. Either way the trainer's `TrainerGo` counts every
+group of the step, informative or not, so the buffer hands it all of them and the trainer
+consumes (acks) all while training only the informative ones.
 """
 
 from __future__ import annotations
@@ -82,6 +87,7 @@ class RunClock:
     done: dict[int, set[str]] = field(default_factory=dict)  # synchronous: step -> explorers
     groups: dict[int, int] = field(default_factory=dict)  # synchronous: step -> tasks done
     completed_groups: list[int | None] = field(default_factory=list)  # per batch, in order
+    completed_informative: list[int | None] = field(default_factory=list)  # per batch, in order
     batches_granted: int = 0
     batches_lost: int = 0
     batches_done: int = 0
@@ -101,6 +107,9 @@ class RunClock:
     informative: dict[int, int] = field(default_factory=dict)  # synchronous: step -> groups
     uncounted: set[int] = field(default_factory=set)  # steps with a batch of unknown signal
     extra: dict[int, int] = field(default_factory=dict)  # step -> top-up batches granted
+    # asynchronous: step -> (first, count) of the completed batches it trains on, fixed once
+    # released (a resumed trainer is released on the same ones)
+    windows: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     # -- inputs --------------------------------------------------------------------------------
 
@@ -182,6 +191,7 @@ class RunClock:
         slot.since_load += 1
         self.batches_done += 1
         self.completed_groups.append(groups)
+        self.completed_informative.append(informative)
         if not self.plan.asynchronous:
             self.done.setdefault(step, set()).add(slot.name)
             if groups is not None:
@@ -278,7 +288,7 @@ class RunClock:
 
     def _trainer_ready(self, step: int) -> bool:
         if self.plan.asynchronous:
-            return self.batches_done >= (step + 1) * self.plan.batches_per_step
+            return self._window(step) is not None
         expected = self._expected(step)
         return (bool(expected) and expected <= self.done.get(step, set())
                 and not self._wants_top_up(step))
@@ -297,6 +307,27 @@ class RunClock:
                  and self.informative.get(step, 0) < self.top_up_target)
         return short and self.extra.get(step, 0) < self.max_extra and bool(self.producing)
 
+    def _window(self, step: int) -> tuple[int, int] | None:
+        """Asynchronous plans: the completed batches step `step` trains on, as (first, count),
+        or None while it waits. `batches_per_step` of them, and with dynamic sampling more, one
+        at a time, until they hold `top_up_target` informative groups, `max_extra` more were
+        taken, a batch's count is unknown, or no explorer can produce another."""
+        if step in self.windows:
+            return self.windows[step]
+        per = self.plan.batches_per_step
+        first = sum(self.windows[s][1] if s in self.windows else per for s in range(step))
+        have = len(self.completed_groups) - first
+        if have < per:
+            return None
+        if self.top_up_target is None:
+            return first, per
+        counts = self.completed_informative[first:first + min(have, per + self.max_extra)]
+        for n in range(per, len(counts) + 1):
+            if (None in counts[:n] or sum(counts[:n]) >= self.top_up_target
+                    or n == per + self.max_extra):
+                return first, n
+        return (first, len(counts)) if not self.producing else None
+
     def counters(self) -> dict[str, Any]:
         return dict(total_steps=self.total_steps, trainer_steps_done=self.trainer_done,
                     trainer_steps_released=self.trainer_go, newest_version=self.newest,
@@ -310,7 +341,7 @@ class RunClock:
         out: list[Decision] = []
         if self.stopped:
             return out
-        top_up = self._grant_top_up()
+        top_up = None if self.plan.asynchronous else self._grant_top_up()
         if top_up is not None:
             out.append((barrier_topic(top_up.explorer), top_up))
         for slot in self.producing:
@@ -318,13 +349,17 @@ class RunClock:
                 barrier = self._grant(slot)
                 if barrier is not None:
                     out.append((barrier_topic(slot.name), barrier))
+        # asynchronous: only an explorer the plan left idle rolls out a top-up
+        top_up = self._grant_async_top_up() if self.plan.asynchronous else None
+        if top_up is not None:
+            out.append((barrier_topic(top_up.explorer), top_up))
         while (self.trainer_go < self.total_steps and self.trainer_go == self.trainer_done
                and self._trainer_ready(self.trainer_go)):
             t = self.trainer_go
             if self.plan.asynchronous:
-                per = self.plan.batches_per_step
-                counts = self.completed_groups[t * per:(t + 1) * per]
-                batches = per
+                first, batches = self.windows[t] = self._window(t)
+                self.extra[t] = batches - self.plan.batches_per_step
+                counts = self.completed_groups[first:first + batches]
                 groups = None if None in counts else sum(counts)
             else:
                 batches = len(self.done.get(t, ())) + self.extra.get(t, 0)
@@ -383,6 +418,32 @@ class RunClock:
             slot.running = (t, batch, version)
             slot.held = version
             slot.barrier = Barrier(explorer=slot.name, step=t, version=version, wait=load,
+                                   batch=batch, method=self.plan.method)
+            return slot.barrier
+        return None
+
+    def _grant_async_top_up(self) -> Barrier | None:
+        """Dynamic sampling, asynchronous plans: one more batch for the step the trainer waits
+        for, when it is short and no batch is on the way (explorers that are busy produce the
+        batches it takes next); to the first idle explorer, with the plan's weights for it."""
+        t = self.trainer_go
+        if (self.top_up_target is None or t >= self.total_steps or t != self.trainer_done
+                or self._trainer_ready(t)):
+            return None
+        if any(s.running is not None or s.redo is not None for s in self.alive):
+            return None
+        for slot in self.producing:
+            go = self.plan.decide(t, newest=self.newest, held=slot.held,
+                                  since_load=slot.since_load)
+            if go is None:
+                continue
+            batch = self.batches_granted
+            self.batches_granted += 1
+            slot.running = (t, batch, go.version)
+            slot.held = go.version
+            if go.load:
+                slot.since_load = 0
+            slot.barrier = Barrier(explorer=slot.name, step=t, version=go.version, wait=go.load,
                                    batch=batch, method=self.plan.method)
             return slot.barrier
         return None

@@ -89,9 +89,8 @@ class TrainerConfig(Section):
                     "explorer's")
     dynamic_sampling: bool = Field(
         default=False,
-        description="drop groups whose rewards are all equal (DAPO); in synchronous plans the "
-                    "master also leases extra batches until a step has groups_per_step "
-                    "informative groups")
+        description="drop groups whose rewards are all equal (DAPO); the master also gives a "
+                    "step extra batches until it has groups_per_step informative groups")
     max_oversample: int = Field(
         default=2, ge=0,
         description="dynamic_sampling: extra explorer batches the master may lease for one step "
