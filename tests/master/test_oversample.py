@@ -201,3 +201,23 @@ def test_a_resumed_trainer_is_released_on_the_same_async_batches():
     again = gos(clock.trainer_resumed(1))  # checkpoint after step 0: steps 1, 2 once more
     assert [(go.step, go.batches, go.groups) for go in again] == [(1, 2, 4)]
     assert clock.windows[1] == (2, 2)
+
+
+def test_an_async_step_left_without_its_own_batches_gets_them_from_every_idle_explorer():
+    clock = RunClock(SyncPlan.preset("multi_explorer_async", batches_per_step=2), total_steps=2,
+                     top_up_target=2, max_extra=2)
+    clock.join("a")
+    clock.join("b")
+    assert [b[:3] for b in barriers(clock.explorer_done("a", 0, 0, 0, groups=2,
+                                                        informative=0))] == [("a", 1, 2)]
+    assert [b[:3] for b in barriers(clock.explorer_done("b", 0, 1, 0, groups=2,
+                                                        informative=0))] == [("b", 1, 3)]
+    assert clock.explorer_done("a", 1, 2, 0, groups=2, informative=0) == []
+    (go,) = gos(clock.explorer_done("b", 1, 3, 0, groups=2, informative=0))
+    assert (go.step, go.batches, go.extra_batches) == (0, 4, 2)  # the bound: step 1's batches
+    # the plan's 4 batches are spent and step 1 has none: both idle explorers roll one out
+    d = clock.trainer_step_done(0)
+    assert [b[:3] for b in barriers(d)] == [("a", 1, 4), ("b", 1, 5)]
+    clock.explorer_done("a", 1, 4, 0, groups=2, informative=1)
+    (go,) = gos(clock.explorer_done("b", 1, 5, 0, groups=2, informative=1))
+    assert (go.step, go.batches, go.extra_batches) == (1, 2, 0)

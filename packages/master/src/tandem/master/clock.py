@@ -315,7 +315,7 @@ class RunClock:
         if step in self.windows:
             return self.windows[step]
         per = self.plan.batches_per_step
-        first = sum(self.windows[s][1] if s in self.windows else per for s in range(step))
+        first = self._first_batch(step)
         have = len(self.completed_groups) - first
         if have < per:
             return None
@@ -327,6 +327,11 @@ class RunClock:
                     or n == per + self.max_extra):
                 return first, n
         return (first, len(counts)) if not self.producing else None
+
+    def _first_batch(self, step: int) -> int:
+        """Asynchronous plans: the index, in completion order, of step `step`'s first batch."""
+        per = self.plan.batches_per_step
+        return sum(self.windows[s][1] if s in self.windows else per for s in range(step))
 
     def counters(self) -> dict[str, Any]:
         return dict(total_steps=self.total_steps, trainer_steps_done=self.trainer_done,
@@ -350,9 +355,8 @@ class RunClock:
                 if barrier is not None:
                     out.append((barrier_topic(slot.name), barrier))
         # asynchronous: only an explorer the plan left idle rolls out a top-up
-        top_up = self._grant_async_top_up() if self.plan.asynchronous else None
-        if top_up is not None:
-            out.append((barrier_topic(top_up.explorer), top_up))
+        if self.plan.asynchronous:
+            out += [(barrier_topic(b.explorer), b) for b in self._grant_async_top_ups()]
         while (self.trainer_go < self.total_steps and self.trainer_go == self.trainer_done
                and self._trainer_ready(self.trainer_go)):
             t = self.trainer_go
@@ -422,17 +426,24 @@ class RunClock:
             return slot.barrier
         return None
 
-    def _grant_async_top_up(self) -> Barrier | None:
-        """Dynamic sampling, asynchronous plans: one more batch for the step the trainer waits
+    def _grant_async_top_ups(self) -> list[Barrier]:
+        """Dynamic sampling, asynchronous plans: more batches for the step the trainer waits
         for, when it is short and no batch is on the way (explorers that are busy produce the
-        batches it takes next); to the first idle explorer, with the plan's weights for it."""
+        batches it takes next): as many as it lacks of its own `batches_per_step` (the plan's
+        total was spent on earlier steps' extra batches), else one; to idle explorers, with the
+        plan's weights for each."""
         t = self.trainer_go
         if (self.top_up_target is None or t >= self.total_steps or t != self.trainer_done
                 or self._trainer_ready(t)):
-            return None
+            return []
         if any(s.running is not None or s.redo is not None for s in self.alive):
-            return None
+            return []
+        have = len(self.completed_groups) - self._first_batch(t)
+        wanted = max(1, self.plan.batches_per_step - have)
+        out: list[Barrier] = []
         for slot in self.producing:
+            if len(out) == wanted:
+                break
             go = self.plan.decide(t, newest=self.newest, held=slot.held,
                                   since_load=slot.since_load)
             if go is None:
@@ -445,8 +456,8 @@ class RunClock:
                 slot.since_load = 0
             slot.barrier = Barrier(explorer=slot.name, step=t, version=go.version, wait=go.load,
                                    batch=batch, method=self.plan.method)
-            return slot.barrier
-        return None
+            out.append(slot.barrier)
+        return out
 
     def _grant(self, slot: ExplorerSlot) -> Barrier | None:
         plan = self.plan
