@@ -16,7 +16,9 @@ imported here: this class is imported by vLLM, inside a worker that already has 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -36,6 +38,7 @@ class TandemWeightExtension:
     """Methods vLLM adds to its worker; `self` is the worker (`rank`, `device`, `model_runner`)."""
 
     _tandem_receiver: WeightReceiver | None = None
+    _tandem_joining: Future | None = None  # the receiver's `join`, running on its own thread
 
     def _tandem_load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         count = 0
@@ -65,20 +68,30 @@ class TandemWeightExtension:
         return count
 
     def tandem_join(self, rendezvous: dict, explorer: str, timeout: float) -> str:
-        """Join the trainer's group (leaving an older epoch); returns this worker's member name."""
+        """Start joining the trainer's group (leaving an older epoch); returns this worker's
+        member name at once. vLLM runs an rpc method inside its engine's step loop, so a method
+        that blocks stalls every request; and a join waits for the trainer's first broadcast,
+        which in a synchronous run waits for the rollouts this engine is generating. So the join
+        runs on a thread of its own, and `tandem_receive` waits for it."""
         self.tandem_leave()
         member = engine_member(explorer, self.rank)
         receiver = WeightReceiver(rendezvous, member, device=self.device, timeout=timeout,
                                   reuse_buffers=True)  # load_weights copies each tensor
-        receiver.join()
         self._tandem_receiver = receiver
+        self._tandem_joining = _on_thread(receiver.join, name=f"tandem-join-{receiver.epoch}")
         return member
 
     def tandem_receive(self, version: int) -> int:
         """Receive `version` from the trainer and load it; returns the number of tensors."""
-        if self._tandem_receiver is None:
+        receiver = self._tandem_receiver
+        if receiver is None:
             raise RuntimeError("tandem_receive before tandem_join: join the weight group first")
-        return self._tandem_load(self._tandem_receiver.receive(version))
+        joining, self._tandem_joining = self._tandem_joining, None
+        if joining is not None:
+            # bounded: `join` gives up after the receiver's timeout, and within half a second
+            # of the group being abandoned or closed
+            joining.result(timeout=receiver.timeout + 30)
+        return self._tandem_load(receiver.receive(version))
 
     def tandem_load_checkpoint(self, run_dir: str, version: int | str) -> int:
         """Load `run_dir/weights/v{version}`; returns the number of tensors. (`version` may come
@@ -111,8 +124,28 @@ class TandemWeightExtension:
     def tandem_leave(self) -> None:
         """Leave the current group, if any."""
         if self._tandem_receiver is not None:
-            self._tandem_receiver.close()
+            self._tandem_receiver.close()  # a join under way raises within half a second
             self._tandem_receiver = None
+        joining, self._tandem_joining = self._tandem_joining, None
+        if joining is not None:
+            try:
+                joining.result(timeout=30)
+            except Exception:  # GroupAbandoned, or the join had failed: we are leaving anyway
+                pass
+
+
+def _on_thread(fn: Callable[[], object], name: str) -> Future:
+    """Run `fn` on a daemon thread; its result or error comes back through the future."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # handed to whoever waits on the future
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
 
 
 def _retie_embeddings(model) -> None:
