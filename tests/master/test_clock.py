@@ -2,10 +2,25 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
+from tandem.common.messages.master import (
+    CompleteTasks,
+    ExplorerDraining,
+    ExplorerStepDone,
+    LeaseTasks,
+    barrier_topic,
+)
 from tandem.common.sync import SyncPlan
 from tandem.master.clock import RunClock, StepMismatch
+from tandem.master.journal import read_journal
+from tandem.master.service import Master
+
+sys.path.insert(0, str(Path(__file__).parent))
+from master_peers import Peer, make_config  # noqa: E402
 
 
 def barriers(decisions):
@@ -246,3 +261,170 @@ def test_after_a_resume_under_nccl_the_lost_lineage_newest_version_goes_to_disk(
         (3, 3, "checkpoint")]
     # one that came back before the file did is granted the broadcast, and takes the file
     # once it is there (WeightLoader polls weights/v3 while it waits)
+
+
+# -- streaming across steps (asynchronous plans): a batch granted ahead while one drains ------
+
+
+def ahead_plan(max_staleness=1, batches_per_step=1):
+    return SyncPlan(method="checkpoint", interval=1, offset=None, max_staleness=max_staleness,
+                    batches_per_step=batches_per_step)
+
+
+def test_a_draining_explorer_is_granted_its_next_step_before_it_reports():
+    clock = RunClock(ahead_plan(), total_steps=4)
+    clock.join("a")
+    assert barriers(clock.explorer_draining("a", 0, 0)) == [("a", 1, 0, False)]
+    slot = clock.explorers["a"]
+    assert slot.running[:2] == (0, 0) and slot.ahead[:2] == (1, 1)
+    assert clock.explorer_draining("a", 0, 0) == []  # one batch ahead at most
+    with pytest.raises(StepMismatch):
+        clock.explorer_done("a", 1, 1, 0)  # reports come in grant order
+    d = clock.explorer_done("a", 0, 0, 0)
+    assert gos(d) == [(0, 1)] and barriers(d) == []  # the one ahead runs now: nothing new
+    assert slot.running[:2] == (1, 1) and slot.ahead is None
+    assert clock.explorer_draining("a", 0, 0) == []  # stale: batch 0 is reported
+    # step 2 needs version 1 (staleness 1): the notice waits for it, the grant comes with it
+    assert barriers(clock.explorer_draining("a", 1, 1)) == []
+    clock.trainer_step_done(0)
+    assert barriers(clock.published(1)) == [("a", 2, 1, True)]
+    assert clock.explorers["a"].ahead[:2] == (2, 2)
+    assert clock.trainer_go == 1  # version 0 is still in use by the running batch
+    assert clock.last_go.in_use == [0]
+
+
+def test_a_step_granted_ahead_loads_per_interval_counting_the_running_batch():
+    plan = SyncPlan(method="checkpoint", interval=2, offset=None, max_staleness=4)
+    clock = RunClock(plan, total_steps=6)
+    clock.join("a")
+    clock.published(1)
+    # batch 0 rolls out with version 0: batch 1 is the second since the load, no load yet
+    assert barriers(clock.explorer_draining("a", 0, 0)) == [("a", 1, 0, False)]
+    clock.explorer_done("a", 0, 0, 0)
+    # batch 1 makes two with version 0: batch 2, granted ahead of its report, loads
+    assert barriers(clock.explorer_draining("a", 1, 1)) == [("a", 2, 1, True)]
+    clock.explorer_done("a", 1, 1, 0)
+    assert clock.explorers["a"].since_load == 0 and clock.explorers["a"].held == 1
+    assert barriers(clock.explorer_draining("a", 2, 2)) == [("a", 3, 1, False)]
+
+
+def test_no_batch_ahead_past_the_run_or_in_synchronous_plans():
+    clock = RunClock(ahead_plan(batches_per_step=2), total_steps=1)
+    clock.join("a")
+    clock.join("b")  # batches 0 and 1: the whole run
+    assert clock.explorer_draining("a", 0, 0) == [] and clock.explorers["a"].ahead is None
+    # never a second batch of the running one's step (leases are per explorer and step): it
+    # waits for another explorer to take that step's other batch
+    clock = RunClock(ahead_plan(max_staleness=4, batches_per_step=2), total_steps=3)
+    clock.join("a")
+    assert clock.explorer_draining("a", 0, 0) == []
+    assert barriers(clock.join("b")) == [("b", 0, 0, False)]
+    # b took step 0's other batch: a's notice stands and both get a batch of step 1 ahead
+    assert barriers(clock.explorer_draining("b", 0, 1)) == [("a", 1, 0, False),
+                                                             ("b", 1, 0, False)]
+    sync = RunClock(SyncPlan.preset("synchronous"), total_steps=3)
+    sync.join("a")
+    assert sync.explorer_draining("a", 0, 0) == [] and sync.explorers["a"].ahead is None
+
+
+def test_an_explorer_dying_with_two_steps_in_flight_loses_both():
+    clock = RunClock(ahead_plan(max_staleness=4, batches_per_step=2), total_steps=2)
+    clock.join("a")
+    clock.join("b")
+    clock.explorer_draining("a", 0, 0)  # a holds batches 0 and 2
+    assert clock.batches_granted == 3
+    clock.leave("a")
+    assert clock.batches_lost == 2 and clock.explorers["a"].ahead is None
+    # b finishes batch 1 and takes both lost places: step 0's second batch, then step 1
+    d = clock.explorer_done("b", 0, 1, 0)
+    assert [(m.step, m.batch) for t, m in d if t.startswith("barrier.")] == [(0, 3)]
+    assert [(m.step, m.batch) for t, m in clock.explorer_draining("b", 0, 3)
+            if t.startswith("barrier.")] == [(1, 4)]
+    assert gos(clock.explorer_done("b", 0, 3, 0)) == [(0, 1)]
+    d = clock.explorer_done("b", 1, 4, 0)
+    assert gos(d) == [] and barriers(d) == [("b", 1, 0, False)]  # step 1's second batch
+    assert clock.batches_done == 3 and clock.batches_granted == 6
+
+
+def test_a_restart_redoes_the_running_step_and_loses_the_one_ahead():
+    clock = RunClock(ahead_plan(max_staleness=4), total_steps=4)
+    clock.join("a")
+    clock.explorer_draining("a", 0, 0)
+    d = clock.join("a")  # restarted before its liveness ran out
+    assert [(m.step, m.batch) for t, m in d if t.startswith("barrier.")] == [(0, 0)]
+    assert clock.batches_lost == 1
+    # then the next batch takes the lost one's step, under a new number
+    assert [(m.step, m.batch) for t, m in clock.explorer_draining("a", 0, 0)
+            if t.startswith("barrier.")] == [(1, 2)]
+
+
+def test_a_taskset_dry_on_the_step_ahead_lets_the_running_one_finish():
+    clock = RunClock(ahead_plan(max_staleness=4), total_steps=4)
+    clock.join("a")
+    clock.explorer_draining("a", 0, 0)
+    assert clock.tasks_exhausted("a") == [] and not clock.stopped  # its lease for step 1
+    assert clock.explorers["a"].running[:2] == (0, 0) and clock.batches_lost == 1
+    d = clock.explorer_done("a", 0, 0, 0)
+    assert gos(d) == [(0, 1)] and not clock.stopped
+    d = clock.trainer_step_done(0)
+    assert [t for t, _ in d] == ["stop"] and "exhausted after 1 of 4" in d[0][1].reason
+
+
+def test_replaying_the_inputs_with_batches_ahead_gives_the_same_decisions():
+    inputs = [("join", "a"), ("join", "b"), ("explorer_draining", "a", 0, 0),
+              ("explorer_draining", "b", 0, 1), ("explorer_done", "a", 0, 0, 0),
+              ("leave", "b"), ("join", "b"), ("explorer_draining", "a", 1, 2),
+              ("explorer_done", "a", 1, 2, 0), ("explorer_draining", "a", 1, 5),
+              ("trainer_step_done", 0), ("published", 1)]
+
+    def run():
+        clock = RunClock(ahead_plan(max_staleness=1, batches_per_step=2), total_steps=3)
+        out = [[(t, m.model_dump()) for t, m in getattr(clock, name)(*args)]
+               for name, *args in inputs]
+        return out, {n: (s.running, s.ahead, s.held, s.since_load)
+                     for n, s in clock.explorers.items()}, clock.counters()
+
+    first = run()
+    assert first == run()
+    # the last input grants a's step ahead, with the version just published
+    assert first[1]["a"][:2] == ((1, 5, 0), (2, 6, 1))
+    assert first[0][-1][0][1]["batch"] == 6 and first[0][-1][0][1]["wait"] is True
+
+
+async def test_a_grant_ahead_is_journaled_and_a_restarted_master_replays_it(tmp_path,
+                                                                           zmq_sockets_closed):
+    config = make_config(tmp_path, "sync.preset=fully_async", "master.total_steps=4")
+    master = Master(config)
+    await master.start()
+    peer = Peer(master, "explorer-0", "explorer", [barrier_topic("explorer-0")])
+    try:
+        await peer.start()
+        first = await peer.next("barrier")
+        lease = await peer.rpc.call(LeaseTasks(explorer="explorer-0", count=4, step=0), timeout=2)
+        await peer.rpc.call(ExplorerDraining(explorer="explorer-0", step=0, batch=0), timeout=2)
+        ahead = await peer.next("barrier")  # granted before step 0 is reported
+        assert (first.step, first.batch, ahead.step, ahead.batch) == (0, 0, 1, 1)
+        # a second lease, for the step ahead, while the first is open: other tasks
+        second = await peer.rpc.call(LeaseTasks(explorer="explorer-0", count=4, step=1),
+                                     timeout=2)
+        assert not {t.id for t in lease.tasks} & {t.id for t in second.tasks}
+    finally:
+        await peer.close()
+        await master.close()
+    kinds = [type(m).__name__ for m in read_journal(tmp_path / "run" / "master" / "journal.bin")]
+    assert kinds[-3:] == ["TasksLeased", "ExplorerDraining", "TasksLeased"]
+    again = Master(config.model_copy(deep=True))
+    await again.start()
+    peer = Peer(again, "explorer-0", "explorer", [barrier_topic("explorer-0")])
+    try:
+        slot = again.clock.explorers["explorer-0"]
+        assert slot.running == (0, 0, 0) and slot.ahead == (1, 1, 0)
+        await peer.sub.start()  # the snapshot is the newest barrier: the one ahead
+        assert (await peer.next("barrier")).batch == 1
+        await peer.rpc.call(CompleteTasks(lease_id=lease.lease_id), timeout=2)
+        await peer.rpc.call(ExplorerStepDone(explorer="explorer-0", step=0, batch=0,
+                                             version=0), timeout=2)
+        assert slot.running == (1, 1, 0) and slot.ahead is None
+    finally:
+        await peer.close()
+        await again.close()

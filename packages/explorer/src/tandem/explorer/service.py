@@ -11,7 +11,12 @@ thread, so heartbeats and the subscription keep going while a batch is being sam
 
 Streaming (`explorers[].streaming`, on in the asynchronous presets): within a step, each task's
 group is put as soon as it is scored, while the engine samples the others; CompleteTasks and
-ExplorerStepDone still follow the step's last put. Interruptible (`on_new_weights: interrupt`):
+ExplorerStepDone still follow the step's last put. Across steps (`explorers[].lease_ahead`,
+asynchronous plans): once a step's first group is scored, the explorer sends ExplorerDraining,
+and the master's barrier for the next step may come while this one drains; the next step then
+leases its tasks and hands them to the engine at once (after this step's generation when it
+must load weights first), so the engine never waits for a report and a barrier. At most two
+steps are in flight; their CompleteTasks and ExplorerStepDone go in grant order. Interruptible (`on_new_weights: interrupt`):
 while a step generates, the explorer listens for published versions and loads each newer one
 at once; the engine takes it at its next token boundary and every token records its version.
 
@@ -41,6 +46,7 @@ from tandem.common.messages.experience import Experience
 from tandem.common.messages.master import (
     Barrier,
     CompleteTasks,
+    ExplorerDraining,
     ExplorerStepDone,
     LeaseTasks,
     Register,
@@ -88,6 +94,10 @@ class Explorer:
         self.streaming = (self.cfg.streaming if self.cfg.streaming is not None
                           else config.sync.asynchronous)
         self.interrupt = self.cfg.on_new_weights == "interrupt"
+        # the next step's barrier is asked for while this one drains (not with interrupt: its
+        # weight watcher reads the subscription while a step generates)
+        self.lease_ahead = (self.streaming and config.sync.asynchronous and self.cfg.lease_ahead
+                            and not self.interrupt and self.cfg.role != "eval")
         self._held: deque[Event] = deque()  # read while a step generated, for the next wait
         self._inflight_load: asyncio.Future | None = None  # interrupt: a load begun mid-step
         self.workflow: Workflow | None = None
@@ -105,10 +115,10 @@ class Explorer:
         self.steps_done = 0
         self.stop_reason: str | None = None
         self._stopping = False
-        self._done_batches: set[int] = set()
+        self._taken_batches: set[int] = set()  # barriers started: a repeat is ignored
         self._latest_weights: WeightsPublished | None = None
         self._step_task: asyncio.Task | None = None
-        self._lease_id: str | None = None  # leased, not yet completed
+        self._leases: dict[int, str] = {}  # batch -> lease id: leased, not yet completed
         self._declared_dead = asyncio.Event()  # the master refused us as dead: register again
         self.rejoins = 0
         self._wait_task: asyncio.Task | None = None
@@ -202,7 +212,7 @@ class Explorer:
         """The master declared this explorer dead while it was alive: register again and take
         the next step it grants (the batch in flight went back to the master)."""
         self._declared_dead.clear()
-        self._lease_id = None  # expired with us: the master leased its tasks out again
+        self._leases.clear()  # expired with us: the master leased their tasks out again
         log.warning("explorer.declared_dead", explorer=self.name, why=why,
                     hint="raise transport.liveness if the explorer is paused this long")
         await self._register()
@@ -225,43 +235,111 @@ class Explorer:
         if self.cfg.role == "eval":
             await WeightFollower(self).run()  # no barriers, leases or puts (eval_role.py)
             return
-        while not self._stopping:
-            self._wait_task = asyncio.create_task(self._next_barrier())
-            try:
-                barrier = await self._wait_task
-            except asyncio.CancelledError:
-                if self._stopping:
-                    break
-                raise
-            if barrier is None:
-                break
-            self._step_task = asyncio.create_task(self._run_step(barrier))
-            try:
-                more = await self._step_task
-            except asyncio.CancelledError:
-                if self._stopping:
-                    log.warning("explorer.step_abandoned", explorer=self.name,
-                                step=barrier.step, why="drain_seconds passed after SIGTERM; "
-                                "its tasks go back to the master")
-                    await self._release_lease("explorer stopped mid-step")
-                    break
-                raise
-            if not more:
-                break
+        await self._roll_steps()
         if self.evaluator is not None and self.evaluator.cfg.at_end and not self._stopping:
             await self._evaluate_at_end()
 
-    async def _release_lease(self, reason: str) -> None:
-        """Hand an unfinished lease back at once (best effort: if the master cannot be reached,
-        the lease returns when it expires)."""
-        lease_id, self._lease_id = self._lease_id, None
-        if lease_id is None:
-            return
+    async def _roll_steps(self) -> None:
+        """Steps until the run stops. With `lease_ahead` the next barrier is waited for while
+        the step in flight drains (asked for once it frees a slot), so two steps overlap."""
+        flight: _Flight | None = None  # the newest step started; it awaits the one before
         try:
-            await self.master.call(ReleaseTasks(lease_id=lease_id, reason=reason),
-                                   timeout=2.0, retries=0)
-        except (PeerDead, RequestFailed) as exc:
-            log.warning("explorer.release_failed", lease=lease_id, error=str(exc))
+            while not self._stopping:
+                if flight is not None:
+                    if self.lease_ahead:
+                        await _first(flight.freed.wait(), flight.task)
+                    if flight.task.done() or not self.lease_ahead:
+                        more, flight = await self._settled(flight), None
+                        if not more:
+                            return
+                    else:
+                        await self._ask_ahead(flight)
+                if self._stopping:
+                    break
+                self._wait_task = asyncio.create_task(self._next_barrier(busy=flight))
+                if flight is not None:
+                    await _first(self._wait_task, flight.task)
+                    if flight.task.done() and not self._wait_task.done():
+                        more, flight = await self._settled(flight), None  # its report is in
+                        if not more:
+                            return
+                try:
+                    barrier = await self._wait_task
+                except asyncio.CancelledError:
+                    if self._stopping:
+                        break
+                    raise
+                if barrier is None:
+                    if flight is not None:  # the run is over: the step in flight is not needed
+                        flight.task.cancel()
+                        await asyncio.gather(flight.task, return_exceptions=True)
+                        flight = None
+                    return
+                if self._stopping:
+                    break
+                self._taken_batches.add(barrier.batch)
+                prev, flight = flight, _Flight(barrier, self.rejoins)
+                flight.task = asyncio.create_task(self._run_step(flight, prev))
+                self._step_task = flight.task
+        finally:
+            if self._wait_task is not None and not self._wait_task.done():
+                self._wait_task.cancel()
+            if flight is not None and not flight.task.done():
+                if not self._stopping:  # an error outside the step: it is given up
+                    flight.task.cancel()
+                # SIGTERM: it drains, cancelled after drain_seconds (request_stop)
+                result, = await asyncio.gather(flight.task, return_exceptions=True)
+                if isinstance(result, asyncio.CancelledError):
+                    self._abandoned(flight)
+                    await self._release_lease("explorer stopped mid-step")
+                elif isinstance(result, BaseException):
+                    log.error("explorer.step_failed", explorer=self.name,
+                              step=flight.barrier.step, error=repr(result))
+
+    async def _settled(self, flight: "_Flight") -> bool | None:
+        """`flight`'s result once it ends: whether there is more to roll out; None when the
+        drain after SIGTERM cancelled it (its leases are handed back)."""
+        try:
+            return await flight.task
+        except asyncio.CancelledError:
+            if not self._stopping:
+                raise
+            self._abandoned(flight)
+            await self._release_lease("explorer stopped mid-step")
+            return None
+
+    def _abandoned(self, flight: "_Flight") -> None:
+        log.warning("explorer.step_abandoned", explorer=self.name, step=flight.barrier.step,
+                    why="drain_seconds passed after SIGTERM; its tasks go back to the master")
+
+    async def _ask_ahead(self, flight: "_Flight") -> None:
+        """Tell the master `flight`'s step drains, so it may grant the next one now."""
+        b = flight.barrier
+        try:
+            await self.master.call(ExplorerDraining(explorer=self.name, step=b.step,
+                                                    batch=b.batch),
+                                   timeout_key="transport.rpc_timeout")
+        except RequestFailed as exc:
+            if exc.code == "declared_dead":
+                self._declared_dead.set()
+            else:  # the next barrier comes after the report, as without lease_ahead
+                log.warning("explorer.ahead_refused", explorer=self.name, error=str(exc))
+
+    @property
+    def _lease_id(self) -> str | None:
+        """The newest lease not yet completed."""
+        return next(reversed(self._leases.values()), None)
+
+    async def _release_lease(self, reason: str) -> None:
+        """Hand unfinished leases back at once (best effort: if the master cannot be reached,
+        a lease returns when it expires)."""
+        leases, self._leases = list(self._leases.values()), {}
+        for lease_id in leases:
+            try:
+                await self.master.call(ReleaseTasks(lease_id=lease_id, reason=reason),
+                                       timeout=2.0, retries=0)
+            except (PeerDead, RequestFailed) as exc:
+                log.warning("explorer.release_failed", lease=lease_id, error=str(exc))
 
     def request_stop(self) -> None:
         """Stop after the running step (at most `drain_seconds` more); from a signal handler."""
@@ -299,13 +377,14 @@ class Explorer:
 
     # -- one step ------------------------------------------------------------------------------
 
-    async def _next_barrier(self) -> Barrier | None:
+    async def _next_barrier(self, busy: "_Flight | None" = None) -> Barrier | None:
         """The barrier of this explorer's next step, or None when the run stops.
 
         The wait fails after `sync.timeout` without anything that moves the run forward: its
         barrier, a trainer step released (`trainer` topic) or a weights version published.
         A long run of trainer steps (an explorer far ahead, or done and waiting for `Stop`) is
-        progress, so only a stalled run fails.
+        progress, so only a stalled run fails; so is a step of this explorer still running
+        (`busy`, with `lease_ahead`).
         """
         timeout = self.config.sync.timeout
         deadline = time.monotonic() + timeout
@@ -321,6 +400,8 @@ class Explorer:
                     min(max(remaining, 0.0), 1.0), what=f"barrier for {self.name} (master)",
                     timeout_key="sync.timeout")
             except WaitTimeout:
+                if busy is not None and not busy.task.done():
+                    deadline = time.monotonic() + timeout
                 if time.monotonic() < deadline:
                     continue
                 dead = (f" (the master declared it dead {self.rejoins} times and it registered "
@@ -343,14 +424,31 @@ class Explorer:
                         self.loader.offer_group(msg.rendezvous)
                 continue
             if isinstance(msg, Barrier) and msg.explorer == self.name:
-                if msg.batch in self._done_batches:
-                    continue  # a repeat (snapshot after a gap) of a step already done
+                if msg.batch in self._taken_batches:
+                    continue  # a repeat (snapshot after a gap) of a step already started
                 self.tracer.record("wait", start, time.time(), step=msg.step, version=msg.version,
                                    reason="barrier")
                 return msg
 
-    async def _run_step(self, barrier: Barrier) -> bool:
-        """Roll out the barrier's step; False when there is nothing left to roll out."""
+    async def _run_step(self, flight: "_Flight", prev: "_Flight | None" = None) -> bool:
+        """Roll out `flight`'s step, after `prev` (still draining, or None) has reported;
+        False when there is nothing left to roll out."""
+        try:
+            more = await self._step(flight, prev)
+        except BaseException:
+            if prev is not None:
+                prev.task.cancel()
+                await asyncio.gather(prev.task, return_exceptions=True)
+            raise
+        finally:
+            flight.freed.set()
+            flight.generated.set()
+        if prev is not None:
+            await prev.task  # reported first (its error, if any, is this step's too)
+        return more
+
+    async def _step(self, flight: "_Flight", prev: "_Flight | None") -> bool:
+        barrier = flight.barrier
         engine = self.engine
         if self._inflight_load is not None:  # begun as the last step ended: done, or failed
             load, self._inflight_load = self._inflight_load, None
@@ -359,12 +457,16 @@ class Explorer:
         # (loaded mid-step); an older one is never loaded back
         if (barrier.version > engine.version if self.interrupt
                 else barrier.wait or barrier.version != engine.version):
+            if prev is not None:  # weights never change under the step before's generation
+                await _first(prev.generated.wait(), prev.task)
             rendezvous = self._latest_weights.rendezvous if self._latest_weights else None
             with self.tracer.span("sync", step=barrier.step, version=barrier.version,
                                   method=barrier.method) as attrs:
                 stats = await self.loader.load(barrier.version, barrier.method, rendezvous)
                 attrs.update(stats)
         if self.evaluator is not None and self.evaluator.due(engine.version):
+            if prev is not None:
+                await _first(prev.generated.wait(), prev.task)
             await self._evaluate(step=barrier.step)
         try:
             lease = await self.master.call(
@@ -378,7 +480,7 @@ class Explorer:
         if not lease.tasks:
             log.info("explorer.tasks_exhausted", explorer=self.name, step=barrier.step)
             return False
-        self._lease_id = lease.lease_id
+        self._leases[barrier.batch] = lease.lease_id
         ctx = RolloutContext(engine=engine, sampling=self.sampling,
                              repeat_times=self.cfg.repeat_times, explorer=self.name,
                              run=self.run_id, step=barrier.step,
@@ -388,8 +490,15 @@ class Explorer:
                              endpoint=self.endpoint)
         t0 = time.time()
         streamed: set[str] = set()
+        scored = 0
         if self.streaming:
             async def put_group(group: list[Experience]) -> None:
+                nonlocal scored
+                scored += 1
+                flight.freed.set()  # the engine has a free slot: the next step may start
+                if scored == len(lease.tasks):
+                    flight.generated_at = time.time()
+                    flight.generated.set()
                 await self._put(group, barrier)
                 streamed.update(e.group_id for e in group)
                 self.tracer.record("group", t0, time.time(), step=barrier.step,
@@ -406,24 +515,35 @@ class Explorer:
                     watcher.cancel()
                     await asyncio.gather(watcher, return_exceptions=True)
             rollout_s = time.time() - t0
+            if flight.generated_at is None:
+                flight.generated_at = time.time()
+            flight.generated.set()
             metrics = step_metrics(experiences, rollout_s)
             # the timeline and `tandem up` read the step's reward and size from its span
             attrs.update(experiences=len(experiences), groups=len(lease.tasks),
                          reward_mean=round(metrics["reward_mean"], 6),
-                         tokens=int(metrics["generated_tokens"]))
+                         tokens=int(metrics["generated_tokens"]),
+                         generated=round(flight.generated_at, 6))  # its last group scored
         # groups the workflow did not stream (it cannot, or streaming is off) go now
         rest = [e for e in settle_group_versions(experiences) if e.group_id not in streamed]
         if rest:
             await self._put(rest, barrier)
+        if prev is not None:
+            await prev.task  # reports go in grant order
+        if self.rejoins != flight.rejoins or self._declared_dead.is_set():
+            # declared dead while it ran: its batch was given up (its tasks are rolled out
+            # again and stored once), and the master no longer expects its report
+            self._leases.pop(barrier.batch, None)
+            return True
         try:
             await self.master.call(CompleteTasks(lease_id=lease.lease_id),
                                    timeout_key="transport.rpc_timeout")
-            self._lease_id = None
+            self._leases.pop(barrier.batch, None)
         except RequestFailed as exc:
             # The lease ran out during a slow rollout, or we were declared dead: the
             # experiences are stored, and a re-roll of the same tasks (ids name the task's place
             # in the run) stores nothing new.
-            self._lease_id = None
+            self._leases.pop(barrier.batch, None)
             log.warning("explorer.lease_lost", explorer=self.name, lease=lease.lease_id,
                         error=str(exc), hint="raise master.task_lease_seconds")
         try:
@@ -438,7 +558,6 @@ class Explorer:
             # the batch was given up; its tasks are rolled out again and stored once
             self._declared_dead.set()
             return True
-        self._done_batches.add(barrier.batch)
         self.steps_done += 1
         log.info("explorer.step", explorer=self.name, step=barrier.step, batch=barrier.batch,
                  version=barrier.version, experiences=len(experiences),
@@ -528,6 +647,30 @@ class Explorer:
                 await asyncio.sleep(wait)
                 self.tracer.record("wait", start, time.time(), step=barrier.step,
                                    version=barrier.version, reason="buffer_full")
+
+
+class _Flight:
+    """One step in flight: its barrier, and how far its engine work has gone."""
+
+    def __init__(self, barrier: Barrier, rejoins: int):
+        self.barrier = barrier
+        self.rejoins = rejoins  # the explorer's registrations when it started
+        self.freed = asyncio.Event()  # a group is scored: a slot of the engine is free
+        self.generated = asyncio.Event()  # every group is scored: the engine is done with it
+        self.generated_at: float | None = None
+        self.task: asyncio.Task | None = None
+
+
+async def _first(*aws: Any) -> None:
+    """Wait until the first of `aws` (coroutines or tasks) is done; the others' coroutines are
+    cancelled, tasks are left running."""
+    futures = [a if isinstance(a, asyncio.Future) else asyncio.ensure_future(a) for a in aws]
+    try:
+        await asyncio.wait(futures, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for a, f in zip(aws, futures):
+            if f is not a:
+                f.cancel()
 
 
 def step_metrics(experiences: list[Experience], rollout_s: float) -> dict[str, float]:

@@ -1,8 +1,9 @@
 """The run's clock: `SyncPlan` applied to live counters, with no sockets.
 
-Inputs are the seven things that happen in a run: an explorer joins, an explorer leaves (or is
-declared dead), the taskset runs dry on an explorer, an explorer finishes a step, the trainer
-finishes a step, the trainer (re)starts from a checkpoint, a version is published.
+Inputs are the eight things that happen in a run: an explorer joins, an explorer leaves (or is
+declared dead), the taskset runs dry on an explorer, an explorer's step drains (asynchronous
+plans), an explorer finishes a step, the trainer finishes a step, the trainer (re)starts from a
+checkpoint, a version is published.
 Each input returns the decisions it unlocks, as (topic, message) pairs for the master's PUB
 socket. The clock is deterministic, so the master journals inputs only and a restarted master
 replays them to the same state, decisions and sequence numbers included.
@@ -12,6 +13,20 @@ every step from the one it joined at, trainer step `t` may start once every memb
 every member that left after finishing `t`) has its batch `t` in the buffer. In asynchronous
 plans batches are numbered as they are granted and trainer step `t` may start once
 `(t + 1) * batches_per_step` batches are complete.
+
+Streaming across steps (asynchronous plans): an explorer holds at most two batches, `running`
+and `ahead`. When its running batch drains (`explorer_draining`: all its tasks leased, a slot
+free), it is granted the next batch at once, by the same rule as any grant (the total, the
+staleness bound on the newest version, a load every `interval` batches, counting the running
+batch as rolled out), so it leases and rolls out the next step while the last groups of this
+one finish and no step boundary idles its engine. The batch ahead is never of the running one's
+step (task leases are per explorer and step): with several batches per step it waits until
+another explorer takes the rest of that step. Reports come in grant order: when the running
+batch is reported, the one ahead becomes the running one. An explorer that dies (or restarts)
+loses both (a restart redoes the running one); a taskset that runs dry on the batch ahead loses
+only that one, and the running one still reports. The grant is made at the notice, not at the
+report, so its version is the newest published then; each group still counts its staleness by
+the version that generated it.
 
 Dynamic sampling (`trainer.dynamic_sampling`): explorers report how many of a batch's groups are
 informative (rewards not all equal). In synchronous plans, when step `t` has all its batches but
@@ -63,6 +78,10 @@ class ExplorerSlot:
     next_step: int | None = None  # synchronous: the step it waits to start
     redo: tuple[int, int] | None = None  # (step, batch) granted before it restarted
     running: tuple[int, int, int] | None = None  # (step, batch, version) granted, not done
+    # asynchronous: the next batch, granted while `running` drains, and its barrier
+    ahead: tuple[int, int, int] | None = None
+    ahead_barrier: Barrier | None = None
+    draining: bool = False  # `running` has all its tasks leased and a slot free
     last_done: tuple[int, int] | None = None
     held: int | None = None
     since_load: int = 0
@@ -74,6 +93,8 @@ class ExplorerSlot:
             name=self.name, alive=self.alive, finished=self.finished, join_step=self.join_step,
             running=None if self.running is None else RunningStep(
                 step=self.running[0], batch=self.running[1], version=self.running[2]),
+            ahead=None if self.ahead is None else RunningStep(
+                step=self.ahead[0], batch=self.ahead[1], version=self.ahead[2]),
             steps_done=self.steps_done, held_version=self.held,
             staleness=None if self.held is None else trained - self.held,
             behind_newest=None if self.held is None else newest - self.held)
@@ -122,10 +143,12 @@ class RunClock:
         if slot is not None and slot.alive:
             if stored and slot.running is not None:
                 self._finish(slot, slot.running[2], groups, informative)
-            # it restarted faster than its liveness ran out: it redoes what it was granted
+            # it restarted faster than its liveness ran out: it redoes what it was granted;
+            # a batch granted ahead is lost (its lease goes back when it expires)
             if slot.running is not None:
                 slot.redo = slot.running[:2]
                 slot.running = None
+            self._lose_ahead(slot)
             slot.held, slot.since_load, slot.barrier = None, 0, None
             return self._release()
         start = self._join_step()
@@ -141,6 +164,7 @@ class RunClock:
         if slot is None or not slot.alive:
             return []
         slot.alive = False
+        self._lose_ahead(slot)  # granted ahead: never reported before the running batch
         if stored and slot.running is not None:
             self._finish(slot, slot.running[2], groups, informative)
         elif slot.running is not None or slot.redo is not None:
@@ -156,6 +180,10 @@ class RunClock:
         slot = self.explorers.get(name)
         if slot is not None and slot.alive and not slot.finished:
             slot.finished = True
+            if slot.ahead is not None:
+                # the batch granted ahead found nothing; the one draining still reports
+                self._lose_ahead(slot)
+                return self._release()
             if slot.running is not None or slot.redo is not None:
                 self.batches_lost += 1
             slot.running = slot.redo = None
@@ -182,13 +210,38 @@ class RunClock:
         self._finish(slot, version, groups, informative)
         return self._release()
 
+    def explorer_draining(self, name: str, step: int, batch: int) -> list[Decision]:
+        """Asynchronous plans: `name`'s running batch has all its tasks leased and a slot free.
+        It is granted its next batch now (under the same limits as any grant), to start while
+        this one drains. A notice for a batch no longer running (reported meanwhile, or lost)
+        changes nothing."""
+        slot = self.explorers.get(name)
+        if (not self.plan.asynchronous or slot is None or not slot.alive
+                or slot.running is None or slot.running[:2] != (step, batch)):
+            return []
+        slot.draining = True
+        return self._release()
+
+    def _lose_ahead(self, slot: ExplorerSlot) -> None:
+        if slot.ahead is not None:
+            self.batches_lost += 1
+        slot.ahead, slot.ahead_barrier, slot.draining = None, None, False
+
     def _finish(self, slot: ExplorerSlot, version: int, groups: int | None,
                 informative: int | None = None) -> None:
         """Count `slot`'s running batch as done (in the buffer, rolled out with `version`)."""
         step, batch, _ = slot.running
         slot.running, slot.last_done = None, (step, batch)
-        slot.held, slot.steps_done = version, slot.steps_done + 1
+        slot.steps_done += 1
         slot.since_load += 1
+        if slot.ahead is None:
+            slot.held = version
+        else:  # the batch granted ahead runs now, with the weights it was granted
+            slot.running, slot.barrier = slot.ahead, slot.ahead_barrier
+            if slot.barrier.wait:
+                slot.since_load = 0
+            slot.ahead, slot.ahead_barrier = None, None
+        slot.draining = False
         self.batches_done += 1
         self.completed_groups.append(groups)
         self.completed_informative.append(informative)
@@ -352,8 +405,12 @@ class RunClock:
         for slot in self.producing:
             if slot.running is None:
                 barrier = self._grant(slot)
-                if barrier is not None:
-                    out.append((barrier_topic(slot.name), barrier))
+            elif slot.draining and slot.ahead is None:
+                barrier = self._grant_ahead(slot)
+            else:
+                continue
+            if barrier is not None:
+                out.append((barrier_topic(slot.name), barrier))
         # asynchronous: only an explorer the plan left idle rolls out a top-up
         if self.plan.asynchronous:
             out += [(barrier_topic(b.explorer), b) for b in self._grant_async_top_ups()]
@@ -379,12 +436,14 @@ class RunClock:
                 step=t, publish=publish, publish_by=publish_by, batches=batches,
                 groups=groups, extra_batches=self.extra.get(t, 0),
                 explorers=sorted(s.name for s in self.producing),
-                in_use=sorted({s.held for s in self.alive if s.held is not None}))
+                in_use=sorted({s.held for s in self.alive if s.held is not None}
+                              | {s.running[2] for s in self.alive if s.running is not None}))
             out.append(("trainer", self.last_go))
             self.trainer_go += 1
         if self.trainer_done >= self.total_steps:
             self.stop = Stop(reason=f"done: {self.total_steps} trainer steps")
         elif (self.exhausted and not self.producing and self.trainer_go == self.trainer_done
+              and not any(s.running is not None for s in self.alive)
               and not self._trainer_ready(self.trainer_go)):
             self.stop = Stop(reason=f"taskset exhausted after {self.trainer_done} of "
                                     f"{self.total_steps} trainer steps")
@@ -491,3 +550,25 @@ class RunClock:
         slot.barrier = Barrier(explorer=slot.name, step=step, version=go.version, wait=go.load,
                                batch=batch, method=method)
         return slot.barrier
+
+    def _grant_ahead(self, slot: ExplorerSlot) -> Barrier | None:
+        """Asynchronous plans: the next batch for an explorer whose running batch drains. The
+        same rule as any grant (the total, the staleness bound, a load every `interval`
+        batches), counting the running batch as rolled out with the weights it holds."""
+        plan = self.plan
+        live = self.batches_granted - self.batches_lost
+        if live >= self.total_steps * plan.batches_per_step:
+            return None
+        step, batch = plan.step_of_batch(live), self.batches_granted
+        if step == slot.running[0]:
+            return None  # an explorer's lease is per step: one batch of a step at a time
+        go = plan.decide(step, newest=self.newest, held=slot.held,
+                         since_load=slot.since_load + 1)
+        if go is None:
+            return None
+        self.batches_granted += 1
+        slot.ahead = (step, batch, go.version)
+        slot.held = go.version
+        slot.ahead_barrier = Barrier(explorer=slot.name, step=step, version=go.version,
+                                     wait=go.load, batch=batch, method=plan.method)
+        return slot.ahead_barrier

@@ -28,6 +28,7 @@ from tandem.common.messages.base import Heartbeat, HeartbeatAck, Message, Ok
 from tandem.common.messages.master import (
     CompleteTasks,
     ComponentStatus,
+    ExplorerDraining,
     ExplorerLeft,
     ExplorerStepDone,
     GetStatus,
@@ -148,6 +149,7 @@ class Master:
             CompleteTasks: self._apply_complete, ReleaseTasks: self._apply_release,
             LeaseExpired: self._apply_expired, ExplorerLeft: self._apply_left,
             ExplorerStepDone: self._apply_explorer_step, TrainerStepDone: self._apply_trainer_step,
+            ExplorerDraining: self._apply_explorer_draining,
             TrainerResumed: self._apply_trainer_resumed,
             WeightsPublished: self._apply_weights,
         }
@@ -155,6 +157,7 @@ class Master:
                                   (LeaseTasks, self._on_lease), (CompleteTasks, self._on_complete),
                                   (ReleaseTasks, self._on_release),
                                   (ExplorerStepDone, self._on_explorer_step),
+                                  (ExplorerDraining, self._on_explorer_draining),
                                   (TrainerStepDone, self._on_trainer_step),
                                   (TrainerResumed, self._on_trainer_resumed),
                                   (WeightsPublished, self._on_weights),
@@ -331,6 +334,9 @@ class Master:
         self._step_leases.pop((msg.explorer, msg.step), None)
         return decisions
 
+    def _apply_explorer_draining(self, msg: ExplorerDraining) -> list[Decision]:
+        return self.clock.explorer_draining(msg.explorer, msg.step, msg.batch)
+
     def _apply_trainer_step(self, msg: TrainerStepDone) -> list[Decision]:
         return self.clock.trainer_step_done(msg.step)
 
@@ -367,6 +373,8 @@ class Master:
         for slot in self.clock.alive:
             if slot.running is not None and slot.barrier is not None:
                 await self.publisher.publish(barrier_topic(slot.name), slot.barrier)
+            if slot.ahead_barrier is not None:  # newest last: the topic's snapshot
+                await self.publisher.publish(barrier_topic(slot.name), slot.ahead_barrier)
         if self.clock.last_go is not None and self.clock.trainer_go > self.clock.trainer_done:
             await self.publisher.publish("trainer", self.clock.last_go)
         if self.clock.stop is not None:
@@ -514,6 +522,16 @@ class Master:
             except StepMismatch as exc:
                 raise RequestFailed("unexpected_step", str(exc)) from None
             await self._emit(decisions)
+        return Ok()
+
+    async def _on_explorer_draining(self, msg: ExplorerDraining, ctx: CallContext) -> Ok:
+        self._touch(ctx, msg.explorer)
+        self._refuse_dead_explorer(msg.explorer)
+        async with self._lock:
+            slot = self.clock.explorers.get(msg.explorer)
+            if (self.plan.asynchronous and slot is not None and slot.running is not None
+                    and slot.running[:2] == (msg.step, msg.batch) and not slot.draining):
+                await self._emit(self._commit(msg))  # else: stale or repeated, nothing to do
         return Ok()
 
     def _check_trainer(self, ctx: CallContext, what: str) -> None:

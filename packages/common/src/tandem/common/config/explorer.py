@@ -144,6 +144,12 @@ class ExplorerConfig(Section):
         description="put each task's group as soon as it is scored, while the step's other "
                     "tasks still generate; null: on in the asynchronous presets (sync.offset: "
                     "null), off in the synchronous ones")
+    lease_ahead: bool = Field(
+        default=True,
+        description="with streaming in an asynchronous plan: once a step's first group is "
+                    "scored, ask the master for the next step and roll it out while this one "
+                    "drains, so no step boundary idles the engine; false: the next step "
+                    "starts after this one is reported")
     on_new_weights: Literal["finish", "interrupt"] = Field(
         default="finish",
         description="weights published while a step generates (asynchronous presets with "

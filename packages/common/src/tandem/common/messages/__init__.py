@@ -42,6 +42,7 @@ from .master import (
     Barrier,
     CompleteTasks,
     ComponentStatus,
+    ExplorerDraining,
     ExplorerLeft,
     ExplorerStatus,
     ExplorerStepDone,

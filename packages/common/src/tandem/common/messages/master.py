@@ -13,7 +13,9 @@ a snapshot (`SnapshotRequest` on the RPC socket) to anyone who joins late or rec
 
 An explorer's loop: `Register` -> wait for `Barrier` -> load `version` if `wait` -> `LeaseTasks`
 -> roll out -> `CompleteTasks` -> `ExplorerStepDone` (echoing step, batch, version) -> next
-`Barrier`. The trainer's: `Register` -> `TrainerResumed` -> wait for `TrainerGo` -> train -> `TrainerStepDone` ->
+`Barrier`. In asynchronous plans an explorer may send `ExplorerDraining` once its step's tasks
+are leased and a group is scored: the master may then grant its next step at once, and the
+explorer leases and rolls it out while the first drains, reporting both in grant order. The trainer's: `Register` -> `TrainerResumed` -> wait for `TrainerGo` -> train -> `TrainerStepDone` ->
 (when `publish` is set) write or broadcast the weights and send `WeightsPublished`. Counting of
 steps, batches and versions: `tandem.common.sync`.
 
@@ -121,6 +123,17 @@ class ExplorerStepDone(Request):
     informative: int | None = Field(
         default=None, ge=0, description="groups whose rewards are not all equal (dynamic sampling)")
     metrics: dict[str, float] = Field(default_factory=dict)
+
+
+@wire("master.explorer.draining", reply=Ok)
+class ExplorerDraining(Request):
+    """Explorer to master, asynchronous plans: step `step` (batch `batch`) has all its tasks
+    leased and a slot free. The master may grant the next step now (a `Barrier` as usual),
+    which the explorer starts while this one drains; reports still come in grant order."""
+
+    explorer: str
+    step: int = Field(ge=0)
+    batch: int = Field(ge=0)
 
 
 @wire("master.trainer.step", reply=Ok)
@@ -258,6 +271,8 @@ class ExplorerStatus(_Report):
     finished: bool = Field(description="the taskset ran dry on it")
     join_step: int
     running: RunningStep | None = None
+    ahead: RunningStep | None = Field(
+        default=None, description="asynchronous: the next step, granted while `running` drains")
     steps_done: int
     held_version: int | None = None
     staleness: int | None = Field(default=None, description="trainer steps done - held version")
