@@ -129,8 +129,3 @@ def test_a_target_module_the_model_lacks_is_a_config_error_naming_the_key(tiny_m
     with pytest.raises(ConfigError, match="model.lora.target_modules: .*not linear layers"):
         Learner(cfg)
 
-
-def test_adapter_transfer_is_refused_until_it_is_built(tiny_model_path):
-    with pytest.raises(ValueError, match="weights.lora_transfer: adapter"):
-        RunConfig.model_validate({"model": {"path": str(tiny_model_path), "lora": LORA},
-                                  "weights": {"lora_transfer": "adapter"}})

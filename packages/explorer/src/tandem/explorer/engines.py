@@ -11,9 +11,11 @@ from tandem.common.config import EngineConfig, ModelConfig
 from .engine import Engine
 
 
-def create_engine(config: EngineConfig, model_config: ModelConfig) -> Engine:
+def create_engine(config: EngineConfig, model_config: ModelConfig, *,
+                  lora_adapters: bool = False) -> Engine:
     """The engine an `explorers[i].engine` section asks for, loading `model.path` from disk
-    (for `remote`, its tokenizer; the server at `engine.url` holds the model)."""
+    (for `remote`, its tokenizer; the server at `engine.url` holds the model).
+    `lora_adapters` (weights.lora_transfer: adapter): vLLM starts with LoRA of model.lora.r."""
     if config.kind == "transformers":
         from .transformers_engine import TransformersEngine
 
@@ -25,7 +27,9 @@ def create_engine(config: EngineConfig, model_config: ModelConfig) -> Engine:
 
         return VLLMEngine.from_pretrained(
             model_config.path, dtype=model_config.dtype, max_batch=config.max_batch,
-            tensor_parallel_size=config.tensor_parallel_size, **config.options)
+            tensor_parallel_size=config.tensor_parallel_size,
+            lora_rank=model_config.lora.r if lora_adapters and model_config.lora else None,
+            **config.options)
     if config.kind == "remote":
         from .remote_engine import RemoteEngine
 

@@ -53,6 +53,7 @@ from tandem.common.messages.master import (
     Registered,
     ReleaseTasks,
     Stop,
+    TaskLease,
     TrainerGo,
     WeightsPublished,
 )
@@ -145,8 +146,9 @@ class Explorer:
         self.metrics.start()
         if self.engine is None:
             try:
-                self.engine = await asyncio.to_thread(create_engine, self.cfg.engine,
-                                                      self.config.model)
+                self.engine = await asyncio.to_thread(
+                    create_engine, self.cfg.engine, self.config.model,
+                    lora_adapters=self.config.weights.lora_transfer == "adapter")
             except (OSError, ValueError) as exc:  # no model folder, bad engine options
                 raise TandemError(f"explorer {self.name} cannot load its engine: {exc}") from None
         if self.interrupt:
@@ -450,6 +452,11 @@ class Explorer:
     async def _step(self, flight: "_Flight", prev: "_Flight | None") -> bool:
         barrier = flight.barrier
         engine = self.engine
+        lease: TaskLease | None = None
+        if prev is not None:  # ahead: lease now, while the step before still generates
+            lease = await self._lease(barrier)
+            if lease is None or not lease.tasks:
+                return lease is None
         if self._inflight_load is not None:  # begun as the last step ended: done, or failed
             load, self._inflight_load = self._inflight_load, None
             await load
@@ -468,19 +475,10 @@ class Explorer:
             if prev is not None:
                 await _first(prev.generated.wait(), prev.task)
             await self._evaluate(step=barrier.step)
-        try:
-            lease = await self.master.call(
-                LeaseTasks(explorer=self.name, count=self.cfg.batch_size, step=barrier.step),
-                timeout_key="transport.rpc_timeout")
-        except RequestFailed as exc:
-            if exc.code != "declared_dead":
-                raise
-            self._declared_dead.set()
-            return True  # the next barrier wait registers again
-        if not lease.tasks:
-            log.info("explorer.tasks_exhausted", explorer=self.name, step=barrier.step)
-            return False
-        self._leases[barrier.batch] = lease.lease_id
+        if lease is None:
+            lease = await self._lease(barrier)
+            if lease is None or not lease.tasks:
+                return lease is None
         ctx = RolloutContext(engine=engine, sampling=self.sampling,
                              repeat_times=self.cfg.repeat_times, explorer=self.name,
                              run=self.run_id, step=barrier.step,
@@ -563,6 +561,24 @@ class Explorer:
                  version=barrier.version, experiences=len(experiences),
                  seconds=round(rollout_s, 3), reward=round(metrics["reward_mean"], 4))
         return True
+
+    async def _lease(self, barrier: Barrier) -> TaskLease | None:
+        """The step's tasks (none: the taskset ran dry); None when the master declared this
+        explorer dead (the next barrier wait registers again)."""
+        try:
+            lease = await self.master.call(
+                LeaseTasks(explorer=self.name, count=self.cfg.batch_size, step=barrier.step),
+                timeout_key="transport.rpc_timeout")
+        except RequestFailed as exc:
+            if exc.code != "declared_dead":
+                raise
+            self._declared_dead.set()
+            return None
+        if not lease.tasks:
+            log.info("explorer.tasks_exhausted", explorer=self.name, step=barrier.step)
+        else:
+            self._leases[barrier.batch] = lease.lease_id
+        return lease
 
     async def _watch_weights(self, barrier: Barrier) -> None:
         """While a step generates (`on_new_weights: interrupt`): load each newer version the

@@ -15,6 +15,13 @@ worker extension (`tandem.explorer.vllm_worker`), called with `collective_rpc`, 
 for checkpoint syncs or by joining the trainer's broadcast group. A load pauses generation
 (running requests finish first), and then resets the prefix cache: a prefix cached under the
 old weights would otherwise give stale logprobs.
+
+With `weights.lora_transfer: adapter` (`lora_rank` set) vLLM starts with LoRA enabled and the
+base weights never change: each checkpoint version is a peft adapter folder, loaded with vLLM's
+LoRA API (`add_lora` of a `LoRARequest` per version) and passed with every request that starts
+after it; version 0 is the base model, no adapter. Requests already running finish with the
+adapter they started with (vLLM holds two at once), and the prefix cache needs no reset: vLLM
+keys cached prefixes by adapter.
 """
 
 from __future__ import annotations
@@ -41,6 +48,8 @@ log = structlog.get_logger(__name__)
 # Set by tandem itself, so not accepted from `engine.options`.
 _OWN_ARGS = {"model", "tokenizer", "dtype", "logprobs_mode", "worker_extension_cls",
              "tensor_parallel_size", "enable_prefix_caching"}
+_LORA_ARGS = {"enable_lora", "max_lora_rank"}  # set by tandem too with lora_rank
+_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank choices
 
 
 class VLLMError(ValueError):
@@ -78,8 +87,10 @@ class VLLMEngine(WorkerFetchEngine):
 
     def __init__(self, llm: Any, engine_loop: _EngineLoop, tokenizer: Any, *,
                  workers: int = 1, seed: int = 0, max_model_len: int | None = None,
-                 processes: "_VLLMProcesses | None" = None):
+                 processes: "_VLLMProcesses | None" = None, lora_rank: int | None = None):
         self.llm = llm
+        self.lora_rank = lora_rank
+        self._lora: Any = None  # the LoRARequest new requests use; None = the base model
         self._processes = processes
         self._loop = engine_loop
         self._tokenizer = tokenizer
@@ -97,9 +108,10 @@ class VLLMEngine(WorkerFetchEngine):
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: str = "bfloat16",
                         tensor_parallel_size: int = 1, max_batch: int | None = None,
-                        **options: Any) -> "VLLMEngine":
+                        lora_rank: int | None = None, **options: Any) -> "VLLMEngine":
         """Start vLLM on a Hugging Face folder; `options` (`engine.options`) go to
         `AsyncEngineArgs` as they are (max_model_len, enforce_eager, gpu_memory_utilization...).
+        `lora_rank` (model.lora.r, with weights.lora_transfer: adapter) enables vLLM's LoRA.
         """
         try:
             from vllm.engine.arg_utils import AsyncEngineArgs
@@ -118,15 +130,23 @@ class VLLMEngine(WorkerFetchEngine):
                             "(no config.json)")
         known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
         unknown = sorted(set(options) - known)
-        clash = sorted(set(options) & _OWN_ARGS)
+        clash = sorted(set(options) & (_OWN_ARGS | (_LORA_ARGS if lora_rank else set())))
         if unknown or clash:
             raise VLLMError(f"engine.options: {unknown or clash} "
                             + ("are not AsyncEngineArgs fields" if unknown else
                                "are set by tandem (model.path, model.dtype, "
-                               "engine.tensor_parallel_size)"))
+                               "engine.tensor_parallel_size, model.lora.r)"))
         seed = int(options.pop("seed", 0))
         if max_batch is not None:
             options.setdefault("max_num_seqs", max_batch)
+        if lora_rank is not None:
+            rank = next((r for r in _LORA_RANKS if r >= lora_rank), None)
+            if rank is None:
+                raise VLLMError(f"model.lora.r: {lora_rank} is above vLLM's largest LoRA rank "
+                                f"{_LORA_RANKS[-1]}; lower it or use weights.lora_transfer: merged")
+            # the adapter of requests still running and the newest one
+            options.update(enable_lora=True, max_lora_rank=rank)
+            options.setdefault("max_loras", 2)
         args = AsyncEngineArgs(
             model=str(path), tokenizer=str(path), dtype=dtype, seed=seed,
             tensor_parallel_size=tensor_parallel_size, enable_prefix_caching=True,
@@ -154,7 +174,7 @@ class VLLMEngine(WorkerFetchEngine):
                  tensor_parallel_size=tensor_parallel_size)
         return cls(llm, engine_loop, load_tokenizer(path), workers=tensor_parallel_size,
                    seed=seed, max_model_len=llm.model_config.max_model_len,
-                   processes=processes)
+                   processes=processes, lora_rank=lora_rank)
 
     @property
     def tokenizer(self) -> Any:
@@ -211,7 +231,7 @@ class VLLMEngine(WorkerFetchEngine):
             self._in_flight += 1
             try:
                 async for out in self.llm.generate({"prompt_token_ids": ids}, params,
-                                                   request_id):
+                                                   request_id, lora_request=self._lora):
                     final = out
             finally:
                 self._in_flight -= 1
@@ -274,9 +294,41 @@ class VLLMEngine(WorkerFetchEngine):
         return counts
 
     async def fetch_checkpoint(self, run_dir: str | Path, version: int) -> int:
-        counts = await self._loop.run(self._load("tandem_load_checkpoint", str(run_dir), version))
+        if self.lora_rank is not None:
+            count = await self._loop.run(self._add_adapter(Path(run_dir), version))
+        else:
+            counts = await self._loop.run(
+                self._load("tandem_load_checkpoint", str(run_dir), version))
+            count = int(counts[0])
         self.version = version
-        return int(counts[0])
+        return count
+
+    async def _add_adapter(self, run_dir: Path, version: int) -> int:
+        """Load `weights/v{version}` (a peft adapter folder, checked against its manifest) with
+        vLLM's LoRA API; requests that start afterwards use it. Returns its tensor count."""
+        from vllm.lora.request import LoRARequest
+
+        from tandem.weights import WeightSubscriber, version_dir
+        from tandem.weights.lora import ADAPTER_CONFIG
+
+        if version == 0:  # the base model (vLLM numbers adapters from 1)
+            self._lora = None
+            return 0
+        folder = version_dir(run_dir, version)
+        manifest = await asyncio.to_thread(WeightSubscriber(run_dir).check, version)
+        if not (folder / ADAPTER_CONFIG).is_file():
+            raise VLLMError(f"weights.lora_transfer: adapter: {folder} has no {ADAPTER_CONFIG} "
+                            "(full weights? the trainer must publish adapters too)")
+        # load_inplace: a version id whose folder was republished (a resumed lineage) reloads
+        request = LoRARequest(lora_name=f"tandem-v{version}", lora_int_id=version,
+                              lora_path=str(folder), load_inplace=True)
+        try:
+            await self.llm.add_lora(request)
+        except Exception as exc:
+            raise VLLMError(f"weights.lora_transfer: adapter: vLLM could not load the adapter "
+                            f"at {folder}: {_first_line(exc)}") from exc
+        self._lora = request
+        return len(manifest.tensors)
 
     async def join_group(self, rendezvous: dict[str, Any], explorer: str, timeout: float) -> None:
         await self._loop.run(self.llm.collective_rpc(

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from tandem.common.config import RunConfig
 from tandem.common.errors import ConfigError
 from tandem.common.messages.experience import Experience
-from tandem.weights.lora import merged_state
+from tandem.weights.lora import adapter_state, merged_state
 
 from . import checkpoint as ckpt
 from .algorithms import (
@@ -392,6 +392,15 @@ class Learner:
         if self.lora is not None:  # W + (alpha / r) B A: full weights for every engine
             policy = merged_state(policy, self.lora.alpha / self.lora.r)
         return {name: t.to(dtype) if dtype is not None else t for name, t in policy.items()}
+
+    def adapter_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+        """With LoRA, only the adapters, named as a peft adapter folder names them (what
+        `weights.lora_transfer: adapter` publishes), on CPU; a collective under FSDP."""
+        full = ckpt.full_model_state(self.actor, self.mode)
+        policy = {name[len("model."):]: tensor.detach().to("cpu") for name, tensor in full.items()
+                  if name.startswith("model.")}
+        return {name: t.to(dtype) if dtype is not None else t
+                for name, t in adapter_state(policy).items()}
 
     def save_checkpoint(self, root: str | Path) -> Path | None:
         """Write checkpoints/step_N (every rank must call it; rank 0 writes)."""

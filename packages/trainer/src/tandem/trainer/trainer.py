@@ -93,6 +93,9 @@ class Trainer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._in_use: list[int] = []
         self._publisher = None
+        # weights.lora_transfer: adapter: versions are peft adapter folders, not full weights
+        self._adapters = (config.model.lora is not None
+                          and config.weights.lora_transfer == "adapter")
         self._run_over = False  # the master's Stop said the run is done
         self._broadcaster = None
         self._weight_server = None  # weights.transport: fetch
@@ -184,9 +187,13 @@ class Trainer:
             log.warning("checkpoint.unreported", step=self.step, error=str(exc))
 
     def policy_weights(self) -> list[tuple[str, torch.Tensor]]:
-        """The policy's weights to publish: HF names, `model.dtype`, each tied weight once."""
+        """The policy's weights to publish: HF names, `model.dtype`, each tied weight once (with
+        `weights.lora_transfer: adapter`, the adapters only, under peft's names)."""
         if self.dist.enabled:
             dd.send_command(dd.PUBLISH)
+        if self._adapters:
+            dtype = model_dtype(self.config.model.dtype)
+            return [(n, t.to(dtype)) for n, t in self.learner.adapter_state_dict().items()]
         state = self.learner.policy_state_dict()
         tied = getattr(self.learner.actor.model.config, "tie_word_embeddings", False)
         dtype = model_dtype(self.config.model.dtype)
@@ -206,7 +213,10 @@ class Trainer:
             if command == dd.STEP:
                 self.learner.step(dd.broadcast_experiences(None))
             elif command == dd.PUBLISH:
-                self.learner.policy_state_dict()
+                if self._adapters:
+                    self.learner.adapter_state_dict()
+                else:
+                    self.learner.policy_state_dict()
             elif command == dd.CHECKPOINT:
                 self.learner.save_checkpoint(self.checkpoint_root)
             elif command == dd.STOP:
@@ -477,6 +487,14 @@ class Trainer:
         if self._publisher is None:
             self._publisher = WeightPublisher.from_config(self.run_dir, self.config.weights,
                                                           in_use=self._versions_in_use)
+        if self._adapters:  # a peft adapter folder, which vLLM's LoRA API loads as it is
+            from tandem.weights.lora import (ADAPTER, ADAPTER_CONFIG, ADAPTER_WEIGHTS,
+                                             adapter_config_json)
+
+            config = adapter_config_json(self.learner.actor.model.peft_config[ADAPTER])
+            return self._publisher.publish(version, self.policy_weights(),
+                                           single_file=ADAPTER_WEIGHTS,
+                                           files={ADAPTER_CONFIG: config}).path
         return self._publisher.publish(version, self.policy_weights()).path
 
     def _versions_in_use(self) -> list[int]:

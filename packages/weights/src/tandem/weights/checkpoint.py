@@ -18,7 +18,7 @@ import re
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -175,9 +175,14 @@ class WeightPublisher:
                 shutil.rmtree(entry, ignore_errors=True)
                 log.info("weights.leftover_removed", path=str(entry))
 
-    def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]
+    def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
+                single_file: str | None = None, files: Mapping[str, bytes] | None = None
                 ) -> PublishedVersion:
-        """Write `version` atomically, announce it, then apply retention."""
+        """Write `version` atomically, announce it, then apply retention.
+
+        `single_file` names the one shard that holds every tensor (a LoRA adapter version is
+        `adapter_model.safetensors`, the name peft and vLLM read); `files` are written beside
+        the shards (its `adapter_config.json`), inside the same atomic rename."""
         from safetensors.torch import save_file
 
         start = time.perf_counter()
@@ -193,12 +198,19 @@ class WeightPublisher:
         tmp = self.root / f".tmp-v{version}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
-            plan = _plan_shards(tensors, self.shard_bytes)
+            plan = ([list(range(len(tensors)))] if single_file
+                    else _plan_shards(tensors, self.shard_bytes))
             entries: list[ManifestTensor] = []
             shards: list[ShardEntry] = []
             total = 0
+            for name, content in (files or {}).items():
+                if name == MANIFEST or "/" in name or name == single_file:
+                    raise WeightsError(f"weights version {version}: {name!r} is not a free "
+                                       "file name beside the shards")
+                (tmp / name).write_bytes(content)
+                _fsync_path(tmp / name)
             for index, members in enumerate(plan):
-                file = f"shard-{index:05d}-of-{len(plan):05d}.safetensors"
+                file = single_file or f"shard-{index:05d}-of-{len(plan):05d}.safetensors"
                 chunk = {}
                 for i in members:
                     name, t = tensors[i]

@@ -1,5 +1,7 @@
 """LoRA adapters folded into full weights, `W + scale * B A`, shared by the trainer (the merged
-weights it sends explorers) and `tandem eval` (an adapter-only checkpoint, evaluated merged).
+weights it sends explorers) and `tandem eval` (an adapter-only checkpoint, evaluated merged);
+and adapters as they are (`weights.lora_transfer: adapter`): the names of a peft adapter folder,
+which vLLM's LoRA API loads as one version.
 
 The merge works from a peft model's state dict by name, so it is the same on one process, under
 DDP and under FSDP2 (whose gathered state dict has the same names). Loading an adapter folder
@@ -16,6 +18,26 @@ from typing import Any
 from torch import Tensor
 
 ADAPTER = "default"  # peft's name for the one adapter
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # a peft adapter folder's files
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def adapter_state(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The adapter entries of a peft model's state dict under the names peft saves them with
+    (`base_model.model.<layer>.lora_A.weight`: the adapter's name dropped), which
+    `PeftModel.from_pretrained` and vLLM's LoRA loader read."""
+    return {name.replace(f".lora_A.{ADAPTER}.", ".lora_A.").replace(
+        f".lora_B.{ADAPTER}.", ".lora_B."): tensor.detach()
+        for name, tensor in state.items() if ".lora_A." in name or ".lora_B." in name}
+
+
+def adapter_config_json(peft_config: Any) -> bytes:
+    """A peft `LoraConfig` as the `adapter_config.json` its `save_pretrained` writes (sets as
+    sorted lists), for inference."""
+    config = dict(peft_config.to_dict(), inference_mode=True)
+    return json.dumps(config, indent=2, sort_keys=True,
+                      default=lambda v: sorted(v) if isinstance(v, (set, frozenset)) else str(v)
+                      ).encode()
 
 
 def merged_state(state: dict[str, Tensor], scale: float) -> dict[str, Tensor]:

@@ -114,12 +114,27 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _lora_transfer_built(self) -> "RunConfig":
-        if self.weights.lora_transfer == "adapter":
-            raise ValueError(
-                "weights.lora_transfer: adapter (only the adapters, loaded through vLLM's LoRA "
-                "API) is not built yet; use weights.lora_transfer: merged, which works with "
-                "every engine")
+    def _lora_adapters_loadable(self) -> "RunConfig":
+        """`lora_transfer: adapter` publishes peft adapter folders as checkpoint versions, which
+        only vLLM's LoRA API loads."""
+        if self.weights.lora_transfer != "adapter":
+            return self
+        key = "weights.lora_transfer: adapter"
+        if self.model.lora is None:
+            raise ValueError(f"{key} sends LoRA adapters, and model.lora is not set; set "
+                             "model.lora or use weights.lora_transfer: merged")
+        for e in self.explorers:
+            if e.engine.kind != "vllm":
+                raise ValueError(f"explorers[{e.name}].engine.kind: {e.engine.kind} cannot load "
+                                 f"LoRA adapters ({key}); use engine.kind: vllm or "
+                                 "weights.lora_transfer: merged")
+        if self.sync.method != "checkpoint":
+            raise ValueError(f"sync.method: {self.sync.method} broadcasts full weights; {key} "
+                             "publishes adapter folders through sync.method: checkpoint")
+        if self.weights.transport != "shared_fs":
+            raise ValueError(f"weights.transport: {self.weights.transport} copies a version's "
+                             f"shards only, not its adapter_config.json; {key} needs "
+                             "weights.transport: shared_fs")
         return self
 
     @model_validator(mode="after")

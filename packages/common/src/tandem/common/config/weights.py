@@ -64,8 +64,9 @@ class WeightsConfig(Section):
     lora_transfer: Literal["merged", "adapter"] = Field(
         default="merged",
         description="with model.lora: merged = explorers get full weights with the adapters "
-                    "folded in (every engine); adapter = only the adapters, for vLLM's LoRA API "
-                    "(not built yet: refused at load)")
+                    "folded in (every engine); adapter = only the adapters, as peft adapter folders "
+                    "that vLLM's LoRA API loads (engine.kind: vllm, sync.method: checkpoint, "
+                    "weights.transport: shared_fs)")
 
     @field_validator("fetch_address")
     @classmethod
