@@ -266,8 +266,9 @@ async def test_an_explorer_takes_weights_published_mid_step(tmp_path, tiny_model
 
 @pytest.mark.parametrize("overrides, message", [
     ([], "on_new_weights: interrupt loads weights mid-step, which only an asynchronous preset"),
-    (["sync.preset=fully_async", "explorers.0.engine.kind=vllm"],
-     "on_new_weights: interrupt needs engine.kind: transformers"),
+    (["sync.preset=fully_async", "explorers.0.engine.kind=remote",
+      "explorers.0.engine.url=http://127.0.0.1:8000"],
+     "on_new_weights: interrupt needs engine.kind: transformers or vllm"),
 ])
 def test_interrupt_is_refused_where_weights_cannot_change_mid_step(overrides, message):
     from tandem.common.config import load_config

@@ -22,6 +22,12 @@ LoRA API (`add_lora` of a `LoRARequest` per version) and passed with every reque
 after it; version 0 is the base model, no adapter. Requests already running finish with the
 adapter they started with (vLLM holds two at once), and the prefix cache needs no reset: vLLM
 keys cached prefixes by adapter.
+
+An `interruptible` engine (`explorers[].on_new_weights: interrupt`) takes new weights in the middle
+of a generation: a load aborts the running requests (`AsyncLLM.abort`, which ends each at the
+token boundary it reached), loads the weights once none runs, and each interrupted sample goes
+on as a new request whose prompt is prompt + the tokens it had, so vLLM prefills it again under
+the new weights. Each token records the version that sampled it (`Completion.token_versions`).
 """
 
 from __future__ import annotations
@@ -98,11 +104,14 @@ class VLLMEngine(WorkerFetchEngine):
         self.seed = seed
         self.max_model_len = max_model_len
         self.version = 0
+        self.interruptible = False  # set by the explorer for on_new_weights: interrupt
         self._requests = itertools.count()
         # Both only touched on the engine loop: requests running, and a weight load under way
         # (new requests wait for it).
         self._in_flight = 0
         self._loading: asyncio.Event | None = None
+        self._running: set[str] = set()  # interruptible: request ids a load aborts
+        self._idle: asyncio.Event | None = None  # set when the last running request ends
         self._prefix = uuid.uuid4().hex[:8]
 
     @classmethod
@@ -238,23 +247,92 @@ class VLLMEngine(WorkerFetchEngine):
             seconds = time.perf_counter() - start
             return [self._completion(ids, sample, seconds) for sample in final.outputs]
 
+        if self.interruptible:
+            requests = [self._resumable(ids, sampling, None if sampling.seed is None
+                                        else sampling.seed + i * n + k, start)
+                        for i, ids in enumerate(prompts) for k in range(n)]
+            done = await asyncio.gather(*requests)
+            return [done[i * n:(i + 1) * n] for i in range(len(prompts))]
         requests = [one(i, ids) for i, ids in enumerate(prompts) for _ in range(n // per_request)]
         done = await asyncio.gather(*requests)
         per_prompt = n // per_request
         return [[c for part in done[i * per_prompt:(i + 1) * per_prompt] for c in part]
                 for i in range(len(prompts))]
 
+    async def _resumable(self, ids: list[int], sampling: SamplingParams, seed: int | None,
+                         start: float) -> Completion:
+        """One sample, as requests of one sample each: a load that interrupts one ends it where
+        it got to, and the next goes on from prompt + the tokens so far under the new weights.
+        A request runs wholly under one version (a load waits until none runs)."""
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        budget = min(sampling.max_tokens, self._room(ids))
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        texts: list[str] = []
+        while True:
+            params = VLLMSamplingParams(
+                n=1, temperature=sampling.temperature, top_p=sampling.top_p,
+                top_k=sampling.top_k, max_tokens=budget - len(tokens),
+                stop=list(sampling.stop) or None, include_stop_str_in_output=True,
+                ignore_eos=sampling.ignore_eos, logprobs=0, seed=seed,
+                output_kind=RequestOutputKind.DELTA)
+            request_id = f"tandem-{self._prefix}-{next(self._requests)}"
+            while self._loading is not None:
+                await self._loading.wait()
+            version = self.version  # weights change only when no request runs
+            self._in_flight += 1
+            self._running.add(request_id)
+            last = None
+            try:
+                async for out in self.llm.generate({"prompt_token_ids": ids + tokens}, params,
+                                                   request_id, lora_request=self._lora):
+                    sample = out.outputs[0]
+                    new = [int(t) for t in sample.token_ids]
+                    if sample.logprobs is None or len(sample.logprobs) != len(new):
+                        raise VLLMError("vLLM returned no logprob for some sampled tokens; "
+                                        "SamplingParams(logprobs=0) must be honoured")
+                    tokens += new
+                    logprobs += [step[t].logprob for step, t in zip(sample.logprobs, new)]
+                    versions += [version] * len(new)
+                    texts.append(sample.text)
+                    last = sample
+            finally:
+                self._in_flight -= 1
+                self._running.discard(request_id)
+                if self._in_flight == 0 and self._idle is not None:
+                    self._idle.set()
+            if last is not None and last.finish_reason == "abort" and len(tokens) < budget:
+                continue  # interrupted by a load: go on from here under the new weights
+            break
+        if last is None:
+            raise VLLMError("vLLM ended a request without any output")
+        if last.finish_reason == "abort":
+            last = dataclasses.replace(last, finish_reason="length", stop_reason=None)
+        # one segment: vLLM's text; several: decoded whole (a seam can split a character)
+        text = (self._tokenizer.decode(tokens, skip_special_tokens=True)
+                if len(set(versions)) > 1 else "".join(texts))
+        final = dataclasses.replace(last, token_ids=tokens, text=text, logprobs=None)
+        completion = self._completion(ids, final, time.perf_counter() - start,
+                                      logprobs=np.asarray(logprobs, dtype=np.float32))
+        completion.token_versions = np.asarray(versions, dtype=np.int32)
+        return completion
+
     def _room(self, ids: list[int]) -> int:
         return (self.max_model_len - len(ids)) if self.max_model_len else 1 << 30
 
     @staticmethod
-    def _completion(prompt_ids: list[int], sample: Any, seconds: float) -> Completion:
+    def _completion(prompt_ids: list[int], sample: Any, seconds: float,
+                    logprobs: np.ndarray | None = None) -> Completion:
         tokens = np.asarray(sample.token_ids, dtype=np.int32)
-        if sample.logprobs is None or len(sample.logprobs) != len(tokens):
-            raise VLLMError("vLLM returned no logprob for some sampled tokens; "
-                            "SamplingParams(logprobs=0) must be honoured")
-        logprobs = np.asarray([step[int(t)].logprob for step, t in zip(sample.logprobs, tokens)],
-                              dtype=np.float32)
+        if logprobs is None:
+            if sample.logprobs is None or len(sample.logprobs) != len(tokens):
+                raise VLLMError("vLLM returned no logprob for some sampled tokens; "
+                                "SamplingParams(logprobs=0) must be honoured")
+            logprobs = np.asarray([step[int(t)].logprob
+                                   for step, t in zip(sample.logprobs, tokens)], dtype=np.float32)
         if sample.finish_reason == "length":
             reason, stop = "length", None
         elif sample.finish_reason != "stop":
@@ -267,13 +345,14 @@ class VLLMEngine(WorkerFetchEngine):
                           logprobs=logprobs, text=sample.text, finish_reason=reason, stop=stop,
                           timings={"generate_s": seconds})
 
-    async def _load(self, method: str, *args: Any) -> list[Any]:
+    async def _load(self, method: str, *args: Any, version: int) -> list[Any]:
         """Run a weight-loading method on every worker with generation paused, then drop every
         cached prefix: it was computed under the old weights."""
         llm = self.llm
         while self._loading is not None:  # one load at a time
             await self._loading.wait()
         self._loading = asyncio.Event()
+        await self._interrupt()
         # Requests already running finish under the old weights; with none running, pausing
         # vLLM (three round trips to its engine core) is not needed: new ones wait above.
         paused = self._in_flight > 0
@@ -286,6 +365,7 @@ class VLLMEngine(WorkerFetchEngine):
                 raise VLLMError(_worker_error(exc)) from exc
             if not await llm.reset_prefix_cache():
                 raise VLLMError("vLLM did not reset its prefix cache after a weight load")
+            self.version = version  # before any waiting request starts
         finally:
             if paused:
                 await llm.resume_generation()
@@ -293,12 +373,27 @@ class VLLMEngine(WorkerFetchEngine):
             loading.set()
         return counts
 
+    async def _interrupt(self) -> None:
+        """Interruptible, with a load under way (`_loading` set): end the running requests
+        where they are (each goes on after the load) and return once none runs, so that no
+        request ever spans two versions."""
+        if not (self.interruptible and self._in_flight > 0):
+            return
+        self._idle = asyncio.Event()
+        try:
+            await self.llm.abort(list(self._running))
+            while self._in_flight > 0:
+                self._idle.clear()
+                await self._idle.wait()
+        finally:
+            self._idle = None
+
     async def fetch_checkpoint(self, run_dir: str | Path, version: int) -> int:
         if self.lora_rank is not None:
             count = await self._loop.run(self._add_adapter(Path(run_dir), version))
         else:
             counts = await self._loop.run(
-                self._load("tandem_load_checkpoint", str(run_dir), version))
+                self._load("tandem_load_checkpoint", str(run_dir), version, version=version))
             count = int(counts[0])
         self.version = version
         return count
@@ -312,7 +407,7 @@ class VLLMEngine(WorkerFetchEngine):
         from tandem.weights.lora import ADAPTER_CONFIG
 
         if version == 0:  # the base model (vLLM numbers adapters from 1)
-            self._lora = None
+            self._lora, self.version = None, 0
             return 0
         folder = version_dir(run_dir, version)
         manifest = await asyncio.to_thread(WeightSubscriber(run_dir).check, version)
@@ -327,7 +422,15 @@ class VLLMEngine(WorkerFetchEngine):
         except Exception as exc:
             raise VLLMError(f"weights.lora_transfer: adapter: vLLM could not load the adapter "
                             f"at {folder}: {_first_line(exc)}") from exc
-        self._lora = request
+        while self._loading is not None:
+            await self._loading.wait()
+        self._loading = asyncio.Event()
+        try:
+            await self._interrupt()  # interruptible: running samples go on with this adapter
+            self._lora, self.version = request, version
+        finally:
+            loading, self._loading = self._loading, None
+            loading.set()
         return len(manifest.tensors)
 
     async def join_group(self, rendezvous: dict[str, Any], explorer: str, timeout: float) -> None:
@@ -335,7 +438,7 @@ class VLLMEngine(WorkerFetchEngine):
             "tandem_join", args=(rendezvous, explorer, timeout)))
 
     async def fetch_broadcast(self, version: int) -> int:
-        counts = await self._loop.run(self._load("tandem_receive", version))
+        counts = await self._loop.run(self._load("tandem_receive", version, version=version))
         self.version = version
         return int(counts[0])
 

@@ -155,13 +155,14 @@ class ExplorerConfig(Section):
         description="weights published while a step generates (asynchronous presets with "
                     "sync.method: checkpoint): finish the step first, or interrupt it at a "
                     "token boundary, load them and resume the partial responses under them "
-                    "(transformers engine only)")
+                    "(transformers and vllm engines)")
 
     @model_validator(mode="after")
-    def _interrupt_needs_transformers(self) -> "ExplorerConfig":
-        if self.on_new_weights == "interrupt" and self.engine.kind != "transformers":
-            raise ValueError(f"on_new_weights: interrupt needs engine.kind: transformers (got "
-                             f"{self.engine.kind}); use on_new_weights: finish")
+    def _interrupt_needs_an_interruptible_engine(self) -> "ExplorerConfig":
+        if self.on_new_weights == "interrupt" and self.engine.kind not in ("transformers",
+                                                                          "vllm"):
+            raise ValueError(f"on_new_weights: interrupt needs engine.kind: transformers or vllm "
+                             f"(got {self.engine.kind}); use on_new_weights: finish")
         return self
 
     @model_validator(mode="after")
