@@ -38,7 +38,7 @@ def setup(tmp_path_factory):
         "weights": {"lora_transfer": "adapter"},
         "explorers": [{"name": "explorer-0", "engine": {"kind": "vllm"}}]})
     trainer = Trainer(config)
-    engine = VLLMEngine.from_pretrained(path, dtype="float32", max_model_len=64,
+    engine = VLLMEngine.from_pretrained(path, dtype="float32", max_model_len=160,
                                         enforce_eager=True, kv_cache_memory_bytes=64 << 20,
                                         lora_rank=LORA["r"])
     yield trainer, engine, run_dir
@@ -105,6 +105,53 @@ async def test_each_adapter_version_samples_the_trainers_base_plus_adapter_logpr
     base = AutoModelForCausalLM.from_pretrained(str(trainer.config.model.path),
                                                 dtype=torch.float32)
     assert worst_gap(PeftModel.from_pretrained(base, str(folder)), groups) < TOLERANCE
+
+
+async def test_an_interruptible_engine_switches_adapters_mid_generation(setup):
+    """on_new_weights: interrupt with adapters: running samples stop at a token boundary and go
+    on under the new adapter, each token at the version that sampled it."""
+    import asyncio
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    trainer, engine, run_dir = setup
+    before = engine.version
+    long = SamplingParams(temperature=1.0, max_tokens=128, ignore_eos=True, seed=9)
+    engine.interruptible = True
+    try:
+        groups = await engine.generate(PROMPTS, 2, PARAMS)
+        trainer.train_step(experiences(groups, before))
+        folder = trainer._publish_checkpoint(before + 1)
+        generation = asyncio.ensure_future(engine.generate(PROMPTS, 2, long))
+        while not engine._running:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.5)
+        assert not generation.done()
+        await engine.fetch_checkpoint(run_dir, before + 1)
+        groups = await asyncio.wait_for(generation, 300)
+    finally:
+        engine.interruptible = False
+    base = AutoModelForCausalLM.from_pretrained(str(trainer.config.model.path),
+                                                dtype=torch.float32)
+    old = PeftModel.from_pretrained(base, str(run_dir / "weights" / f"v{before}")).eval()
+    new = trainer.learner.actor.model.eval()
+    splits = []
+    for c in (c for g in groups for c in g):
+        versions = c.token_versions.tolist()
+        k = versions.count(before)
+        assert len(c) == 128 and versions == [before] * k + [before + 1] * (128 - k)
+        splits.append(k)
+        for model, part in ((old, slice(0, k)), (new, slice(k, 128))):
+            ids = torch.tensor(np.concatenate([c.prompt_ids, c.token_ids]).astype(np.int64))[None]
+            with torch.no_grad():
+                logits = model(input_ids=ids).logits[0]
+            p = len(c.prompt_ids)
+            expected = policy_logprobs(logits[p - 1:-1], long).gather(
+                -1, ids[0, p:, None]).squeeze(-1).numpy()
+            assert np.abs(expected[part] - c.logprobs[part]).max(initial=0) < TOLERANCE
+    assert all(k < 128 for k in splits) and any(k > 0 for k in splits), splits
+    assert folder.is_dir() and engine.version == before + 1
 
 
 async def test_a_full_weights_version_is_refused_naming_the_key(setup, tmp_path):
