@@ -25,7 +25,7 @@ LORA = {"r": 4, "alpha": 16.0, "target_modules": ["q_proj", "v_proj", "up_proj",
 def setup(tmp_path_factory):
     pytest.importorskip("vllm")
     pytest.importorskip("peft")
-    from tandem.explorer.vllm_engine import VLLMEngine
+    from tandem.explorer.engines import create_engine
     from tandem.trainer import Trainer
     from tandem.weights.tiny import build_tiny_model
 
@@ -33,14 +33,15 @@ def setup(tmp_path_factory):
     build_tiny_model(path, hidden=128, heads=2, kv_heads=1)  # vLLM's CPU attention: head_dim 64
     run_dir = tmp_path_factory.mktemp("lora-run")
     config = RunConfig.model_validate({
-        "model": {"path": str(path), "lora": LORA}, "run_dir": str(run_dir),
+        "model": {"path": str(path), "lora": LORA, "dtype": "float32"}, "run_dir": str(run_dir),
         "trainer": {"micro_batch_tokens": 256, "lr": 5e-2, "tensorboard": False},
         "weights": {"lora_transfer": "adapter"},
-        "explorers": [{"name": "explorer-0", "engine": {"kind": "vllm"}}]})
+        "explorers": [{"name": "explorer-0", "engine": {"kind": "vllm", "options": {
+            "max_model_len": 160, "enforce_eager": True, "kv_cache_memory_bytes": 64 << 20}}}]})
     trainer = Trainer(config)
-    engine = VLLMEngine.from_pretrained(path, dtype="float32", max_model_len=160,
-                                        enforce_eager=True, kv_cache_memory_bytes=64 << 20,
-                                        lora_rank=LORA["r"])
+    # as the explorer builds it: LoRA on, rank from model.lora.r
+    engine = create_engine(config.explorers[0].engine, config.model, lora_adapters=True)
+    assert engine.lora_rank == LORA["r"]
     yield trainer, engine, run_dir
     engine.close()
 
