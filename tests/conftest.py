@@ -76,3 +76,13 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tiny-model")
     build_tiny_model(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def agent_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """The tiny model taught the calculator conversation (tests/agent_model.py), trained once per
+    session for the endpoint tests and the agent run through `tandem up` alike: they only read
+    it."""
+    from agent_model import build_agent_model
+
+    return build_agent_model(tiny_model_dir, tmp_path_factory.mktemp("agent") / "model")

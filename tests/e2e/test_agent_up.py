@@ -17,14 +17,13 @@ from tandem.master.up import run_up
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from agent_model import QUESTION, build_agent_model  # noqa: E402
+from agent_model import QUESTION  # noqa: E402
 
 pytestmark = pytest.mark.slow
 STEPS = 2
 
 
-def test_agent_workflow_trains_through_tandem_up(tmp_path, tiny_model_dir, monkeypatch):
-    model = build_agent_model(tiny_model_dir, tmp_path / "model", steps=60)
+def test_agent_workflow_trains_through_tandem_up(tmp_path, agent_model_dir, monkeypatch):
     rows = [{"id": f"q{i}", "prompt": QUESTION, "answer": 84, "max_tokens": 90}
             for i in range(8)]
     taskset = write_jsonl(rows, tmp_path / "train.jsonl")
@@ -33,7 +32,7 @@ def test_agent_workflow_trains_through_tandem_up(tmp_path, tiny_model_dir, monke
     monkeypatch.setenv("PYTHONPATH", path)
     config = RunConfig.model_validate({
         "name": "agent", "run_dir": str(tmp_path / "run"),
-        "model": {"path": str(model)},
+        "model": {"path": str(agent_model_dir)},  # the session's: the run only reads it
         "sync": {"preset": "synchronous", "timeout": 60},
         "master": {"total_steps": STEPS, "taskset": {"path": str(taskset), "epochs": 10}},
         "explorers": [{"name": "explorer-0", "batch_size": 2, "repeat_times": 2,

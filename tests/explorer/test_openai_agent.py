@@ -25,14 +25,9 @@ from tandem.explorer.workflows.agent import score_of
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples" / "agents"))
 
-from agent_model import QUESTION, TOOLS, build_agent_model  # noqa: E402
+from agent_model import QUESTION, TOOLS  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=96)
-
-
-@pytest.fixture(scope="module")
-def agent_model_dir(tiny_model_dir, tmp_path_factory):
-    return build_agent_model(tiny_model_dir, tmp_path_factory.mktemp("agent") / "model")
 
 
 @pytest.fixture(scope="module")
