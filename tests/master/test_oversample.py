@@ -107,9 +107,9 @@ def test_an_async_step_takes_more_batches_until_it_has_enough_informative_groups
     d = clock.explorer_done("a", 0, 2, 0, groups=2, informative=1)  # 1 + 0 + 1 >= 2
     (go,) = gos(d)
     assert (go.step, go.batches, go.groups, go.extra_batches) == (0, 3, 6, 2)
-    assert barriers(d) == []  # step 1 is not the trainer's yet: no top-up ahead of time
-    d = clock.trainer_step_done(0)
-    assert barriers(d) == [("a", 1, 3, 0, False)]  # step 1 has no batch left: a top-up
+    # step 0 took step 1's batch: the plan's next batch is step 1's, granted at once
+    assert barriers(d) == [("a", 1, 3, 0, False)]
+    assert barriers(clock.trainer_step_done(0)) == []
     (go,) = gos(clock.explorer_done("a", 1, 3, 0, groups=2, informative=2))
     assert (go.step, go.batches, go.groups, go.extra_batches) == (1, 1, 2, 0)
     assert clock.windows == {0: (0, 3), 1: (3, 1)} and clock.batches_done == 4
@@ -203,7 +203,7 @@ def test_a_resumed_trainer_is_released_on_the_same_async_batches():
     assert clock.windows[1] == (2, 2)
 
 
-def test_an_async_step_left_without_its_own_batches_gets_them_from_every_idle_explorer():
+def test_an_async_step_whose_batches_an_earlier_one_took_gets_more_as_that_one_is_released():
     clock = RunClock(SyncPlan.preset("multi_explorer_async", batches_per_step=2), total_steps=2,
                      top_up_target=2, max_extra=2)
     clock.join("a")
@@ -213,11 +213,42 @@ def test_an_async_step_left_without_its_own_batches_gets_them_from_every_idle_ex
     assert [b[:3] for b in barriers(clock.explorer_done("b", 0, 1, 0, groups=2,
                                                         informative=0))] == [("b", 1, 3)]
     assert clock.explorer_done("a", 1, 2, 0, groups=2, informative=0) == []
-    (go,) = gos(clock.explorer_done("b", 1, 3, 0, groups=2, informative=0))
+    d = clock.explorer_done("b", 1, 3, 0, groups=2, informative=0)
+    (go,) = gos(d)
     assert (go.step, go.batches, go.extra_batches) == (0, 4, 2)  # the bound: step 1's batches
-    # the plan's 4 batches are spent and step 1 has none: both idle explorers roll one out
-    d = clock.trainer_step_done(0)
+    # step 0 took step 1's 2 batches: step 1 gets 2 more, and both idle explorers roll one out
+    # while the trainer trains step 0
     assert [b[:3] for b in barriers(d)] == [("a", 1, 4), ("b", 1, 5)]
+    assert barriers(clock.trainer_step_done(0)) == []
     clock.explorer_done("a", 1, 4, 0, groups=2, informative=1)
     (go,) = gos(clock.explorer_done("b", 1, 5, 0, groups=2, informative=1))
     assert (go.step, go.batches, go.extra_batches) == (1, 2, 0)
+
+
+def test_batches_after_a_step_that_took_extra_are_labelled_with_the_step_that_trains_them():
+    # one explorer, staleness 1: step e may start once version e - 1 is out
+    clock = RunClock(SyncPlan.preset("fully_async", max_staleness=1), total_steps=4,
+                     top_up_target=2, max_extra=2)
+    clock.join("a")
+    assert barriers(clock.explorer_done("a", 0, 0, 0, groups=2, informative=0)) == [
+        ("a", 1, 1, 0, False)]
+    # batch 2 would be step 2's (needs version 1): none on the way, so a top-up for step 0
+    assert barriers(clock.explorer_done("a", 1, 1, 0, groups=2, informative=0)) == [
+        ("a", 0, 2, 0, False)]
+    d = clock.explorer_done("a", 0, 2, 0, groups=2, informative=2)
+    (go,) = gos(d)
+    assert (go.step, go.batches, go.extra_batches) == (0, 3, 2)
+    # step 0 took batches 0-2, so batch 3 is step 1's (no version needed), not step 3's
+    # (version 2): it is granted at once, while the trainer trains step 0
+    assert barriers(d) == [("a", 1, 3, 0, False)]
+    # batch 4 is step 2's: it waits for version 1 only, and goes as one explorer drains
+    assert clock.explorer_draining("a", 1, 3) == []
+    assert gos(clock.trainer_step_done(0)) == []
+    assert barriers(clock.published(1)) == [("a", 2, 4, 1, True)]
+    (go,) = gos(clock.explorer_done("a", 1, 3, 0, groups=2, informative=2))
+    assert (go.step, go.batches, go.extra_batches) == (1, 1, 0)
+    assert clock.windows[1] == (3, 1)  # the batch labelled step 1 is the one step 1 trains
+    clock.trainer_step_done(1)
+    clock.published(2)
+    (go,) = gos(clock.explorer_done("a", 2, 4, 1, groups=2, informative=2))
+    assert clock.windows[2] == (4, 1) and go.step == 2

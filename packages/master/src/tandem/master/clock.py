@@ -36,7 +36,10 @@ plans completed batches are taken in the order they completed: step `t` takes th
 `batches_per_step` after the previous step's, then one more at a time while it is short of
 `top_up_target` informative groups, up to `max_extra` more. Explorers keep producing, so the
 extra batches are mostly ones already rolled out for later steps; only when none is on the way
-does an idle explorer get a top-up for `t`. Either way the trainer's `TrainerGo` counts every
+does an idle explorer get a top-up for `t`. Once a step is released, its extra batches shift the
+numbering: a batch granted after it is labelled with the step that will train it (the released
+steps' extra batches are not counted when its number maps to a step), so the staleness bound is
+that step's, and the plan's total grows by them. Either way the trainer's `TrainerGo` counts every
 group of the step, informative or not, so the buffer hands it all of them and the trainer
 consumes (acks) all while training only the informative ones.
 """
@@ -318,7 +321,7 @@ class RunClock:
         point)."""
         plan = self.plan
         if plan.asynchronous:
-            return plan.step_of_batch(self.batches_granted - self.batches_lost)
+            return self._async_step(self.batches_granted - self.batches_lost)
         step = self.trainer_go
         if not self.producing:
             # nobody is left to finish the open steps: take over the first one without batches
@@ -381,6 +384,15 @@ class RunClock:
                 return first, n
         return (first, len(counts)) if not self.producing else None
 
+    def _async_step(self, live: int) -> int:
+        """Asynchronous plans: the step the next batch granted is for, when `live` batches were
+        granted and not lost. Released steps' extra batches came out of later steps' share, so
+        they shift every later batch back to the step that will train it: the staleness bound
+        is then the one of that step, not of one further ahead, and the plan's total counts
+        them as the steps' own."""
+        taken = sum(self.extra.get(s, 0) for s in self.windows)
+        return self.plan.step_of_batch(max(0, live - taken))
+
     def _first_batch(self, step: int) -> int:
         """Asynchronous plans: the index, in completion order, of step `step`'s first batch."""
         per = self.plan.batches_per_step
@@ -402,15 +414,7 @@ class RunClock:
         top_up = None if self.plan.asynchronous else self._grant_top_up()
         if top_up is not None:
             out.append((barrier_topic(top_up.explorer), top_up))
-        for slot in self.producing:
-            if slot.running is None:
-                barrier = self._grant(slot)
-            elif slot.draining and slot.ahead is None:
-                barrier = self._grant_ahead(slot)
-            else:
-                continue
-            if barrier is not None:
-                out.append((barrier_topic(slot.name), barrier))
+        out += self._grant_all()
         # asynchronous: only an explorer the plan left idle rolls out a top-up
         if self.plan.asynchronous:
             out += [(barrier_topic(b.explorer), b) for b in self._grant_async_top_ups()]
@@ -440,6 +444,10 @@ class RunClock:
                               | {s.running[2] for s in self.alive if s.running is not None}))
             out.append(("trainer", self.last_go))
             self.trainer_go += 1
+            if self.extra.get(t, 0) and self.plan.asynchronous:
+                # later batches now belong to earlier steps: a grant the staleness bound held
+                # back may go now
+                out += self._grant_all()
         if self.trainer_done >= self.total_steps:
             self.stop = Stop(reason=f"done: {self.total_steps} trainer steps")
         elif (self.exhausted and not self.producing and self.trainer_go == self.trainer_done
@@ -451,6 +459,20 @@ class RunClock:
             self.stopped = True
             out.append(("stop", self.stop))
         self.published_count.update(topic for topic, _ in out)
+        return out
+
+    def _grant_all(self) -> list[Decision]:
+        """The plan's next batch to every explorer that can take one now."""
+        out: list[Decision] = []
+        for slot in self.producing:
+            if slot.running is None:
+                barrier = self._grant(slot)
+            elif slot.draining and slot.ahead is None:
+                barrier = self._grant_ahead(slot)
+            else:
+                continue
+            if barrier is not None:
+                out.append((barrier_topic(slot.name), barrier))
         return out
 
     def _grant_top_up(self) -> Barrier | None:
@@ -523,10 +545,10 @@ class RunClock:
         if slot.redo is not None:
             step, batch = slot.redo
         elif plan.asynchronous:
-            live = self.batches_granted - self.batches_lost
-            if live >= self.total_steps * plan.batches_per_step:
+            step = self._async_step(self.batches_granted - self.batches_lost)
+            if step >= self.total_steps:
                 return None
-            step, batch = plan.step_of_batch(live), self.batches_granted
+            batch = self.batches_granted
         else:
             step = slot.next_step
             if step is None or step >= self.total_steps:
@@ -556,10 +578,10 @@ class RunClock:
         same rule as any grant (the total, the staleness bound, a load every `interval`
         batches), counting the running batch as rolled out with the weights it holds."""
         plan = self.plan
-        live = self.batches_granted - self.batches_lost
-        if live >= self.total_steps * plan.batches_per_step:
+        step = self._async_step(self.batches_granted - self.batches_lost)
+        batch = self.batches_granted
+        if step >= self.total_steps:
             return None
-        step, batch = plan.step_of_batch(live), self.batches_granted
         if step == slot.running[0]:
             return None  # an explorer's lease is per step: one batch of a step at a time
         go = plan.decide(step, newest=self.newest, held=slot.held,
