@@ -252,3 +252,17 @@ def test_batches_after_a_step_that_took_extra_are_labelled_with_the_step_that_tr
     clock.published(2)
     (go,) = gos(clock.explorer_done("a", 2, 4, 1, groups=2, informative=2))
     assert clock.windows[2] == (4, 1) and go.step == 2
+    # the labels come from state the inputs rebuild: a replay reaches the same clock
+    replay = RunClock(SyncPlan.preset("fully_async", max_staleness=1), total_steps=4,
+                      top_up_target=2, max_extra=2)
+    replay.join("a")
+    for step, batch, version, informative in [(0, 0, 0, 0), (1, 1, 0, 0), (0, 2, 0, 2)]:
+        replay.explorer_done("a", step, batch, version, groups=2, informative=informative)
+    replay.explorer_draining("a", 1, 3)
+    replay.trainer_step_done(0)
+    replay.published(1)
+    replay.explorer_done("a", 1, 3, 0, groups=2, informative=2)
+    replay.trainer_step_done(1)
+    replay.published(2)
+    replay.explorer_done("a", 2, 4, 1, groups=2, informative=2)
+    assert replay == clock
