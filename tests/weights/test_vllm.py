@@ -131,6 +131,7 @@ def cpu_vllm(tmp_path_factory):
 
 
 @pytest.mark.vllm
+@pytest.mark.timeout(900)  # vLLM's start on a shared 2-core machine is part of the item
 async def test_real_vllm_on_cpu_takes_gloo_broadcasts_into_its_workers(cpu_vllm, tmp_path):
     """The explorer's path (`WeightLoader` -> `join_group` / `fetch_broadcast` -> the worker
     extension in vLLM's own worker process) fed by a trainer-side broadcaster over gloo: after
