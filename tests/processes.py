@@ -55,6 +55,12 @@ def descendants() -> dict[int, str]:
     return found
 
 
+def vllm_processes() -> list[str]:
+    """vLLM's engine cores and workers still running below this process (as a subreaper, orphans
+    of the run count too); other sessions' vLLM on the machine does not."""
+    return [f"{pid}: {cmd}" for pid, cmd in descendants().items() if cmd.startswith("VLLM::")]
+
+
 def kill_and_reap(pids) -> None:
     """SIGKILL these processes and reap those that are this process's children (orphans that
     were re-parented here included); waits at most 5 s for them to go."""

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from processes import run_group
+from processes import run_group, vllm_processes
 
 from tandem.common.config import load_config
 from tandem.common.sync import SyncPlan
@@ -26,22 +26,6 @@ STEPS = 30
 WINDOW = 8  # the first and the last steps whose mean rewards are compared
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500)]
-
-
-def vllm_processes() -> list[str]:
-    """vLLM's engine cores and workers still running below pytest (a subreaper: orphans of the
-    run come back to it); other sessions' vLLM on the machine does not count."""
-    import psutil  # vLLM depends on it
-
-    found = []
-    for proc in psutil.Process().children(recursive=True):
-        try:
-            cmd = " ".join(proc.cmdline())
-        except psutil.Error:
-            continue
-        if cmd.startswith("VLLM::"):
-            found.append(f"{proc.pid}: {cmd.strip()}")
-    return found
 
 
 @pytest.fixture(scope="module")

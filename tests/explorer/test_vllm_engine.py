@@ -9,23 +9,12 @@ import sys
 
 import pytest
 from click.testing import CliRunner
+from processes import vllm_processes
 
 from tandem.explorer.cli import main
 from tandem.explorer.sampling import SamplingParams
 from tandem.explorer.weights import WeightLoader
 from tandem.weights import WeightPublisher
-
-
-def vllm_processes() -> list[str]:
-    """vLLM's engine cores and workers still running anywhere on the machine."""
-    import psutil  # vLLM depends on it
-
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        cmd = " ".join(proc.info["cmdline"] or [])
-        if cmd.startswith("VLLM::"):
-            found.append(f"{proc.pid}: {cmd}")
-    return found
 
 
 def run_explorer(tmp_path, model_path, *options: str):

@@ -9,6 +9,7 @@ import threading
 
 import pytest
 import torch
+from processes import vllm_processes
 from weights_helpers import assert_bit_identical, finish, train_step
 
 from tandem.explorer.sampling import SamplingParams, policy_logprobs
@@ -80,22 +81,6 @@ def test_real_vllm_engine_receives_a_broadcast_and_a_checkpoint(tmp_path, tiny_m
         sender.close()
     n = len(list(model.named_parameters()))
     assert counts == [n] and loaded == [n]
-
-
-def vllm_processes() -> list[str]:
-    """vLLM's engine cores and workers still running below this test process (pytest is a
-    subreaper, so orphans count too; other sessions' vLLM on the machine does not)."""
-    import psutil  # vLLM depends on it
-
-    found = []
-    for proc in psutil.Process().children(recursive=True):
-        try:
-            cmd = " ".join(proc.cmdline())
-        except psutil.Error:
-            continue
-        if cmd.startswith("VLLM::"):
-            found.append(f"{proc.pid}: {cmd.strip()}")
-    return found
 
 
 def teacher_forced_gap(model, groups, params) -> float:
