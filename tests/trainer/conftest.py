@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from tandem.common.config import RunConfig
 from tandem.common.messages.experience import Experience, experience_id, group_id
+
+sys.path.insert(0, str(Path(__file__).parent))  # the tests import this folder's helpers
 
 
 @pytest.fixture(scope="session")

@@ -12,19 +12,16 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from tandem.common.config import RunConfig
-from tandem.common.messages.experience import Experience
 from tandem.trainer import distributed
 from tandem.trainer.trainer import Trainer
 
+from batch_json import read_batch  # noqa: E402  (this folder is sys.path[0] under torchrun)
+
 model_path, batch_file, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
-rows = json.loads(Path(batch_file).read_text())
-batch = [Experience(**{**r, "tokens": np.array(r["tokens"], dtype=np.int32),
-                       "action_mask": np.array(r["action_mask"], dtype=np.uint8),
-                       "logprobs": np.array(r["logprobs"], dtype=np.float32)}) for r in rows]
+batch = read_batch(batch_file)
 info = distributed.from_env()
 distributed.init(info, torch.device("cpu"), timeout=60)
 for mode in ("ddp", "fsdp", "fsdp-resumed", "ddp-ppo"):

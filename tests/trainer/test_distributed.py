@@ -13,6 +13,8 @@ from safetensors.torch import load_file
 
 from tandem.trainer.learner import Learner
 
+from batch_json import write_batch
+
 WORKER = os.path.join(os.path.dirname(__file__), "dist_worker.py")
 EXIT_WORKER = os.path.join(os.path.dirname(__file__), "exit_worker.py")
 
@@ -34,17 +36,9 @@ def torchrun(worker: str, *args, timeout: float) -> str:
     return output.decode()
 
 
-def batch_file(batch, tmp_path):
-    rows = [{**e.model_dump(), "tokens": e.tokens.tolist(), "action_mask": e.action_mask.tolist(),
-             "logprobs": e.logprobs.tolist()} for e in batch]
-    path = tmp_path / "batch.json"
-    path.write_text(json.dumps(rows))
-    return path
-
-
 @pytest.mark.slow
 def test_two_ranks_match_one(tiny_model_path, fixed_batch, make_config, tmp_path):
-    torchrun(WORKER, tiny_model_path, batch_file(fixed_batch, tmp_path), tmp_path, timeout=150)
+    torchrun(WORKER, tiny_model_path, write_batch(fixed_batch, tmp_path), tmp_path, timeout=150)
 
     single = Learner(make_config(tiny_model_path, micro_batch_tokens=24,
                                  off_policy={"proximal": True}))
@@ -96,7 +90,7 @@ def test_torchrun_ranks_exit_after_ddp_training_with_the_group_freed_in_shutdown
     """Issue 14 item 8: DDP's reducer used to free the gloo group after `shutdown`, from a
     finaliser, with the GIL held, while a gloo worker waited for the GIL: the rank never exited.
     Now the group goes inside `shutdown`, in order, on every rank."""
-    torchrun(EXIT_WORKER, tiny_model_path, batch_file(fixed_batch, tmp_path), tmp_path, timeout=120)
+    torchrun(EXIT_WORKER, tiny_model_path, write_batch(fixed_batch, tmp_path), tmp_path, timeout=120)
     for rank in (0, 1):
         threads = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert threads["group_threads"] >= 1

@@ -4,7 +4,6 @@ base + (alpha / r) B A, and all of it matches one process on the same batch."""
 
 import json
 import os
-import sys
 
 import pytest
 import torch
@@ -13,8 +12,8 @@ from safetensors.torch import load_file
 from tandem.common.config import RunConfig
 from tandem.trainer.learner import Learner
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_distributed import batch_file, torchrun  # noqa: E402  (bounded, reaps every rank)
+from batch_json import write_batch
+from test_distributed import torchrun  # bounded, reaps every rank
 
 pytest.importorskip("peft")
 
@@ -29,7 +28,7 @@ def is_adapter(name: str) -> bool:
 @pytest.mark.slow
 def test_two_lora_ranks_train_the_adapters_alike_and_match_one(
         tiny_model_path, fixed_batch, tmp_path):
-    torchrun(WORKER, tiny_model_path, batch_file(fixed_batch, tmp_path), tmp_path, timeout=180)
+    torchrun(WORKER, tiny_model_path, write_batch(fixed_batch, tmp_path), tmp_path, timeout=180)
 
     single = Learner(RunConfig.model_validate({
         "model": {"path": str(tiny_model_path), "lora": LORA}, "run_dir": str(tmp_path / "one"),
