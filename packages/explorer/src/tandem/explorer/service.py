@@ -206,6 +206,17 @@ class Explorer:
         self.run_id = reply.run_id
         return reply
 
+    async def _call_unless_dead(self, msg: Any) -> Any | None:
+        """The master's reply to `msg`, or None when the master declared this explorer dead
+        (the next barrier wait registers again); any other refusal raises."""
+        try:
+            return await self.master.call(msg, timeout_key="transport.rpc_timeout")
+        except RequestFailed as exc:
+            if exc.code != "declared_dead":
+                raise
+            self._declared_dead.set()
+            return None
+
     def _on_refused(self, exc: RequestFailed) -> None:
         if exc.code == "declared_dead":
             self._declared_dead.set()
@@ -544,18 +555,11 @@ class Explorer:
             self._leases.pop(barrier.batch, None)
             log.warning("explorer.lease_lost", explorer=self.name, lease=lease.lease_id,
                         error=str(exc), hint="raise master.task_lease_seconds")
-        try:
-            await self.master.call(
-                ExplorerStepDone(explorer=self.name, step=barrier.step, version=barrier.version,
-                                 batch=barrier.batch, experiences=len(experiences),
-                                 informative=informative_groups(experiences), metrics=metrics),
-                timeout_key="transport.rpc_timeout")
-        except RequestFailed as exc:
-            if exc.code != "declared_dead":
-                raise
-            # the batch was given up; its tasks are rolled out again and stored once
-            self._declared_dead.set()
-            return True
+        done = ExplorerStepDone(explorer=self.name, step=barrier.step, version=barrier.version,
+                                batch=barrier.batch, experiences=len(experiences),
+                                informative=informative_groups(experiences), metrics=metrics)
+        if await self._call_unless_dead(done) is None:
+            return True  # the batch was given up; its tasks are rolled out again, stored once
         self.steps_done += 1
         log.info("explorer.step", explorer=self.name, step=barrier.step, batch=barrier.batch,
                  version=barrier.version, experiences=len(experiences),
@@ -565,14 +569,9 @@ class Explorer:
     async def _lease(self, barrier: Barrier) -> TaskLease | None:
         """The step's tasks (none: the taskset ran dry); None when the master declared this
         explorer dead (the next barrier wait registers again)."""
-        try:
-            lease = await self.master.call(
-                LeaseTasks(explorer=self.name, count=self.cfg.batch_size, step=barrier.step),
-                timeout_key="transport.rpc_timeout")
-        except RequestFailed as exc:
-            if exc.code != "declared_dead":
-                raise
-            self._declared_dead.set()
+        lease = await self._call_unless_dead(
+            LeaseTasks(explorer=self.name, count=self.cfg.batch_size, step=barrier.step))
+        if lease is None:
             return None
         if not lease.tasks:
             log.info("explorer.tasks_exhausted", explorer=self.name, step=barrier.step)
