@@ -13,18 +13,19 @@ from typing import ClassVar
 
 from tandem.common.config.reward import RewardConfig
 from tandem.common.messages.reward import Score, ScoreItem
+from tandem.common.plugins import REWARDS
 
-REGISTRY: dict[str, type["RewardFunction"]] = {}
+REGISTRY = REWARDS  # every reward function by name: tandem's own and every plugin's
 
 
-def register(name: str):
-    """Class decorator: make a reward function available under `name`."""
+def register(name: str, **declares):
+    """Class decorator: make a reward function available under `name` (`reward.functions`,
+    `workflow_args.reward_fn`), from tandem or from a plugin alike."""
 
     def add(cls: type[RewardFunction]) -> type[RewardFunction]:
-        if name in REGISTRY and REGISTRY[name] is not cls:
-            raise TypeError(f"reward function {name!r} registered twice")
         cls.name = name
-        REGISTRY[name] = cls
+        kind = "async" if issubclass(cls, AsyncReward) else "pure"
+        REWARDS.register(name, cls, kind=kind, **declares)
         return cls
 
     return add

@@ -16,6 +16,7 @@ import time
 import structlog
 
 from tandem.common.config.reward import RewardConfig
+from tandem.common.plugins import loaded_plugins
 from tandem.common.errors import TandemError
 from tandem.common.messages.reward import Score, ScoreItem
 
@@ -93,7 +94,10 @@ class WorkerPool:
         worker = _Worker(proc)
         self._all.add(worker)
         try:
-            await worker.send(self.config.model_dump(mode="json"))
+            # the worker imports the plugins this process imported, so a plugin's isolated
+            # reward function is found there too (docs/extending.md)
+            await worker.send({"reward": self.config.model_dump(mode="json"),
+                               "plugins": loaded_plugins()})
             hello = await asyncio.wait_for(worker.recv(), STARTUP_TIMEOUT)
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
             await worker.kill()

@@ -1,8 +1,8 @@
 """A worker process for pure reward functions: `python -m tandem.reward.worker`.
 
 Protocol on stdin/stdout, each frame a 4-byte big-endian length and a msgpack map:
-parent -> worker: first the `reward` config section, then `{"fn": name, "item": {...}}` per
-evaluation; worker -> parent: `{"ready": true}` once the functions are imported, then one
+parent -> worker: first `{"reward": the reward section, "plugins": [what the parent imported]}`,
+then `{"fn": name, "item": {...}}` per evaluation; worker -> parent: `{"ready": true}` once the functions are imported, then one
 `{"score", "components", "reason"}` or `{"error": "..."}` per evaluation. The worker runs each
 function on its main thread, so it needs no time limit of its own: the parent kills it when an
 evaluation overruns. It exits on EOF, and with its parent (PR_SET_PDEATHSIG).
@@ -47,11 +47,14 @@ def main() -> None:
     logging.getLogger("math_verify").setLevel(logging.CRITICAL)
     from tandem.common.config.reward import RewardConfig
     from tandem.common.messages.reward import ScoreItem
+    from tandem.common.plugins import load_plugins
 
     from .base import PureReward
     from .functions import lookup
 
-    config = RewardConfig.model_validate(read_frame(stdin))
+    first = read_frame(stdin)
+    load_plugins(first["plugins"])
+    config = RewardConfig.model_validate(first["reward"])
     instances: dict[str, PureReward] = {}
     import math_verify  # noqa: F401  (the slow import, done before saying ready)
 
