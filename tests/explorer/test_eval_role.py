@@ -96,7 +96,7 @@ class ScriptedRun:
     def __init__(self, cfg: RunConfig, batches: list[list]):
         from tandem.explorer.evaluation import Evaluator
 
-        self.config, self.name, self._stopping, self.stop_reason = cfg, "eval-1", False, None
+        self.config = cfg
         self.evaluator = Evaluator(cfg, "eval-1")
         self.engine = SimpleNamespace(version=0)
         self.tracer = Tracer(None, "eval-1")
@@ -126,6 +126,12 @@ class ScriptedRun:
         self.evaluated.append((self.engine.version, final))
         self.evaluator.last_version = self.engine.version
 
+    def follower(self) -> WeightFollower:
+        return WeightFollower(
+            "eval-1", engine=self.engine, evaluator=self.evaluator, subscriber=self.subscriber,
+            loader=self.loader, tracer=self.tracer, timeout=self.config.sync.timeout,
+            evaluate=self._evaluate, stopping=lambda: False)
+
 
 def published(version: int) -> WeightsPublished:
     return WeightsPublished(version=version, method="checkpoint", path=f"weights/v{version}")
@@ -139,17 +145,17 @@ async def test_the_follower_evaluates_the_newest_version_every_n(tmp_path, every
     run = ScriptedRun(config(tmp_path, eval__every=every), [
         [published(1)], [published(2), published(3), published(4)], [published(5), Stop(
             reason="done")]])
-    follower = WeightFollower(run)
+    follower = run.follower()
     await follower.run()
     assert run.evaluated == expected
-    assert run.stop_reason == "done"
+    assert follower.stop_reason == "done"
 
 
 async def test_a_deleted_version_is_skipped_and_the_final_row_still_comes(tmp_path):
     run = ScriptedRun(config(tmp_path), [[published(1)], [published(2)], [published(2)],
                                          [Stop(reason="done")]])
     run.missing = {2}
-    await WeightFollower(run).run()
+    await run.follower().run()
     # v2 could not be loaded: no row for it, no second try until the end, and the final
     # evaluation scores v1, still held
     assert run.loads == [1, 2, 2]

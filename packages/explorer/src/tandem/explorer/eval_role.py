@@ -20,7 +20,7 @@ run_dir/eval.jsonl with the version they measured, as for an evaluating rollout 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 import structlog
 
@@ -29,54 +29,74 @@ from tandem.common.messages.master import Stop, TrainerGo, WeightsPublished
 from tandem.weights import WeightsError
 
 if TYPE_CHECKING:
-    from .service import Explorer
+    from tandem.common.pubsub import Subscriber
+    from tandem.common.trace import Tracer
+
+    from .engine import Engine
+    from .evaluation import Evaluator
+    from .weights import WeightLoader
 
 log = structlog.get_logger(__name__)
 
 
 class WeightFollower:
-    """The eval role's loop over one started `Explorer` (engine, evaluator, subscription)."""
+    """The eval role's loop, over the parts of one started explorer it drives: the engine
+    (only its version is read), the evaluator, the master's subscription, the weight loader.
 
-    def __init__(self, explorer: "Explorer"):
-        self.explorer = explorer
-        self.evaluator = explorer.evaluator
-        self.newest = explorer.engine.version  # the newest version published as files
+    `evaluate(step=None, final=...)` evaluates what the engine holds; `stopping()` is true once
+    the explorer was asked to stop. The `Stop`'s reason is kept in `stop_reason`.
+    """
+
+    def __init__(self, name: str, *, engine: Engine, evaluator: Evaluator,
+                 subscriber: Subscriber, loader: WeightLoader, tracer: Tracer, timeout: float,
+                 evaluate: Callable[..., Awaitable[None]], stopping: Callable[[], bool]):
+        self.name = name
+        self.engine = engine
+        self.evaluator = evaluator
+        self.subscriber = subscriber
+        self.loader = loader
+        self.tracer = tracer
+        self.timeout = timeout  # sync.timeout
+        self.evaluate = evaluate
+        self.stopping = stopping
+        self.stop_reason: str | None = None
+        self.newest = engine.version  # the newest version published as files
         self.unloadable: int | None = None  # a version whose load failed: not tried again
         self.evaluations = 0
 
     async def run(self) -> None:
         """Evaluate as published versions come in, until `Stop` (then the final evaluation)
         or `request_stop()`; fails after `sync.timeout` without any sign of the run."""
-        ex = self.explorer
-        if self.evaluator.due(ex.engine.version):
-            await self._evaluate(ex.engine.version)
-        timeout = ex.config.sync.timeout
+        engine = self.engine
+        if self.evaluator.due(engine.version):
+            await self._evaluate(engine.version)
+        timeout = self.timeout
         deadline = time.monotonic() + timeout
-        while not ex._stopping:
+        while not self.stopping():
             try:
                 stop = await self._drain(wait=min(1.0, max(deadline - time.monotonic(), 0.0)))
             except WaitTimeout:
                 if time.monotonic() < deadline:
                     continue
                 raise WaitTimeout(
-                    f"{ex.name} (role eval): no weights, trainer step or stop from the master "
-                    f"at {ex.subscriber.address} for {timeout:g}s; are the master and the "
+                    f"{self.name} (role eval): no weights, trainer step or stop from the master "
+                    f"at {self.subscriber.address} for {timeout:g}s; are the master and the "
                     "trainer running? raise sync.timeout if they are only slow") from None
             deadline = time.monotonic() + timeout
             if stop is not None:
-                ex.stop_reason = stop.reason
-                log.info("explorer.stop_received", explorer=ex.name, reason=stop.reason)
+                self.stop_reason = stop.reason
+                log.info("explorer.stop_received", explorer=self.name, reason=stop.reason)
                 if self.evaluator.cfg.at_end:
                     await self._evaluate(self.newest, final=True)
                 return
-            if (self.newest > ex.engine.version and self.newest != self.unloadable
+            if (self.newest > engine.version and self.newest != self.unloadable
                     and self.evaluator.due(self.newest)):
                 await self._evaluate(self.newest)
 
     async def _drain(self, wait: float) -> Stop | None:
         """Read every event already queued (waiting up to `wait` for the first), noting the
         newest version published; the `Stop` if one came. `WaitTimeout` if nothing came."""
-        sub = self.explorer.subscriber
+        sub = self.subscriber
         event = await sub.recv(wait, what="published weights (master)",
                                timeout_key="sync.timeout")
         while True:
@@ -86,7 +106,7 @@ class WeightFollower:
             if isinstance(msg, WeightsPublished) and msg.method == "checkpoint":
                 self.newest = max(self.newest, msg.version)
             elif not isinstance(msg, (WeightsPublished, TrainerGo)):
-                log.debug("explorer.eval_ignored", explorer=self.explorer.name,
+                log.debug("explorer.eval_ignored", explorer=self.name,
                           message=type(msg).__name__)
             try:
                 event = await sub.recv(0.01, what="published weights (master)")
@@ -95,17 +115,16 @@ class WeightFollower:
 
     async def _evaluate(self, version: int, final: bool = False) -> None:
         """Load `version` when the engine holds another, then evaluate what the engine holds."""
-        ex = self.explorer
-        if version > ex.engine.version:
+        if version > self.engine.version:
             try:
-                with ex.tracer.span("sync", step=None, version=version,
-                                    method="checkpoint") as attrs:
-                    attrs.update(await ex.loader.load(version, "checkpoint"))
+                with self.tracer.span("sync", step=None, version=version,
+                                      method="checkpoint") as attrs:
+                    attrs.update(await self.loader.load(version, "checkpoint"))
             except (WeightsError, OSError) as exc:
                 self.unloadable = version
-                log.warning("explorer.eval_load_failed", explorer=ex.name, version=version,
+                log.warning("explorer.eval_load_failed", explorer=self.name, version=version,
                             error=str(exc), hint="deleted already? raise weights.keep_versions")
                 if not final:
                     return
-        await ex._evaluate(step=None, final=final)
+        await self.evaluate(step=None, final=final)
         self.evaluations += 1

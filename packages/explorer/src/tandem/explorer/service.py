@@ -246,7 +246,16 @@ class Explorer:
                 return
             raise
         if self.cfg.role == "eval":
-            await WeightFollower(self).run()  # no barriers, leases or puts (eval_role.py)
+            # no barriers, leases or puts (eval_role.py)
+            follower = WeightFollower(
+                self.name, engine=self.engine, evaluator=self.evaluator,
+                subscriber=self.subscriber, loader=self.loader, tracer=self.tracer,
+                timeout=self.config.sync.timeout, evaluate=self._evaluate,
+                stopping=lambda: self._stopping)
+            try:
+                await follower.run()
+            finally:
+                self.stop_reason = follower.stop_reason
             return
         await self._roll_steps()
         if self.evaluator is not None and self.evaluator.cfg.at_end and not self._stopping:

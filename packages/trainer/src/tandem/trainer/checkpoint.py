@@ -22,7 +22,7 @@ import random
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import structlog
@@ -32,12 +32,44 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 if TYPE_CHECKING:
-    from .learner import Learner
+    from tandem.common.config import RunConfig
+
+    from .distributed import DistInfo
+    from .forward import Actor
 
 log = structlog.get_logger(__name__)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "chat_template.jinja", "added_tokens.json")
+
+
+class TrainingState(Protocol):
+    """What a checkpoint writes and restores, as a `Learner` holds it: the policy (and value
+    head), optimiser and schedule, the step, and where the run's model came from."""
+
+    @property
+    def config(self) -> RunConfig: ...
+
+    @property
+    def dist(self) -> DistInfo: ...
+
+    @property
+    def actor(self) -> Actor: ...
+
+    @property
+    def mode(self) -> str: ...  # how `actor` is wrapped ("fsdp": sharded)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...
+
+    @property
+    def scheduler(self) -> torch.optim.lr_scheduler.LRScheduler: ...
+
+    @property
+    def step_count(self) -> int: ...
+
+    @property
+    def version(self) -> int: ...
 
 
 def import_state_dict_api():
@@ -110,7 +142,7 @@ def _move_aside(final: Path, lineage: str | None) -> None:
                 by=lineage)
 
 
-def save(learner: "Learner", root: Path, *, lineage: str | None = None) -> Path | None:
+def save(learner: TrainingState, root: Path, *, lineage: str | None = None) -> Path | None:
     """Collective: every rank gathers; rank 0 writes `root/step_N` and prunes old ones."""
     model_state = full_model_state(learner.actor, learner.mode)
     optim_state = import_state_dict_api().get_optimizer_state_dict(
@@ -126,7 +158,7 @@ def save(learner: "Learner", root: Path, *, lineage: str | None = None) -> Path 
         tmp.mkdir()
         policy = {k[len("model."):]: v for k, v in model_state.items() if k.startswith("model.")}
         # LoRA: the adapters only (peft's save_pretrained keeps the adapter entries of `policy`)
-        folder = tmp / ("adapter" if learner.lora is not None else "model")
+        folder = tmp / ("adapter" if learner.config.model.lora is not None else "model")
         learner.actor.model.save_pretrained(str(folder), state_dict=policy,
                                             safe_serialization=True)
         source = Path(learner.config.model.path)
@@ -152,7 +184,7 @@ def save(learner: "Learner", root: Path, *, lineage: str | None = None) -> Path 
         os.replace(tmp, final)
         done = sorted((p for p in root.glob("step_*") if p.is_dir()),
                       key=lambda p: int(p.name.split("_")[1]))
-        for old in done[: -learner.tc.keep_checkpoints]:
+        for old in done[: -learner.config.trainer.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
         log.info("checkpoint.saved", path=str(final), step=step,
                  seconds=round(time.perf_counter() - start, 3))
@@ -165,7 +197,7 @@ def load_value_head(value_head: nn.Module, path: Path) -> None:
     value_head.load_state_dict(load_file(str(path / "value_head.safetensors")))
 
 
-def load_training_state(learner: "Learner", path: Path) -> dict[str, Any]:
+def load_training_state(learner: TrainingState, path: Path) -> dict[str, Any]:
     """Restore optimiser, scheduler and RNG (the model was built from `path/model`)."""
     state = json.loads((path / "trainer_state.json").read_text())
     optim_state = torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu")
