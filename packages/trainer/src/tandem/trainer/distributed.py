@@ -148,10 +148,6 @@ def gradient_sync(wrapped: nn.Module, mode: str, sync: bool) -> Iterator[None]:
         yield
 
 
-def unwrap(wrapped: nn.Module) -> nn.Module:
-    return getattr(wrapped, "module", wrapped)
-
-
 # -- rank 0 -> every rank: commands and batches as tensors ---------------------------------------
 
 STEP, PUBLISH, CHECKPOINT, STOP, KEEPALIVE = 1, 2, 3, 4, 5
