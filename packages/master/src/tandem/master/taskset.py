@@ -1,8 +1,10 @@
 """The taskset and its leases: tasks go out in batches, come back done, or expire and go again.
 
-`load_rows` reads JSONL or Parquet files (a file or a folder of them) or a `datasets` dataset
-saved with `save_to_disk` (`tandem.common.tasks`, the reader eval tasksets share). `TaskDispatcher` walks the rows epoch by epoch in a seeded order and
-hands them out as leases; a lease not completed before its deadline (the explorer died) puts its
+`load_rows` reads the taskset's rows with its reader (JSONL, Parquet or CSV files, a `datasets`
+folder, a dataset by name, or a plugin's) and makes each a task with its format
+(`tandem.common.tasks`, which the eval tasksets share), once, before the master serves: a bad
+row stops the master at start. `TaskDispatcher` walks the tasks epoch by epoch in a seeded
+order and hands them out as leases; a lease not completed before its deadline (the explorer died) puts its
 tasks at the front of the queue, so the next explorer to ask gets them. Its state changes only
 through `lease`, `complete` and `expire`, which the master journals, so replaying the journal
 rebuilds the cursor after a restart.
@@ -18,12 +20,14 @@ from typing import Any
 
 from tandem.common.config import TasksetConfig
 from tandem.common.messages import Task
-from tandem.common.tasks import load_rows as read_rows
+from tandem.common.tasks import load_tasks
 
 
 def load_rows(cfg: TasksetConfig) -> list[dict[str, Any]]:
-    """Every row of the training taskset, in file order (`tandem.common.tasks.load_rows`)."""
-    return read_rows(cfg.path, cfg.split, key="master.taskset")
+    """Every task of the training taskset, in file order: its rows as `cfg.reader` reads them,
+    each made a task by `cfg.format` (`tandem.common.tasks.load_tasks`)."""
+    return load_tasks(cfg.path, cfg.split, key="master.taskset", reader=cfg.reader,
+                      format=cfg.format, id_field=cfg.id_field)
 
 
 @dataclass
@@ -76,7 +80,8 @@ class TaskDispatcher:
     def task(self, ref: tuple[int, int]) -> Task:
         epoch, index = ref
         row = self.rows[index]
-        tid = str(row[self.cfg.id_field]) if self.cfg.id_field else str(index)
+        id_key = self.cfg.id_key
+        tid = str(row[id_key]) if id_key else str(index)
         return Task(id=tid, payload=row, epoch=epoch)
 
     def plan_lease(self, count: int) -> list[tuple[int, int]]:
