@@ -4,10 +4,10 @@
 folder, a dataset by name, or a plugin's) and makes each a task with its format
 (`tandem.common.tasks`, which the eval tasksets share), once, before the master serves: a bad
 row stops the master at start. `TaskDispatcher` walks the tasks epoch by epoch in a seeded
-order and hands them out as leases; a lease not completed before its deadline (the explorer died) puts its
-tasks at the front of the queue, so the next explorer to ask gets them. Its state changes only
-through `lease`, `complete` and `expire`, which the master journals, so replaying the journal
-rebuilds the cursor after a restart.
+order and hands them out as leases; a lease not completed before its deadline (the explorer
+died) puts its tasks at the front of the queue, so the next explorer to ask gets them. Its
+state changes only through `lease`, `complete` and `expire`, which the master journals, so
+replaying the journal rebuilds the cursor after a restart.
 """
 
 from __future__ import annotations

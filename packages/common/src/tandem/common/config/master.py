@@ -73,7 +73,9 @@ class TasksetConfig(Section):
     shuffle: bool = Field(default=True, description="shuffle each epoch (seeded, reproducible)")
     seed: int = Field(default=0, description="shuffle seed; epoch k uses seed + k")
     epochs: int = Field(default=1, ge=1, description="passes over the taskset")
-    id_field: str | None = Field(default=None, description="column holding task ids; else row index")
+    id_field: str | None = Field(
+        default=None, description="column holding unique task ids; else the row index (with "
+                                  "a format: the same as format.id)")
 
     @model_validator(mode="after")
     def _one_id_column(self) -> "TasksetConfig":

@@ -1,4 +1,8 @@
-"""`single_turn`: a prompt template, `repeat_times` samples per task, rewards for each."""
+"""`single_turn`: a prompt template, `repeat_times` samples per task, rewards for each.
+
+A task is a prompt (`prompt_key`, with the task's own system prompt under `system_key`) or a
+chat (`messages_key`: a list of {role, content}), as `master.taskset.format` makes them; the
+prompt goes through the model's chat template, or the plain template without one."""
 
 from __future__ import annotations
 
@@ -12,15 +16,21 @@ from tandem.common.messages.experience import Experience, Task
 from tandem.common.messages.reward import ScoreItem
 
 from ..engine import Completion
-from ..templates import PromptTemplate
+from ..templates import PromptTemplate, message_text
 from .base import (
     RolloutContext, Trajectory, Workflow, WorkflowArgs, make_experience, settle_group_versions)
 
 
 class SingleTurnArgs(WorkflowArgs):
     prompt_key: str = Field(default="prompt", description="payload field holding the question")
+    messages_key: str = Field(default="messages",
+                              description="payload field holding chat messages, read when the "
+                                          "task has no prompt_key field")
+    system_key: str = Field(default="system",
+                            description="payload field holding the task's own system prompt")
     answer_key: str = Field(default="answer", description="payload field holding the gold answer")
-    system: str | None = Field(default=None, description="system prompt")
+    system: str | None = Field(default=None,
+                               description="system prompt of tasks that carry none")
     chat: Literal["auto", "always", "never"] = "auto"
     template: str = Field(default="{system}{prompt}", description="plain template, no chat one")
     reward_fn: str | None = Field(
@@ -38,18 +48,31 @@ class SingleTurn(Workflow):
                                        template=self.args.template, system=self.args.system)
 
     def prompt_of(self, task: Task) -> str:
-        try:
-            value = task.payload[self.args.prompt_key]
-        except KeyError:
-            raise ValueError(
-                f"task {task.id!r} has no {self.args.prompt_key!r} field "
-                f"(has {sorted(task.payload)}); set workflow_args.prompt_key") from None
-        return str(value)
+        """The question's text, for the reward: the prompt, or a chat's last user message."""
+        payload, a = task.payload, self.args
+        if a.prompt_key in payload:
+            return str(payload[a.prompt_key])
+        messages = payload.get(a.messages_key)
+        if isinstance(messages, list) and messages:
+            users = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"]
+            return message_text((users or messages)[-1])
+        raise ValueError(
+            f"task {task.id!r} has no {a.prompt_key!r} field nor a {a.messages_key!r} list "
+            f"(has {sorted(payload)}); set workflow_args.prompt_key or master.taskset.format")
+
+    def render(self, task: Task) -> list[int]:
+        """The task's prompt token ids."""
+        payload, a = task.payload, self.args
+        if a.prompt_key not in payload and isinstance(payload.get(a.messages_key), list):
+            return self.template.render_messages(payload[a.messages_key])
+        system = payload.get(a.system_key)
+        return self.template.render(self.prompt_of(task),
+                                    system=system if isinstance(system, str) else None)
 
     async def run(self, tasks: list[Task], ctx: RolloutContext) -> list[Experience]:
         if ctx.scorer is None:
             raise RuntimeError("single_turn needs a reward scorer (reward section)")
-        prompts = [self.template.render(self.prompt_of(t)) for t in tasks]
+        prompts = [self.render(t) for t in tasks]
         if ctx.on_group is not None:
             return await self._stream(tasks, prompts, ctx)
         t0 = time.time()
