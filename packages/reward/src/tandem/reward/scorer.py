@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import time
 from collections import defaultdict
 from typing import Iterable, Protocol, runtime_checkable
@@ -24,7 +23,8 @@ import structlog
 
 from tandem.common.config.reward import RewardConfig
 from tandem.common.config.transport import TransportConfig
-from tandem.common.messages.reward import Score, ScoreBatch, ScoreItem
+from tandem.common.messages.reward import Score, ScoreItem
+from tandem.common.reward_client import RemoteScorer
 
 from .base import AsyncReward, PureReward, RewardFunction
 from .functions import lookup
@@ -202,51 +202,8 @@ class LocalScorer:
         await self.close()
 
 
-class RemoteScorer:
-    """Scores through a tandem-reward service at `address`, in batches of `max_batch`.
-
-    A request is resent with the same id every `resend` seconds (`reward.timeout`: one
-    evaluation's bound) until `timeout`: a service that is only busy answers it once, and one
-    restarted after it was killed with the request in flight answers the resend."""
-
-    def __init__(self, address: str, *, transport: TransportConfig | None = None,
-                 timeout: float = 120.0, max_batch: int = 4096, name: str = "reward-client",
-                 resend: float = 10.0):
-        from tandem.common.rpc import RpcClient
-
-        self.address = address
-        self.timeout = timeout
-        self.resend = resend
-        self.max_batch = max_batch
-        self._client = RpcClient(address, peer="reward", transport=transport, name=name)
-
-    async def score(self, items: list[ScoreItem], *, deadline: float | None = None) -> list[Score]:
-        """RequestFailed when the service refuses, PeerDead when it does not answer."""
-        timeout = self.timeout
-        if deadline is not None:
-            timeout = max(0.001, min(timeout, deadline - time.monotonic()))
-        chunks = [items[i:i + self.max_batch] for i in range(0, len(items), self.max_batch)]
-        attempts = max(1, math.ceil(timeout / self.resend))
-        replies = await asyncio.gather(*(
-            self._client.call(ScoreBatch(items=chunk), timeout=timeout / attempts,
-                              retries=attempts - 1, ttl=timeout,
-                              timeout_key="reward.request_timeout")
-            for chunk in chunks))
-        return [score for reply in replies for score in reply.scores]
-
-    async def close(self) -> None:
-        await self._client.close()
-
-    async def __aenter__(self) -> "RemoteScorer":
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-
 def build_scorer(reward: RewardConfig, transport: TransportConfig | None = None) -> Scorer:
     """The scorer the config asks for: RemoteScorer when `reward.service`, else LocalScorer."""
     if reward.service:
-        return RemoteScorer(reward.address, transport=transport, timeout=reward.request_timeout,
-                            max_batch=reward.max_batch, resend=reward.timeout)
+        return RemoteScorer.from_config(reward, transport)
     return LocalScorer(config=reward)
