@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Literal, Sequence
+from typing import Any, Awaitable, Callable, Iterable, Literal, Sequence
 
 import numpy as np
 
@@ -45,6 +45,45 @@ class Completion:
 
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])
+
+
+def encode_prompts(tokenizer: Any, prompts: Sequence[Prompt], n: int, *,
+                   max_model_len: int | None = None,
+                   too_long: Callable[[int, int], Exception] | None = None) -> list[list[int]]:
+    """The token ids of each prompt of a call for `n` samples of each: text is tokenized, ids
+    are taken as given. ValueError for `n` < 1 or an empty prompt; a prompt that leaves no room
+    to generate under `max_model_len` raises `too_long(index, length)` (the engine's own error,
+    naming the key that raises the limit), else a ValueError."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    encoded = []
+    for index, prompt in enumerate(prompts):
+        ids = (tokenizer(prompt).input_ids if isinstance(prompt, str)
+               else [int(t) for t in prompt])
+        if not ids:
+            raise ValueError(f"prompt {index} is empty")
+        if max_model_len is not None and len(ids) >= max_model_len:
+            if too_long is not None:
+                raise too_long(index, len(ids))
+            raise ValueError(f"prompt {index} has {len(ids)} tokens, max_model_len is "
+                             f"{max_model_len}")
+        encoded.append(ids)
+    return encoded
+
+
+async def in_requests(prompts: list[list[int]], n: int, sampling: SamplingParams,
+                      request: Callable[[int, list[int], int, int], Awaitable[list[Completion]]]
+                      ) -> list[list[Completion]]:
+    """`n` completions of each prompt, one list per prompt in order, from concurrent calls of
+    `request(index, ids, part, samples)`, each returning `samples` completions of prompt
+    `index`: one request (part 0) of `n` samples, except that a greedy call is `n` requests
+    (parts 0..n-1) of one sample each, since vLLM refuses n > 1 for greedy sampling."""
+    samples = 1 if sampling.greedy else n
+    parts = n // samples
+    done = await asyncio.gather(*(request(index, ids, part, samples)
+                                  for index, ids in enumerate(prompts) for part in range(parts)))
+    return [[c for part in done[i * parts:(i + 1) * parts] for c in part]
+            for i in range(len(prompts))]
 
 
 class Engine(ABC):

@@ -33,7 +33,7 @@ import numpy as np
 import openai
 import structlog
 
-from .engine import Completion, Prompt, WorkerFetchEngine
+from .engine import Completion, Prompt, WorkerFetchEngine, encode_prompts, in_requests
 from .sampling import SamplingParams
 
 log = structlog.get_logger(__name__)
@@ -129,16 +129,17 @@ class RemoteEngine(WorkerFetchEngine):
 
     async def generate(self, prompts: Sequence[Prompt], n: int,
                        sampling: SamplingParams) -> list[list[Completion]]:
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        encoded = [self._encode(p, i) for i, p in enumerate(prompts)]
+        encoded = encode_prompts(
+            self._tokenizer, prompts, n, max_model_len=self.max_model_len,
+            too_long=lambda index, length: RemoteEngineError(
+                f"engine.url {self.url}: prompt {index} has {length} tokens, the server's "
+                f"max_model_len is {self.max_model_len}"))
         client, _ = self._bind()
         call = next(self._calls)
         start = time.perf_counter()
-        # vLLM refuses n > 1 for greedy requests: n requests of one sample each instead
-        per_request = 1 if sampling.greedy else n
 
-        async def one(index: int, ids: list[int], part: int) -> list[Completion]:
+        async def one(index: int, ids: list[int], part: int,
+                      per_request: int) -> list[Completion]:
             # each prompt its own seeds (the server seeds sample k with seed + k), so equal
             # prompts in one call differ and a seeded call reproduces; unseeded calls differ
             base = sampling.seed if sampling.seed is not None else (
@@ -172,21 +173,7 @@ class RemoteEngine(WorkerFetchEngine):
                                         f"samples, the server returned {len(choices)}")
             return [self._completion(ids, c, seconds) for c in choices]
 
-        parts = n // per_request
-        done = await asyncio.gather(*(one(i, ids, k) for i, ids in enumerate(encoded)
-                                      for k in range(parts)))
-        return [[c for part in done[i * parts:(i + 1) * parts] for c in part]
-                for i in range(len(encoded))]
-
-    def _encode(self, prompt: Prompt, index: int) -> list[int]:
-        ids = self._tokenizer(prompt).input_ids if isinstance(prompt, str) else [
-            int(t) for t in prompt]
-        if not ids:
-            raise ValueError(f"prompt {index} is empty")
-        if self.max_model_len is not None and len(ids) >= self.max_model_len:
-            raise RemoteEngineError(f"engine.url {self.url}: prompt {index} has {len(ids)} "
-                                    f"tokens, the server's max_model_len is {self.max_model_len}")
-        return ids
+        return await in_requests(encoded, n, sampling, one)
 
     def _request(self, ids: list[int], n: int, sampling: SamplingParams,
                  seed: int | None) -> dict[str, Any]:

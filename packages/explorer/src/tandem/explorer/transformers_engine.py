@@ -29,7 +29,7 @@ import torch
 from tandem.weights import model_dtype
 from tandem.weights.hf import load_tokenizer
 
-from .engine import Completion, Prompt, TensorEngine
+from .engine import Completion, Prompt, TensorEngine, encode_prompts
 from .sampling import SamplingParams, sample_tokens
 
 log = structlog.get_logger(__name__)
@@ -109,9 +109,7 @@ class TransformersEngine(TensorEngine):
                       ) -> list[list[Completion]]:
         """The blocking body of `generate`, for callers without an event loop; `on_prompt(i,
         completions)` is called (on this thread) as soon as prompt `i`'s rows are all done."""
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        encoded = [self._encode(p, i) for i, p in enumerate(prompts)]
+        encoded = encode_prompts(self._tokenizer, prompts, n)
         rows = [(p, s) for p in range(len(encoded)) for s in range(n)]
         out: list[list[Completion | None]] = [[None] * n for _ in encoded]
         left = [n] * len(encoded)
@@ -131,15 +129,6 @@ class TransformersEngine(TensorEngine):
                 self._generate_chunk([encoded[p] for p, _ in chunk], sampling, generator,
                                      finished)
         return out  # type: ignore[return-value]
-
-    def _encode(self, prompt: Prompt, index: int) -> list[int]:
-        if isinstance(prompt, str):
-            ids = self._tokenizer(prompt).input_ids
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError(f"prompt {index} is empty")
-        return ids
 
     def _generator(self, sampling: SamplingParams) -> torch.Generator:
         # Each call gets its own stream: reproducible for a given seed, different across calls.

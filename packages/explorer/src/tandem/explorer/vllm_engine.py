@@ -46,7 +46,7 @@ from typing import Any, Coroutine, Sequence
 import numpy as np
 import structlog
 
-from .engine import Completion, Prompt, WorkerFetchEngine
+from .engine import Completion, Prompt, WorkerFetchEngine, encode_prompts, in_requests
 from .sampling import SamplingParams
 
 log = structlog.get_logger(__name__)
@@ -191,26 +191,21 @@ class VLLMEngine(WorkerFetchEngine):
 
     async def generate(self, prompts: Sequence[Prompt], n: int,
                        sampling: SamplingParams) -> list[list[Completion]]:
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        encoded = [self._encode(p, i) for i, p in enumerate(prompts)]
+        encoded = self._encode(prompts, n)
         return await self._loop.run(self._generate(encoded, n, sampling))
 
     def generate_sync(self, prompts: Sequence[Prompt], n: int, sampling: SamplingParams,
                       timeout: float = 3600) -> list[list[Completion]]:
         """The blocking form of `generate`, for callers without an event loop."""
-        encoded = [self._encode(p, i) for i, p in enumerate(prompts)]
+        encoded = self._encode(prompts, n)
         return self._loop.run_sync(self._generate(encoded, n, sampling), timeout)
 
-    def _encode(self, prompt: Prompt, index: int) -> list[int]:
-        ids = self._tokenizer(prompt).input_ids if isinstance(prompt, str) else [
-            int(t) for t in prompt]
-        if not ids:
-            raise ValueError(f"prompt {index} is empty")
-        if self.max_model_len is not None and len(ids) >= self.max_model_len:
-            raise VLLMError(f"engine.options.max_model_len: prompt {index} has {len(ids)} "
-                            f"tokens, vLLM's max_model_len is {self.max_model_len}; raise it")
-        return ids
+    def _encode(self, prompts: Sequence[Prompt], n: int) -> list[list[int]]:
+        return encode_prompts(
+            self._tokenizer, prompts, n, max_model_len=self.max_model_len,
+            too_long=lambda index, length: VLLMError(
+                f"engine.options.max_model_len: prompt {index} has {length} tokens, vLLM's "
+                f"max_model_len is {self.max_model_len}; raise it"))
 
     async def _generate(self, prompts: list[list[int]], n: int,
                         sampling: SamplingParams) -> list[list[Completion]]:
@@ -219,10 +214,8 @@ class VLLMEngine(WorkerFetchEngine):
 
         start = time.perf_counter()
 
-        # vLLM refuses n > 1 for greedy requests: send n requests of one sample each instead.
-        per_request = 1 if sampling.greedy else n
-
-        async def one(index: int, ids: list[int]) -> list[Completion]:
+        async def one(index: int, ids: list[int], part: int,
+                      per_request: int) -> list[Completion]:
             # A seeded call gives each prompt its own seeds (vLLM seeds sample k with seed + k),
             # so equal prompts in one call still get different samples.
             seed = None if sampling.seed is None else sampling.seed + index * n
@@ -253,11 +246,7 @@ class VLLMEngine(WorkerFetchEngine):
                         for i, ids in enumerate(prompts) for k in range(n)]
             done = await asyncio.gather(*requests)
             return [done[i * n:(i + 1) * n] for i in range(len(prompts))]
-        requests = [one(i, ids) for i, ids in enumerate(prompts) for _ in range(n // per_request)]
-        done = await asyncio.gather(*requests)
-        per_prompt = n // per_request
-        return [[c for part in done[i * per_prompt:(i + 1) * per_prompt] for c in part]
-                for i in range(len(prompts))]
+        return await in_requests(prompts, n, sampling, one)
 
     async def _resumable(self, ids: list[int], sampling: SamplingParams, seed: int | None,
                          start: float) -> Completion:
