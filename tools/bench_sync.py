@@ -240,12 +240,12 @@ def predictions(run: dict[str, Any], steps: int) -> dict[str, float]:
     run's durations. multi_explorer_async's two explorers each roll out half the batch on their
     share of the cores, so each is given the measured rollout (the machine's rollout throughput
     stays what it was; on a machine with a device per explorer each would take half)."""
-    from tandem.common.sync import SyncPlan
+    from tandem.common.sync import SyncPlan, preset_explorers
     from tandem.master.plan_from import Durations, predict
 
     out = {}
     for schedule, (preset, knobs) in SCHEDULES.items():
-        n = 2 if preset == "multi_explorer_async" else 1
+        n = preset_explorers(preset)
         d = Durations(explorers=[f"explorer-{i}" for i in range(n)],
                       rollout=[run["rollout"]] * n, load=[run["load"]] * n,
                       train=run["train"], publish=run["publish"], steps=steps,

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from tandem.common.config import load_config
 from tandem.common.errors import ConfigError
-from tandem.common.sync import PRESETS, Go, SyncPlan
+from tandem.common.sync import PRESET_EXPLORERS, PRESETS, Go, SyncPlan, preset_explorers
 
 
 def test_presets_match_the_design_table():
@@ -18,6 +18,13 @@ def test_presets_match_the_design_table():
     for name in ("fully_async", "multi_explorer_async"):
         assert PRESETS[name] == dict(method="checkpoint", interval=1, offset=None,
                                      max_staleness=4)
+
+
+def test_only_multi_explorer_async_runs_several_explorers_unless_told():
+    assert set(PRESET_EXPLORERS) <= set(PRESETS)  # a renamed preset cannot leave a stale entry
+    assert {name: preset_explorers(name) for name in PRESETS} == {
+        "synchronous": 1, "one_step_off_policy": 1, "fully_async": 1, "multi_explorer_async": 2}
+    assert preset_explorers(None) == 1
 
 
 def test_synchronous_batch_e_uses_version_e():

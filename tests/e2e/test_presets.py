@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tandem.common.config import RunConfig
-from tandem.common.sync import SyncPlan
+from tandem.common.sync import SyncPlan, preset_explorers
 from tandem.common.trace import read_trace
 from tandem.master.quickstart import reversal_tasks, write_jsonl
 from tandem.master.up import run_up
@@ -24,7 +24,7 @@ STEPS = 3
 def preset_config(tmp_path: Path, model_dir: Path, preset: str) -> RunConfig:
     train, _ = reversal_tasks(0)
     taskset = write_jsonl(train[:64], tmp_path / "train.jsonl")
-    explorers = 2 if preset == "multi_explorer_async" else 1
+    explorers = preset_explorers(preset)
     return RunConfig.model_validate({
         "name": preset, "run_dir": str(tmp_path / "run"),
         "model": {"path": str(model_dir)},

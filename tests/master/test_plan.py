@@ -9,7 +9,7 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem.common.sync import SyncPlan
+from tandem.common.sync import PRESETS, SyncPlan, preset_explorers
 from tandem.master.cli import tandem
 from tandem.master.simulate import simulate
 
@@ -138,6 +138,13 @@ def test_every_plan_terminates_and_keeps_its_promises(interval, offset, stalenes
     for lane in ["trainer"] + [f"explorer-{i}" for i in range(explorers)]:
         blocks = sorted(tl.lane(lane), key=lambda b: b.start)
         assert all(a.end <= b.start + 1e-9 for a, b in zip(blocks, blocks[1:]))
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_cli_replays_the_explorers_a_preset_runs_with(preset):
+    result = CliRunner().invoke(tandem, ["plan", "--preset", preset, "--steps", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    assert len(json.loads(result.output)["explorers"]) == preset_explorers(preset)
 
 
 def test_cli_json_schema():

@@ -36,6 +36,16 @@ PRESETS: dict[str, dict[str, Any]] = {
     "multi_explorer_async": dict(method="checkpoint", interval=1, offset=None, max_staleness=4),
 }
 
+# The explorers a run of a preset has where nothing else says (`tandem plan`, `tandem quickstart`,
+# the preset tests and benchmarks); a preset not named here runs one. multi_explorer_async with
+# fewer explorers is fully_async.
+PRESET_EXPLORERS: dict[str, int] = {"multi_explorer_async": 2}
+
+
+def preset_explorers(preset: str | None) -> int:
+    """How many explorers a run of `preset` has where nothing else says (`PRESET_EXPLORERS`)."""
+    return PRESET_EXPLORERS.get(preset or "", 1)
+
 
 def check_knobs(method: str, interval: int, offset: int | None, max_staleness: int) -> None:
     """The rules every set of `sync` knobs obeys (the config, `tandem plan` and `SyncPlan` all

@@ -17,7 +17,7 @@ import click
 from tandem.common.cli import (
     EXIT_FAILED, OneLineFailure, config_options, fail, load_config_or_exit, run_component)
 from tandem.common.errors import TandemError
-from tandem.common.sync import PRESETS
+from tandem.common.sync import PRESET_EXPLORERS, PRESETS, preset_explorers
 
 LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
     # name: (module, click command attribute, one-line help shown by `tandem --help`)
@@ -113,7 +113,8 @@ def _times(value: str) -> list[float]:
 @click.option("--max-staleness", type=int, help="sync.max_staleness")
 @click.option("--method", type=click.Choice(["nccl", "checkpoint"]), help="sync.method")
 @click.option("--explorers", type=int, help="number of explorers (default: one per rollout time; "
-              "2 for multi_explorer_async)")
+              + "".join(f"{n} for {name}, " for name, n in PRESET_EXPLORERS.items())
+              + "else 1)")
 @click.option("--steps", type=int, default=8, show_default=True, help="trainer steps to replay")
 @click.option("--rollout-time", default="1.0", show_default=True,
               help="seconds per explorer step; a comma list gives each explorer its own")
@@ -157,8 +158,7 @@ def plan(preset: str, interval: int | None, offset: str | None, max_staleness: i
 
     times = _times(rollout_time)
     if explorers is None:
-        explorers = len(times) if len(times) > 1 else (
-            2 if preset == "multi_explorer_async" else 1)
+        explorers = len(times) if len(times) > 1 else preset_explorers(preset)
     if explorers < 1:
         raise click.BadParameter("must be >= 1", param_hint="--explorers")
     if len(times) == 1:

@@ -22,7 +22,7 @@ from typing import Any
 
 import click
 
-from tandem.common.sync import PRESETS, SyncPlan
+from tandem.common.sync import PRESETS, SyncPlan, preset_explorers
 
 from .simulate import Timeline, simulate
 from .timeline import RunTimeline, load_timeline
@@ -135,8 +135,8 @@ def replay_all(d: Durations, own: SyncPlan, steps: int | None = None) -> list[Pr
     n = len(d.rollout)
     out = [predict(d, "your knobs", own, steps)]
     for name in PRESETS:
-        if name == "multi_explorer_async" and n < 2:
-            continue  # with one explorer it is fully_async
+        if n < preset_explorers(name):
+            continue  # multi_explorer_async with one explorer is fully_async
         out.append(predict(d, name, SyncPlan.preset(name, batches_per_step=n), steps))
     return out
 

@@ -25,7 +25,7 @@ from typing import Any
 import click
 
 from tandem.common.config import RunConfig
-from tandem.common.sync import PRESETS
+from tandem.common.sync import PRESETS, preset_explorers
 
 MODEL = dict(hidden=192, layers=2, heads=4, kv_heads=2, intermediate=576, max_positions=64)
 
@@ -169,7 +169,7 @@ def quickstart(run_dir: str, preset: str, steps: int, sft_steps: int, lr: float,
     click.echo(f"3/4 GRPO through the full system ({preset}, {steps} trainer steps)")
     config = quickstart_config(root / "grpo", root / "model-sft", taskset, preset=preset,
                                steps=steps, seed=seed, lr=lr, heldout=heldout_set,
-                               explorers=2 if preset == "multi_explorer_async" else 1)
+                               explorers=preset_explorers(preset))
     code = run_up(config, live=False if plain else None, prog="tandem quickstart")
     if code != 0:
         sys.exit(code)
