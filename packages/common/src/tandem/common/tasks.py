@@ -181,7 +181,7 @@ def _format(formatter: Callable, row: dict[str, Any], fmt: Any, index: int, *, k
         task = formatter(row, fmt, index)
     except BadRow as exc:
         at = f"{key}.format.{exc.field}" if exc.field else f"{key}.format"
-        raise ConfigError([f"{at}: {where}: {_one_line(exc)}"]) from None
+        raise ConfigError([f"{at}: {where}: {' '.join(str(exc).split())}"]) from None
     except KeyError as exc:  # a plugin's format reading a column the row lacks
         raise ConfigError([f"{key}.format: {where}: no column {exc.args[0]!r} "
                            f"(has {_columns(row)})"]) from None
