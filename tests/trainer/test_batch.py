@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tandem.common.messages.experience import Experience
-from tandem.trainer.batch import build_batch, dpo_pairs, plan_micro_batches, shard_rows
+from tandem.trainer.batch import build_batch, plan_micro_batches, preference_pairs, shard_rows
 from tandem.trainer.metrics import MetricAccumulator
 
 
@@ -35,7 +35,7 @@ def test_token_tensors_are_aligned_to_targets_and_padded():
     assert sub.tokens.tolist() == [[12, 13]] and sub.mask.tolist() == [[1]]
 
 
-def test_dpo_pairs_take_best_and_worst_and_drop_ties():
+def test_preference_pairs_take_best_and_worst_and_drop_ties():
     batch = build_batch([
         exp([1, 2, 3], 1, [1, 1], [0, 0], group="a", reward=0.0),
         exp([1, 2, 4, 5], 1, [1, 1, 1], [0, 0, 0], group="a", reward=2.0),
@@ -43,7 +43,7 @@ def test_dpo_pairs_take_best_and_worst_and_drop_ties():
         exp([7, 8], 1, [1], [0], group="b", reward=1.0),
         exp([7, 9], 1, [1], [0], group="b", reward=1.0),
     ])
-    pairs, dropped = dpo_pairs(batch)
+    pairs, dropped = preference_pairs(batch)
     assert dropped == 1
     assert pairs.rewards.tolist() == [2.0, 0.0]
     assert pairs.tokens.tolist() == [[1, 2, 4, 5], [1, 2, 3, 0]]

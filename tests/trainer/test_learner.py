@@ -7,6 +7,7 @@ import torch
 
 from tandem.common.errors import ConfigError
 from tandem.trainer import checkpoint
+from tandem.trainer.algorithms import POLICY_LOSSES
 from tandem.trainer.batch import build_batch
 from tandem.trainer.forward import token_logprobs
 from tandem.trainer.learner import Learner, lr_multiplier
@@ -115,7 +116,7 @@ ALGORITHMS = [
     dict(advantage="gae", gamma=0.99, lam=0.95),
     dict(loss="gspo", aggregation="seq_mean_token_mean", clip_low=3e-4, clip_high=4e-4),
     dict(loss="sft", aggregation="seq_mean_token_sum"),
-    dict(loss="dpo", dpo_beta=0.2),
+    dict(loss={"name": "dpo", "beta": 0.2}),
     dict(off_policy={"proximal": True, "behaviour_weight": True, "is_cap": 2.0},
          entropy_coef=0.01, kl={"coef": 0.01, "estimator": "k2"}),
 ]
@@ -165,9 +166,20 @@ def test_lr_schedule_warms_up_then_decays():
     assert mult[4] == pytest.approx(0.1 + 0.9 * 0.5) and mult[6] == pytest.approx(0.1)
 
 
-def test_bad_inputs_are_clear_errors(tiny_model_path, make_config, make_group):
+def test_bad_inputs_are_clear_errors(tiny_model_path, make_config, make_group, monkeypatch):
+    with pytest.raises(ValueError, match="unknown policy loss 'ppo2'; registered: dpo, "):
+        make_config(tiny_model_path, loss="ppo2")
+    # validated where no loss is registered (the trainer not installed there), the config
+    # passes; the learner checks the name and the parameters again when it starts
+    with monkeypatch.context() as m:
+        m.setattr(POLICY_LOSSES, "_entries", {})
+        unknown = make_config(tiny_model_path, loss="ppo2")
+        misspelt = make_config(tiny_model_path, loss={"name": "dpo", "betta": 0.2})
     with pytest.raises(ConfigError, match="trainer.loss: unknown policy loss 'ppo2'"):
-        Learner(make_config(tiny_model_path, loss="ppo2"))
+        Learner(unknown)
+    with pytest.raises(ConfigError, match="trainer.loss.betta: not a parameter of policy loss "
+                                          "dpo; its parameters: beta"):
+        Learner(misspelt)
     bad = make_group("t", "", ["1"], [1.0])
     with pytest.raises(ValueError, match="prompt_len is 0"):
         build_batch(bad)

@@ -127,9 +127,9 @@ def test_dpo_pairs():
     # rows: chosen, rejected; the padded third column is masked
     logp = leaf([[-1.0, -1.0, PAD_LOGP], [-2.0, -2.0, PAD_LOGP]])
     ref = t([[-1.5, -1.5, 0.0], [-2.0, -2.0, 0.0]])
-    inp = PolicyInputs(logprobs=logp, old_logprobs=ref, advantages=torch.zeros(2, 3),
+    inp = PolicyInputs(logprobs=logp, old_logprobs=ref, advantages=None,
                        mask=t([[1, 1, 0], [1, 1, 0]]), ref_logprobs=ref)
-    loss, m = run("dpo", inp, cfg(loss="dpo", dpo_beta=1.0))
+    loss, m = run("dpo", inp, cfg(loss={"name": "dpo", "beta": 1.0}))
     margin = (-2.0 + 3.0) - (-4.0 + 4.0)
     assert loss == pytest.approx(math.log1p(math.exp(-margin)))
     g = 1.0 / (1.0 + math.exp(margin))  # 1 - sigmoid(margin)

@@ -117,8 +117,9 @@ def staleness_metrics(batch: TrainBatch, version: int) -> dict[str, float]:
     }
 
 
-def dpo_pairs(batch: TrainBatch) -> tuple[TrainBatch, int]:
-    """Reorder into (chosen, rejected) pairs: per group the best and the worst reward.
+def preference_pairs(batch: TrainBatch) -> tuple[TrainBatch, int]:
+    """Reorder into (chosen, rejected) pairs, for a loss that declares `pairs`: per group the
+    best and the worst reward.
 
     Groups without a preference (all rewards equal) are dropped; returns the pairs and how many
     groups were dropped.
@@ -139,7 +140,7 @@ def dpo_pairs(batch: TrainBatch) -> tuple[TrainBatch, int]:
 def plan_micro_batches(lengths: Sequence[int], budget: int, unit: int = 1) -> list[list[int]]:
     """Split rows into micro-batches of at most `budget` padded tokens (rows x longest row).
 
-    Rows go in units of `unit` consecutive rows (2 keeps DPO pairs together), longest first so
+    Rows go in units of `unit` consecutive rows (2 keeps a pairs loss's pairs together), longest first so
     each micro-batch pads little; a unit longer than the budget goes alone.
     """
     units = [list(range(i, min(i + unit, len(lengths)))) for i in range(0, len(lengths), unit)]
@@ -177,7 +178,7 @@ def shard_rows(lengths: Sequence[int], world_size: int, unit: int = 1) -> list[l
 
 def mini_batch_rows(n_rows: int, mini_batches: int, unit: int = 1,
                     seed: Sequence[int] = (0,)) -> list[list[int]]:
-    """Shuffle rows (in units of `unit`, so DPO pairs stay together) and deal them into
+    """Shuffle rows (in units of `unit`, so pairs stay together) and deal them into
     `mini_batches` parts of near-equal size, each part's rows in ascending order.
 
     The shuffle is a pure function of `seed`, so every rank of a torchrun job computes the same

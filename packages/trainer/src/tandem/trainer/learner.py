@@ -33,7 +33,7 @@ from .algorithms import (
     behaviour_weights, informative_rows, kl_estimate, mismatch_metrics, value_loss)
 from .algorithms.masked import masked_mean
 from .batch import (
-    TrainBatch, build_batch, dpo_pairs, mini_batch_rows, plan_micro_batches, shard_rows,
+    TrainBatch, build_batch, mini_batch_rows, plan_micro_batches, preference_pairs, shard_rows,
     staleness_metrics)
 from .distributed import DistInfo, gradient_sync, resolve_device, wrap
 from .forward import Actor, token_logprobs
@@ -65,8 +65,11 @@ class Learner:
         tc = self.tc = config.trainer
         self.dist = dist_info or DistInfo()
         self.device = resolve_device(tc.device, self.dist)
+        tc.check_registered()  # a config validated where the trainer is not installed skipped it
         self.advantage_fn = ADVANTAGES.get(tc.advantage)
-        self.loss_fn = POLICY_LOSSES.get(tc.loss)
+        self.loss_fn = POLICY_LOSSES.get(tc.loss.name)
+        # what the loss declared, the only thing the step knows of it
+        self.needs = tc.loss.needs
         if not config.model.path:
             raise ConfigError(["model.path: the trainer needs a Hugging Face model folder"])
         seed = tc.seed if tc.seed is not None else config.seed
@@ -93,7 +96,7 @@ class Learner:
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False})
         value_head = None
-        if tc.advantage == "gae":
+        if tc.needs_value_head:
             value_head = ValueHead(model.config.hidden_size)
             if self.resume_from:
                 ckpt.load_value_head(value_head, self.resume_from)
@@ -134,9 +137,10 @@ class Learner:
         tc = self.tc
         start = time.perf_counter()
         batch = build_batch(experiences, self.pad_id)
-        sampled = batch.num_groups if tc.loss == "dpo" else batch.size  # DPO splits by pair
+        pairs = self.needs.pairs
+        sampled = batch.num_groups if pairs else batch.size  # a pairs loss splits by pair
         if tc.mini_batches > sampled:
-            what = "pairs" if tc.loss == "dpo" else "sequences"
+            what = "pairs" if pairs else "sequences"
             raise ConfigError([
                 f"trainer.mini_batches: {tc.mini_batches} mini-batches, but step "
                 f"{self.step_count} has only {sampled} {what}; lower trainer.mini_batches"])
@@ -147,9 +151,9 @@ class Learner:
             metrics["dynamic_sampling/informative_groups"] = float(batch.num_groups - dropped)
             batch = batch.select(keep.nonzero().flatten())
         unit = 1
-        if tc.loss == "dpo":
-            batch, dropped = dpo_pairs(batch)
-            metrics["dpo/dropped_groups"] = float(dropped)
+        if pairs:
+            batch, dropped = preference_pairs(batch)
+            metrics["pairs/dropped_groups"] = float(dropped)
             unit = 2
         if batch.size == 0:
             # The step still counts (the master and the schedule count it), with no update.
@@ -279,7 +283,7 @@ class Learner:
         """
         tc = self.tc
         shape = batch.mask.shape
-        need_prox, need_values = tc.off_policy.proximal, tc.advantage == "gae"
+        need_prox, need_values = tc.off_policy.proximal, self.actor.value_head is not None
         prox = torch.zeros(shape) if need_prox else None
         values = torch.zeros(shape) if need_values else None
         ref = torch.zeros(shape) if self.reference is not None else None
@@ -315,13 +319,16 @@ class Learner:
                 tensor.mul_(mask)
         batch.proximal, batch.old_values, batch.reference = prox, values, ref
 
-        anchor = prox if prox is not None else batch.behaviour
-        token_rewards = None
-        if ref is not None and tc.kl.coef > 0 and tc.kl.placement == "reward":
-            token_rewards = -tc.kl.coef * kl_estimate(anchor, ref, tc.kl.estimator) * mask
-        adv = self.advantage_fn(
-            AdvantageInputs(batch.rewards, batch.groups, mask, token_rewards, values), tc)
-        batch.advantages, batch.returns = adv.advantages, adv.returns
+        if self.needs.advantages:
+            anchor = prox if prox is not None else batch.behaviour
+            token_rewards = None
+            if ref is not None and tc.kl.coef > 0 and tc.kl.placement == "reward":
+                token_rewards = -tc.kl.coef * kl_estimate(anchor, ref, tc.kl.estimator) * mask
+            adv = self.advantage_fn(
+                AdvantageInputs(batch.rewards, batch.groups, mask, token_rewards, values), tc)
+            batch.advantages, batch.returns = adv.advantages, adv.returns
+            adv_mean = {"advantage/mean": masked_mean(batch.advantages, mask)}
+            acc.add(adv_mean if self.dist.is_main else {}, weight=float(mask.sum()))
         if prox is not None:
             if tc.off_policy.behaviour_weight:
                 batch.weights = behaviour_weights(prox, batch.behaviour, mask,
@@ -329,8 +336,6 @@ class Learner:
             m = mismatch_metrics(prox, batch.behaviour, mask, tc.off_policy.is_cap)
             # whole-batch values, identical on every rank: added once, on rank 0
             acc.add(m if self.dist.is_main else {}, weight=float(mask.sum()))
-        adv_mean = {"advantage/mean": masked_mean(batch.advantages, mask)}
-        acc.add(adv_mean if self.dist.is_main else {}, weight=float(mask.sum()))
 
     def _micro_loss(self, mb: TrainBatch, agg: Aggregator, mismatch: bool = False
                     ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -338,13 +343,17 @@ class Learner:
         entropy = "loss" if tc.entropy_coef > 0 else ("metric" if tc.entropy_metric else None)
         out = self.wrapped(mb.tokens, mb.attention, self.temperature, entropy)
         anchor = mb.proximal if mb.proximal is not None else mb.behaviour
-        inp = PolicyInputs(out.logprobs, anchor, mb.advantages, mb.mask, mb.weights, mb.reference)
+        needs = self.needs
+        # the loss gets what it declared and nothing else (a KL term's reference is not its)
+        inp = PolicyInputs(out.logprobs, anchor, mb.advantages if needs.advantages else None,
+                           mb.mask, mb.weights, mb.reference if needs.reference else None,
+                           out.values if needs.value_head else None)
         loss, metrics = self.loss_fn(inp, tc, agg)
         if mismatch:
             metrics.update(mismatch_metrics(out.logprobs, mb.behaviour, mb.mask,
                                             tc.off_policy.is_cap))
         metrics["loss/policy"] = loss.detach()
-        if mb.reference is not None and tc.loss != "dpo":
+        if mb.reference is not None:
             kl = kl_estimate(out.logprobs, mb.reference, tc.kl.estimator)
             metrics["kl/reference"] = masked_mean(kl.detach(), mb.mask)
             if tc.kl.coef > 0 and tc.kl.placement == "loss":
@@ -357,7 +366,7 @@ class Learner:
                 ent_loss = agg(out.entropy, mb.mask)
                 loss = loss - tc.entropy_coef * ent_loss
                 metrics["loss/entropy"] = ent_loss.detach()
-        if out.values is not None:
+        if out.values is not None and mb.returns is not None:  # value targets (gae's returns)
             vl, clipped = value_loss(out.values, mb.old_values, mb.returns, tc.value_clip)
             v = agg(vl, mb.mask)
             loss = loss + tc.value_coef * v

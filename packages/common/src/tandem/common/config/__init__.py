@@ -102,7 +102,8 @@ class RunConfig(Section):
     @model_validator(mode="after")
     def _mini_batches_fit(self) -> "RunConfig":
         tc = self.trainer
-        if tc.loss == "dpo":
+        needs = tc.loss.declared_needs  # None where no loss is registered: the trainer checks
+        if needs is not None and needs.pairs:
             have, what = tc.groups_per_step, "pairs (trainer.groups_per_step)"
         else:
             repeat = min(e.repeat_times for e in self.rollout_explorers)

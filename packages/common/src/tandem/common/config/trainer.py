@@ -1,15 +1,24 @@
 """The `trainer` section: algorithm, off-policy corrections, optimiser, batches, checkpoints.
 
-Algorithm names (`advantage`, `loss`) are registry names of `tandem.trainer.algorithms`; the
-trainer checks them when it starts and lists the registered ones when a name is unknown.
+Algorithm names (`advantage`, `loss.name`) are names in the registries of `tandem.common.plugins`
+(`ADVANTAGES`, `POLICY_LOSSES`), tandem's own or a plugin's. What a loss needs (a reference
+model, pairs, a value head, advantages) and the model of its own parameters are its registered
+`LossNeeds`; an advantage estimator that trains a value head declares `value_head=True`. The
+rules below read those declarations, never a name. In a process where the trainer is not
+installed the registries are empty and those checks are skipped: the trainer checks again when
+it starts (`TrainerConfig.check_registered`).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import importlib
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from ..errors import ConfigError
+from ..plugins import ADVANTAGES, POLICY_LOSSES, LossNeeds, load_installed
 from .base import Section
 
 Aggregation = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"]
@@ -54,6 +63,89 @@ class OffPolicyConfig(Section):
         return self
 
 
+class DPOParams(Section):
+    """The `dpo` loss's parameters: `trainer.loss: {name: dpo, beta: 0.1}`."""
+
+    beta: float = Field(default=0.1, gt=0, description="DPO inverse temperature")
+
+
+def _params_model(spec: Any, loss: str) -> type[BaseModel] | None:
+    """A loss's declared params model: the class, or imported from its `module:attr`."""
+    if isinstance(spec, str):
+        module, _, attr = spec.partition(":")
+        try:
+            spec = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ConfigError([f"trainer.loss: the params model {spec!r} of policy loss {loss!r} "
+                               f"cannot be loaded: {type(exc).__name__}: {exc}"]) from None
+    if spec is not None and not (isinstance(spec, type) and issubclass(spec, BaseModel)):
+        raise ConfigError([f"trainer.loss: policy loss {loss!r} declares params {spec!r}, "
+                           "which is not a pydantic model"])
+    return spec
+
+
+class LossConfig(Section):
+    """`trainer.loss`: a registered policy loss and its own parameters; the plain name
+    (`trainer.loss: ppo_clip`) is short for `{name: ppo_clip}`."""
+
+    # a loss's own parameters sit beside `name`, checked against the model it declares
+    model_config = ConfigDict(extra="allow", validate_assignment=True, protected_namespaces=())
+
+    name: str = Field(
+        default="ppo_clip",
+        description="ppo_clip, gspo, pg, sft, dpo (its parameter: beta, default 0.1), or a "
+                    "plugin's; the loss's own parameters are keys beside name")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_name(cls, data: Any) -> Any:
+        return {"name": data} if isinstance(data, str) else data
+
+    @model_validator(mode="after")
+    def _registered(self) -> "LossConfig":
+        load_installed()
+        if not len(POLICY_LOSSES):
+            return self  # the trainer is not installed here; it checks when it starts
+        if self.name not in POLICY_LOSSES:
+            raise ValueError(f"unknown policy loss {self.name!r}; registered: "
+                             f"{', '.join(POLICY_LOSSES.names())}")
+        self.params  # noqa: B018  (validates them; errors name trainer.loss.<param>)
+        return self
+
+    @property
+    def needs(self) -> LossNeeds:
+        """What this loss declared it needs (a ConfigError if no such loss is registered)."""
+        needs = POLICY_LOSSES.declares(self.name).get("needs", LossNeeds())
+        if not isinstance(needs, LossNeeds):
+            raise ConfigError([f"trainer.loss: policy loss {self.name!r} of plugin "
+                               f"{POLICY_LOSSES.entry(self.name).plugin} declares needs="
+                               f"{needs!r}, not a LossNeeds"])
+        return needs
+
+    @property
+    def declared_needs(self) -> LossNeeds | None:
+        """`needs`, or None in a process where no policy loss is registered."""
+        return self.needs if len(POLICY_LOSSES) else None
+
+    @property
+    def params(self) -> BaseModel | None:
+        """The loss's parameters validated by its declared model (None if it declares none).
+        A bad or unknown parameter is a ValidationError located at the parameter's key."""
+        model = _params_model(self.needs.params, self.name)
+        given = dict(self.model_extra or {})
+        known = set() if model is None else {
+            key for name, f in model.model_fields.items() for key in (name, f.alias) if key}
+        unknown = [k for k in given if k not in known]
+        if unknown:
+            message = ("not a parameter of policy loss {loss}; its parameters: {takes}" if known
+                       else "policy loss {loss} takes no parameters")
+            error = PydanticCustomError("loss_parameter", message,
+                                        {"loss": self.name, "takes": ", ".join(sorted(known))})
+            raise ValidationError.from_exception_data("LossConfig", [
+                InitErrorDetails(type=error, loc=(key,), input=given[key]) for key in unknown])
+        return None if model is None else model.model_validate(given)
+
+
 class TrainerConfig(Section):
     """The optimisation loop."""
 
@@ -68,7 +160,9 @@ class TrainerConfig(Section):
 
     # algorithm
     advantage: str = Field(default="grpo", description="grpo, dr_grpo, rloo, reinforce_pp, gae")
-    loss: str = Field(default="ppo_clip", description="ppo_clip, gspo, pg, sft, dpo")
+    loss: LossConfig = Field(
+        default_factory=LossConfig,
+        description="the policy loss: a name, or {name: dpo, beta: 0.1} with its parameters")
     aggregation: Aggregation = Field(
         default="token_mean", description="how token losses become one number")
     clip_low: float = Field(default=0.2, ge=0, description="ratio lower bound is 1 - clip_low")
@@ -82,7 +176,6 @@ class TrainerConfig(Section):
     lam: float = Field(default=1.0, ge=0, le=1, description="GAE lambda")
     value_coef: float = Field(default=0.5, ge=0, description="value loss coefficient (gae)")
     value_clip: float | None = Field(default=0.2, gt=0, description="value clipping (gae)")
-    dpo_beta: float = Field(default=0.1, gt=0, description="DPO inverse temperature")
     temperature: float | None = Field(
         default=None, ge=0,
         description="sampling temperature logprobs are computed at; default the first rollout "
@@ -139,15 +232,47 @@ class TrainerConfig(Section):
             raise ValueError("trainer.schedule: cosine needs trainer.total_steps (the horizon)")
         if self.total_steps is not None and self.warmup_steps > self.total_steps:
             raise ValueError("trainer.warmup_steps exceeds trainer.total_steps; lower warmup_steps")
-        if self.advantage == "gae" and self.loss in ("sft", "dpo"):
-            raise ValueError(f"trainer.advantage: gae trains a value head, which trainer.loss: "
-                             f"{self.loss} does not use; pick advantage: grpo")
-        if self.kl.placement == "reward" and self.loss in ("sft", "dpo"):
-            raise ValueError(f"trainer.kl.placement: reward has no reward to penalise with "
-                             f"trainer.loss: {self.loss}; use kl.placement: loss")
+        needs = self.loss.declared_needs
+        if needs is None or needs.advantages:
+            return self
+        loss = f"trainer.loss: {self.loss.name}"
+        if self.advantage in ADVANTAGES and self.advantage_trains_value_head:
+            raise ValueError(f"trainer.advantage: {self.advantage} trains a value head for "
+                             f"advantages, which {loss} does not use; pick an advantage "
+                             "without one (grpo)")
+        if self.kl.placement == "reward":
+            raise ValueError(f"trainer.kl.placement: reward folds the KL penalty into the "
+                             f"advantages, which {loss} does not use; use kl.placement: loss")
         return self
 
     @property
+    def advantage_trains_value_head(self) -> bool:
+        """The advantage estimator declared `value_head=True` (it reads a value head's
+        predictions and returns value targets)."""
+        return bool(ADVANTAGES.declares(self.advantage, "trainer.advantage").get("value_head"))
+
+    @property
     def needs_reference(self) -> bool:
-        """A frozen reference model is loaded for a KL term and for DPO."""
-        return self.kl.coef > 0 or self.loss == "dpo"
+        """A frozen reference model is loaded for a KL term and for a loss that declares one."""
+        return self.kl.coef > 0 or self.loss.needs.reference
+
+    @property
+    def needs_value_head(self) -> bool:
+        """A value head trains beside the policy for the advantage or for the loss."""
+        return self.advantage_trains_value_head or self.loss.needs.value_head
+
+    def check_registered(self) -> None:
+        """Run the loss and advantage checks again with the registries loaded (config
+        validation skips them where the trainer is not installed); ConfigError if one fails."""
+        from .loader import format_validation_error
+
+        load_installed()
+        ADVANTAGES.check(self.advantage, "trainer.advantage")
+        POLICY_LOSSES.check(self.loss.name)
+        try:
+            self.loss.params  # noqa: B018
+            self._consistent()
+        except ValidationError as exc:
+            raise ConfigError([f"trainer.loss.{e}" for e in format_validation_error(exc)]) from None
+        except ValueError as exc:
+            raise ConfigError([str(exc)]) from None

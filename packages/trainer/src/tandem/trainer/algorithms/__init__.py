@@ -1,16 +1,23 @@
-"""RL algorithms as small registered functions: advantages, policy losses, KL, corrections."""
+"""RL algorithms as small functions: advantages, policy losses, KL, corrections.
 
-from .advantages import ADVANTAGES, AdvantageInputs, Advantages
+The advantage estimators and policy losses are found by name in `ADVANTAGES` and
+`POLICY_LOSSES` of `tandem.common.plugins` (re-exported here), where `tandem.trainer.builtins`
+registers tandem's own, with what each needs, and a plugin registers its own.
+"""
+
+from tandem.common.plugins import ADVANTAGES, POLICY_LOSSES, LossNeeds
+
+from .. import builtins  # noqa: F401  tandem's own names, even where the entry point is not installed
+from .advantages import AdvantageInputs, Advantages
 from .aggregation import Aggregator
 from .filters import informative_rows
 from .kl import kl_estimate
 from .off_policy import behaviour_weights, mismatch_metrics
-from .policy_losses import POLICY_LOSSES, PolicyInputs
-from .registry import Registry
+from .policy_losses import PolicyInputs
 from .value import ValueHead, value_loss
 
 __all__ = [
-    "ADVANTAGES", "AdvantageInputs", "Advantages", "Aggregator", "POLICY_LOSSES", "PolicyInputs",
-    "Registry", "ValueHead", "behaviour_weights", "informative_rows", "kl_estimate",
+    "ADVANTAGES", "AdvantageInputs", "Advantages", "Aggregator", "LossNeeds", "POLICY_LOSSES",
+    "PolicyInputs", "ValueHead", "behaviour_weights", "informative_rows", "kl_estimate",
     "mismatch_metrics", "value_loss",
 ]

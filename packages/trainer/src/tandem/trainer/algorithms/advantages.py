@@ -1,6 +1,7 @@
 """Advantage estimators: from rewards (and values) to a per-token advantage.
 
-All take an `AdvantageInputs` and the trainer config and return `Advantages`. Outcome-reward
+All take an `AdvantageInputs` and the trainer config and return `Advantages`; each is
+registered in `tandem.common.plugins.ADVANTAGES` by `tandem.trainer.builtins`. Outcome-reward
 estimators (grpo, dr_grpo, rloo) give every action token of a sequence the same advantage;
 reinforce_pp and gae work per token. `token_rewards` carries per-token terms such as a KL
 penalty placed in the reward; the outcome estimators add their sum to the sequence reward.
@@ -22,7 +23,6 @@ from torch import Tensor
 from tandem.common.config import TrainerConfig
 
 from .masked import outcome_on_last_token
-from .registry import Registry
 
 
 @dataclass
@@ -41,7 +41,6 @@ class Advantages:
 
 
 AdvantageFn = Callable[[AdvantageInputs, TrainerConfig], Advantages]
-ADVANTAGES: Registry[AdvantageFn] = Registry("advantage estimator", "trainer.advantage")
 
 
 def _sequence_rewards(inp: AdvantageInputs) -> Tensor:
@@ -85,7 +84,6 @@ def whiten64(values: Tensor, mask: Tensor, eps: float) -> Tensor:
     return ((x - mean) / (var.sqrt() + eps) * m).to(mask.dtype)
 
 
-@ADVANTAGES.register("grpo")
 def grpo(inp: AdvantageInputs, cfg: TrainerConfig) -> Advantages:
     """(r - group mean) / (group std + eps), the std unbiased; a group of one gets 0."""
     r = _sequence_rewards(inp)
@@ -94,7 +92,6 @@ def grpo(inp: AdvantageInputs, cfg: TrainerConfig) -> Advantages:
     return Advantages(_per_token(adv, inp.mask))
 
 
-@ADVANTAGES.register("dr_grpo")
 def dr_grpo(inp: AdvantageInputs, cfg: TrainerConfig) -> Advantages:
     """Dr. GRPO: r - group mean, without the std scaling that favours easy and hard groups."""
     r = _sequence_rewards(inp)
@@ -102,7 +99,6 @@ def dr_grpo(inp: AdvantageInputs, cfg: TrainerConfig) -> Advantages:
     return Advantages(_per_token(torch.where(equal, 0.0, r - mean), inp.mask))
 
 
-@ADVANTAGES.register("rloo")
 def rloo(inp: AdvantageInputs, cfg: TrainerConfig) -> Advantages:
     """r minus the mean of the other responses of the group: n/(n-1) (r - mean); 0 alone."""
     r = _sequence_rewards(inp)
@@ -122,7 +118,6 @@ def _discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float) -> Te
     return returns
 
 
-@ADVANTAGES.register("reinforce_pp")
 def reinforce_pp(inp: AdvantageInputs, cfg: TrainerConfig) -> Advantages:
     """REINFORCE++: per-token discounted returns, whitened over the whole batch (no groups)."""
     mask = inp.mask.double()
@@ -133,7 +128,6 @@ def reinforce_pp(inp: AdvantageInputs, cfg: TrainerConfig) -> Advantages:
     return Advantages(whiten64(returns, inp.mask, cfg.std_eps))
 
 
-@ADVANTAGES.register("gae")
 def gae(inp: AdvantageInputs, cfg: TrainerConfig) -> Advantages:
     """PPO's generalised advantage estimation over action tokens, whitened over the batch."""
     if inp.values is None:

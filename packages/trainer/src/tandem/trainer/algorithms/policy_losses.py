@@ -1,5 +1,9 @@
 """Policy losses. Each takes `PolicyInputs`, the trainer config and an `Aggregator` and returns
-(the loss of this micro-batch, metrics as 0-d tensors averaged over its action tokens).
+(the loss of this micro-batch, metrics as 0-d tensors averaged over its action tokens). Each is
+registered in `tandem.common.plugins.POLICY_LOSSES` by `tandem.trainer.builtins` with its
+`LossNeeds`, and gets exactly what it declares: `ref_logprobs` only with `reference`, pairs only
+with `pairs`, `advantages` only with `advantages`, `values` only with `value_head`; its own
+parameters are `cfg.loss.params`, an instance of the model it declares.
 
 `old_logprobs` is the clip anchor: the behaviour log-probabilities from the engine, or the
 proximal ones the trainer recomputed before the update (`trainer.off_policy.proximal`).
@@ -20,21 +24,20 @@ from tandem.common.config import TrainerConfig
 
 from .aggregation import Aggregator
 from .masked import masked_mean
-from .registry import Registry
 
 
 @dataclass
 class PolicyInputs:
     logprobs: Tensor                   # [B, T] current policy, with gradient
     old_logprobs: Tensor               # [B, T] clip anchor, no gradient
-    advantages: Tensor                 # [B, T]
+    advantages: Tensor | None          # [B, T]; None for a loss that declares advantages=False
     mask: Tensor                       # [B, T] float, 1 on action tokens
     weights: Tensor | None = None      # [B, T] behaviour importance weights, no gradient
-    ref_logprobs: Tensor | None = None # [B, T] frozen reference (dpo)
+    ref_logprobs: Tensor | None = None # [B, T] frozen reference (needs.reference)
+    values: Tensor | None = None       # [B, T] value head predictions, with gradient (value_head)
 
 
 PolicyLossFn = Callable[[PolicyInputs, TrainerConfig, Aggregator], tuple[Tensor, dict[str, Tensor]]]
-POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss", "trainer.loss")
 
 _LOG_RATIO_CLAMP = 20.0
 
@@ -69,7 +72,6 @@ def _ratio_metrics(ratio: Tensor, mask: Tensor) -> dict[str, Tensor]:
     }
 
 
-@POLICY_LOSSES.register("ppo_clip")
 def ppo_clip(inp: PolicyInputs, cfg: TrainerConfig, agg: Aggregator):
     """PPO's clipped surrogate with asymmetric bounds (DAPO clip-higher) and optional dual clip."""
     ratio = torch.exp((inp.logprobs - inp.old_logprobs).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
@@ -78,7 +80,6 @@ def ppo_clip(inp: PolicyInputs, cfg: TrainerConfig, agg: Aggregator):
     return agg(_weighted(token_loss, inp), inp.mask), metrics
 
 
-@POLICY_LOSSES.register("gspo")
 def gspo(inp: PolicyInputs, cfg: TrainerConfig, agg: Aggregator):
     """GSPO: the ratio is the sequence's length-normalised likelihood ratio.
 
@@ -95,23 +96,21 @@ def gspo(inp: PolicyInputs, cfg: TrainerConfig, agg: Aggregator):
     return agg(_weighted(token_loss, inp), mask), metrics
 
 
-@POLICY_LOSSES.register("pg")
 def policy_gradient(inp: PolicyInputs, cfg: TrainerConfig, agg: Aggregator):
     """Plain policy gradient (REINFORCE): -A * logp."""
     token_loss = -inp.advantages * inp.logprobs
     return agg(_weighted(token_loss, inp), inp.mask), {}
 
 
-@POLICY_LOSSES.register("sft")
 def sft(inp: PolicyInputs, cfg: TrainerConfig, agg: Aggregator):
     """Supervised fine-tuning: cross-entropy (-logp) of the action tokens; advantages unused."""
     token_loss = -inp.logprobs
     return agg(token_loss, inp.mask), {"sft/nll": masked_mean(token_loss.detach(), inp.mask)}
 
 
-@POLICY_LOSSES.register("dpo")
 def dpo(inp: PolicyInputs, cfg: TrainerConfig, agg: Aggregator):
     """DPO on pairs: rows are (chosen, rejected, chosen, rejected, ...); needs reference logprobs.
+    `beta` is its parameter (`trainer.loss: {name: dpo, beta: 0.1}`).
 
     loss = -log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r))), pi and ref summed over the
     action tokens; the mean runs over the pairs of the whole step.
@@ -123,7 +122,7 @@ def dpo(inp: PolicyInputs, cfg: TrainerConfig, agg: Aggregator):
     mask = inp.mask
     policy = (inp.logprobs * mask).sum(-1).view(-1, 2)
     ref = (inp.ref_logprobs * mask).sum(-1).view(-1, 2)
-    margin = cfg.dpo_beta * ((policy[:, 0] - ref[:, 0]) - (policy[:, 1] - ref[:, 1]))
+    margin = cfg.loss.params.beta * ((policy[:, 0] - ref[:, 0]) - (policy[:, 1] - ref[:, 1]))
     pair_loss = -F.logsigmoid(margin)
     pairs = None if agg.total_seqs is None else agg.total_seqs / 2
     metrics = {"dpo/margin": margin.detach().mean(), "dpo/accuracy": (margin > 0).float().mean()}
