@@ -7,7 +7,7 @@ registers tandem's own, with what each needs, and a plugin registers its own.
 
 from tandem.common.plugins import ADVANTAGES, POLICY_LOSSES, LossNeeds
 
-from .. import builtins  # noqa: F401  tandem's own names, even where the entry point is not installed
+from .. import builtins  # noqa: F401  tandem's own names, even without the entry point
 from .advantages import AdvantageInputs, Advantages
 from .aggregation import Aggregator
 from .filters import informative_rows
