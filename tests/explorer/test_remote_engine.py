@@ -197,8 +197,8 @@ def test_config_remote_needs_a_url_refuses_nccl_and_keeps_the_key_off_disk():
         EngineConfig(kind="remote")
     explorer = {"name": "e0", "engine": {"kind": "remote", "url": "http://gpu:8000/v1",
                                          "api_key": "sk-secret"}}
-    with pytest.raises(ValueError, match="sync.method: nccl cannot reach e0's engine.kind: "
-                                         "remote"):
+    with pytest.raises(ValueError, match=r"sync.method: nccl broadcasts weights, which "
+                                         r"explorers\[e0\].engine.kind: remote cannot take"):
         RunConfig(sync={"method": "nccl"}, explorers=[explorer])
     config = RunConfig(sync={"method": "checkpoint"}, explorers=[explorer])
     data = config.model_dump(mode="json")

@@ -59,8 +59,8 @@ class LossNeeds:
 
 REWARDS: Registry[Any] = Registry("reward function", "reward.functions")
 WORKFLOWS: Registry[Any] = Registry("workflow", "explorers[*].workflow")
-ENVIRONMENTS: Registry[Any] = Registry("environment", "explorers[*].workflow_args.environment")
-AGENTS: Registry[Any] = Registry("agent", "explorers[*].workflow_args.agent")
+ENVIRONMENTS: Registry[Any] = Registry("environment", "explorers[*].workflow_args.env")
+AGENTS: Registry[Any] = Registry("agent", "explorers[*].workflow_args.fn")
 TASKSET_READERS: Registry[Any] = Registry("taskset reader", "master.taskset.reader")
 TASKSET_FORMATS: Registry[Any] = Registry("taskset format", "master.taskset.format.name")
 ADVANTAGES: Registry[Any] = Registry("advantage estimator", "trainer.advantage")

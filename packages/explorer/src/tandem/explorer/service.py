@@ -70,7 +70,7 @@ from .rewards import RewardScorer, create_scorer
 from .sampling import SamplingParams
 from .weights import WeightLoader
 from .workflows import (
-    Agent, RolloutContext, SingleTurn, Workflow, create_workflow, settle_group_versions)
+    RolloutContext, Workflow, create_workflow, settle_group_versions, workflow_needs)
 
 log = structlog.get_logger(__name__)
 
@@ -152,15 +152,14 @@ class Explorer:
             except (OSError, ValueError) as exc:  # no model folder, bad engine options
                 raise TandemError(f"explorer {self.name} cannot load its engine: {exc}") from None
         if self.interrupt:
-            if not hasattr(self.engine, "interruptible"):
-                raise TandemError(f"explorer {self.name}: on_new_weights: interrupt needs an "
-                                  f"interruptible engine, not {type(self.engine).__name__}")
+            # the config admits interrupt only for an engine whose capabilities declare it
             self.engine.interruptible = True
         self.workflow = create_workflow(self.cfg.workflow, self.engine.tokenizer,
                                         self.cfg.workflow_args)
-        if self.scorer is None and isinstance(self.workflow, SingleTurn):
+        needs = workflow_needs(self.cfg.workflow)
+        if self.scorer is None and needs.scorer:
             self.scorer = create_scorer(self.config.reward, self.config.transport, name=self.name)
-        if self.cfg.openai.enabled or isinstance(self.workflow, Agent):
+        if self.cfg.openai.enabled or needs.endpoint:
             from .openai_server import OpenAIEndpoint, model_context
 
             self.endpoint = OpenAIEndpoint(

@@ -8,6 +8,7 @@ from typing import Any, Iterable
 from pydantic import Field, model_validator
 
 from ..errors import ConfigError
+from ..plugins import absolute, load_plugins
 from ..tasks import load_rows
 from .base import Section
 from .buffer import BufferConfig
@@ -18,6 +19,7 @@ from .logs import LoggingConfig
 from .master import MasterConfig, TasksetConfig
 from .model import LoraConfig, ModelConfig
 from .placement import PlacementConfig
+from .registered import check_names
 from .reward import RewardConfig
 from .sync import PRESETS, SyncConfig
 from .trainer import TrainerConfig
@@ -30,6 +32,12 @@ class RunConfig(Section):
     """A whole run."""
 
     name: str = Field(default="tandem", description="run name, used in logs and the run id")
+    plugins: list[str] = Field(
+        default_factory=list,
+        description="modules (my_task.plugin) or .py files whose registrations the run uses: "
+                    "reward functions, workflows, environments, agents, taskset readers and "
+                    "formats, advantages, losses, engines (docs/extending.md); installed "
+                    "packages' `tandem.plugins` entry points are always loaded")
     run_dir: str = Field(default="runs/latest", description="folder every component writes into")
     seed: int = Field(default=0, description="seed for task shuffling, sampling and init")
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -80,12 +88,12 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _remote_engines_take_checkpoints(self) -> "RunConfig":
-        remote = [e.name for e in self.explorers if e.engine.kind == "remote"]
-        if remote and self.sync.method == "nccl":
-            raise ValueError(f"sync.method: nccl cannot reach {remote[0]}'s engine.kind: remote "
-                             "(a remote server reloads weights from checkpoint files only); "
-                             "use sync.method: checkpoint")
+    def _names_registered(self) -> "RunConfig":
+        """Every name the config uses is registered, by tandem or a plugin, and each engine
+        can do what the run asks of it (its declared capabilities)."""
+        problems = check_names(self)
+        if problems:
+            raise ValueError("\n".join(problems))
         return self
 
     @model_validator(mode="after")
@@ -124,11 +132,6 @@ class RunConfig(Section):
         if self.model.lora is None:
             raise ValueError(f"{key} sends LoRA adapters, and model.lora is not set; set "
                              "model.lora or use weights.lora_transfer: merged")
-        for e in self.explorers:
-            if e.engine.kind != "vllm":
-                raise ValueError(f"explorers[{e.name}].engine.kind: {e.engine.kind} cannot load "
-                                 f"LoRA adapters ({key}); use engine.kind: vllm or "
-                                 "weights.lora_transfer: merged")
         if self.sync.method != "checkpoint":
             raise ValueError(f"sync.method: {self.sync.method} broadcasts full weights; {key} "
                              "publishes adapter folders through sync.method: checkpoint")
@@ -214,8 +217,27 @@ class RunConfig(Section):
 
 
 def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> RunConfig:
-    """Load and validate a run config; raises ConfigError listing every bad field."""
-    return load(RunConfig, path, overrides)
+    """Load and validate a run config; raises ConfigError listing every bad field.
+
+    The config's `plugins` (and every installed `tandem.plugins` entry point) are imported
+    first, so the names they register validate; a relative `.py` plugin path is made absolute
+    (against the working directory, else the config file's folder), so every process that
+    reads the resolved config finds the same file."""
+    data = read_yaml(path) if path is not None else {}
+    for assignment in overrides:
+        apply_override(data, assignment)
+    specs = data.get("plugins") or []
+    if not (isinstance(specs, list) and all(isinstance(s, str) for s in specs)):
+        specs = []  # not a list of names: validation below reports it by its path
+    elif specs:
+        where = Path(path).resolve().parent if path is not None else None
+        data["plugins"] = specs = [absolute(s, where) for s in specs]
+    try:
+        load_plugins(specs)
+    except ConfigError as exc:
+        exc.source = str(path) if path else None
+        raise
+    return validate(RunConfig, data, source=str(path) if path else None)
 
 
 __all__ = [

@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from .base import Section
+from .registered import check_engine
 
 
 class SamplingConfig(Section):
@@ -33,10 +34,12 @@ class SamplingConfig(Section):
 class EngineConfig(Section):
     """The inference engine."""
 
-    kind: Literal["transformers", "vllm", "remote"] = Field(
+    kind: str = Field(
         default="transformers",
-        description="transformers: the embedded engine (CPU or CUDA); vllm: vLLM's AsyncLLM; "
-                    "remote: an OpenAI-compatible server elsewhere (`vllm serve`), at engine.url")
+        description="a registered engine (`tandem plugins` lists them): transformers: the "
+                    "embedded engine (CPU or CUDA); vllm: vLLM's AsyncLLM; remote: an "
+                    "OpenAI-compatible server elsewhere (`vllm serve`), at engine.url; or a "
+                    "plugin's (docs/extending.md)")
     device: str = Field(default="cpu", description="cpu, cuda, cuda:1 ... (transformers only)")
     max_batch: int = Field(
         default=64, ge=1, description="sequences generated at once (vllm: max_num_seqs)")
@@ -70,12 +73,10 @@ class EngineConfig(Section):
         default=64, ge=1, description="remote: requests in flight to the server at once")
 
     @model_validator(mode="after")
-    def _tensor_parallel_needs_vllm(self) -> "EngineConfig":
-        if self.tensor_parallel_size > 1 and self.kind != "vllm":
-            raise ValueError("engine.tensor_parallel_size > 1 needs engine.kind: vllm")
-        if self.kind == "remote" and not self.url:
-            raise ValueError("engine.url: engine.kind: remote needs the server's base URL, "
-                             "e.g. http://gpu-host:8000/v1")
+    def _capable(self) -> "EngineConfig":
+        problems = check_engine(self)
+        if problems:
+            raise ValueError("\n".join(problems))
         if self.url is not None and not self.url.startswith(("http://", "https://")):
             raise ValueError(f"engine.url {self.url!r}: expected http://host:port/v1")
         return self
@@ -126,7 +127,8 @@ class ExplorerConfig(Section):
     batch_size: int = Field(default=8, ge=1, description="tasks per explorer step")
     repeat_times: int = Field(default=4, ge=1, description="responses per task (the group size)")
     workflow: str = Field(default="single_turn",
-                          description="single_turn, multi_turn or agent (docs/explorer.md)")
+                          description="a registered workflow: single_turn, multi_turn, agent "
+                                      "(docs/explorer.md) or a plugin's (docs/extending.md)")
     workflow_args: dict[str, Any] = Field(
         default_factory=dict, description="the workflow's arguments (docs/explorer.md)")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
@@ -156,14 +158,6 @@ class ExplorerConfig(Section):
                     "sync.method: checkpoint): finish the step first, or interrupt it at a "
                     "token boundary, load them and resume the partial responses under them "
                     "(transformers and vllm engines)")
-
-    @model_validator(mode="after")
-    def _interrupt_needs_an_interruptible_engine(self) -> "ExplorerConfig":
-        if self.on_new_weights == "interrupt" and self.engine.kind not in ("transformers",
-                                                                          "vllm"):
-            raise ValueError(f"on_new_weights: interrupt needs engine.kind: transformers or vllm "
-                             f"(got {self.engine.kind}); use on_new_weights: finish")
-        return self
 
     @model_validator(mode="after")
     def _name_is_a_topic(self) -> "ExplorerConfig":

@@ -103,7 +103,12 @@ def format_validation_error(exc: ValidationError) -> list[str]:
         if len(shown) > 80:
             shown = shown[:77] + "..."
         msg = err["msg"].removeprefix("Value error, ")
-        out.append(f"{loc}: {msg} (got {shown})" if err["type"] != "missing" else f"{loc}: {msg}")
+        if loc == "<root>":  # a whole-config rule: its message names the keys itself, one
+            out.extend(msg.split("\n"))  # problem a line
+        elif err["type"] == "missing":
+            out.append(f"{loc}: {msg}")
+        else:
+            out.extend(f"{loc}: {line} (got {shown})" for line in msg.split("\n"))
     return out
 
 

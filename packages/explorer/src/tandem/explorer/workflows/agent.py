@@ -23,6 +23,7 @@ from typing import Any, Callable
 import structlog
 from pydantic import Field
 
+from tandem.common.plugins import AGENTS, load_installed
 from tandem.common.messages.experience import Experience, Task
 
 from ..openai_calls import CallRecord, versions_of
@@ -52,19 +53,27 @@ class _Outcome:
 
 
 def load_agent(spec: str) -> Callable[..., Any]:
-    """The async function `spec` ("package.module:function") names."""
+    """The async function `spec` names: an agent a plugin registered (`AGENTS`), or
+    "package.module:function"."""
     module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
+    if not sep:
+        load_installed()
+        if spec not in AGENTS:
+            raise ValueError(AGENTS.unknown(spec, "workflow_args.fn") + ", or write "
+                             "'package.module:function'")
+        fn = AGENTS.get(spec, "workflow_args.fn")
+    elif not module_name or not attr:
         raise ValueError(f"workflow_args.fn {spec!r}: expected 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"workflow_args.fn {spec!r}: cannot import {module_name}: {exc}") from None
-    fn = module
-    for part in attr.split("."):
-        fn = getattr(fn, part, None)
-        if fn is None:
-            raise ValueError(f"workflow_args.fn {spec!r}: {module_name} has no {attr}")
+    else:
+        try:
+            fn = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise ValueError(f"workflow_args.fn {spec!r}: cannot import {module_name}: "
+                             f"{exc}") from None
+        for part in attr.split("."):
+            fn = getattr(fn, part, None)
+            if fn is None:
+                raise ValueError(f"workflow_args.fn {spec!r}: {module_name} has no {attr}")
     if not inspect.iscoroutinefunction(fn):
         raise ValueError(f"workflow_args.fn {spec!r} must be an async function "
                          "(async def run(task, client))")
