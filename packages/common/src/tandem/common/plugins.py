@@ -166,6 +166,19 @@ def _import(spec: str) -> str:
     return name
 
 
+def outside_tandem(specs: Iterable[str] = ()) -> list[str]:
+    """What a deployment's image or venv must hold beyond tandem itself: the config's
+    `plugins` and every installed `tandem.plugins` entry point of another distribution."""
+    from importlib.metadata import entry_points
+
+    out = [f"plugin {spec} (the config's plugins)" for spec in specs]
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        dist = ep.dist.name if ep.dist is not None else "?"
+        if not dist.startswith("tandem-"):
+            out.append(f"package {dist} (entry point {ENTRY_POINT_GROUP}: {ep.name})")
+    return out
+
+
 def describe() -> dict[str, list[tuple[str, str]]]:
     """Every registry's names with the plugin that registered each (`tandem plugins`)."""
     load_installed()
@@ -177,5 +190,5 @@ __all__ = [
     "ADVANTAGES", "AGENTS", "ENGINES", "ENTRY_POINT_GROUP", "ENVIRONMENTS", "EngineCapabilities",
     "LossNeeds", "POLICY_LOSSES", "PluginError", "REGISTRIES", "REWARDS", "TASKSET_FORMATS",
     "TASKSET_READERS", "WORKFLOWS", "absolute", "describe", "load_installed", "load_plugins",
-    "loaded_plugins",
+    "loaded_plugins", "outside_tandem",
 ]

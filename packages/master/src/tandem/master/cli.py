@@ -27,6 +27,8 @@ LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
                    "Run a tiny end-to-end example on CPU."),
     "eval": ("tandem.master.evaluate", "evaluate",
              "Evaluate a saved model on the config's eval tasksets."),
+    "plugins": ("tandem.master.plugins_cmd", "plugins",
+                "List every registered plugin item (rewards, workflows, engines, ...)."),
     "deploy": ("tandem.master.deploy.cli", "deploy",
                "Render a run for Kubernetes (manifests) or Slurm (an sbatch script)."),
 }

@@ -31,6 +31,7 @@ from typing import Any
 
 import yaml
 
+from tandem.common.plugins import outside_tandem
 from tandem.common.config import RunConfig
 
 from .common import (CURVE_SECRET_ENV, TORCHRUN_PORT, bind_overrides, component_config, dns_name,
@@ -291,4 +292,9 @@ class _Renderer:
                   f"`{self.config.model.path or '(model.path)'}` and the taskset at "
                   f"`{self.config.master.taskset.path or '(master.taskset.path)'}`, or mount "
                   "them there.", ""]
+        needed = outside_tandem(self.config.plugins)
+        if needed:
+            lines += ["It must also hold what the run's plugins need (docs/extending.md), "
+                      "installed where every component imports it:", ""]
+            lines += [f"- {item}" for item in needed] + [""]
         return "\n".join(lines)

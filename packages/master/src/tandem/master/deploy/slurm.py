@@ -23,6 +23,7 @@ from pathlib import Path
 
 import yaml
 
+from tandem.common.plugins import outside_tandem
 from tandem.common.config import RunConfig
 
 from .common import CURVE_SECRET_ENV, bind_overrides, component_config, reward_service, server_ports
@@ -78,6 +79,10 @@ def render_slurm(config: RunConfig, options: SlurmOptions) -> str:
     lines = head + [
         "# Rendered by `tandem deploy slurm`: submit with `sbatch THIS_FILE`.",
         "set -euo pipefail", ""]
+    needed = outside_tandem(config.plugins)
+    if needed:
+        lines += ["# Every node's Python environment must also hold what the run's plugins need",
+                  "# (docs/extending.md):"] + [f"#   {item}" for item in needed] + [""]
     if config.transport.curve is not None:
         for env in CURVE_SECRET_ENV.values():
             lines.append(f': "${{{env}:?export {env} (the Curve secret key) before sbatch}}"')
