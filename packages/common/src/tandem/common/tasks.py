@@ -75,8 +75,8 @@ def load_tasks(path: str, split: str | None = None, *, key: str = "master.taskse
     A task's id is under `task_id_key(format, id_field)`; every task must carry one there,
     and no two the same. Any problem is a one-line ConfigError naming `key`, and for a bad
     row its file, row number and column."""
-    sources = read_sources(path, split, key=key, reader=reader)
     formatter = None if format is None else TASKSET_FORMATS.get(format.name, f"{key}.format.name")
+    sources = read_sources(path, split, key=key, reader=reader)
     id_key = task_id_key(format, id_field)
     id_at = f"{key}.format.id" if format is not None else f"{key}.id_field"
     tasks: list[dict[str, Any]] = []
