@@ -50,8 +50,9 @@ def test_the_master_refuses_a_bad_row_at_start_in_one_line(tmp_path):
     path.write_text(json.dumps({"chat": CHAT}) + "\n" + json.dumps({"chat": "2+2?"}) + "\n")
     cfg = tmp_path / "run.yaml"
     cfg.write_text(f"run_dir: {tmp_path / 'run'}\n"
-                   f"master: {{address: 'tcp://127.0.0.1:0', publish_address: "
-                   f"'tcp://127.0.0.1:0', taskset: {{path: '{path}', format: {{messages: chat}}}}}}\n"
+                   "master: {address: 'tcp://127.0.0.1:0', publish_address: "
+                   f"'tcp://127.0.0.1:0', "
+                   f"taskset: {{path: '{path}', format: {{messages: chat}}}}}}\n"
                    "logging: {level: warning}\n")
     exe = Path(sys.executable).with_name("tandem-master")
     done = subprocess.run([str(exe), "--config", str(cfg)], capture_output=True, text=True,
