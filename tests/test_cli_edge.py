@@ -1,7 +1,7 @@
 """Every tandem CLI at its edge: a bad config, a peer or address it cannot reach, a run dir that
 another process of the same component already holds.
 
-The promise (DESIGN §8, docs/deployment.md): exit code 2 for a bad config, 1 for a failure at run
+The promise (docs/design.md §8, docs/deployment.md): exit code 2 for a bad config, 1 for a failure at run
 time, and a domain error is one line `prog: message` on stderr, never a traceback. Each case runs
 the real console script as a process.
 """

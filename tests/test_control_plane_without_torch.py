@@ -1,4 +1,4 @@
-"""The control plane installs and runs without torch (issue 13, DESIGN §1).
+"""The control plane installs and runs without torch (issue 13, docs/design.md §1).
 
 A fresh venv (no system site-packages) gets only tandem-common, tandem-master and tandem-buffer
 from their folders; torch is then not importable there, and from that venv `tandem plan` draws

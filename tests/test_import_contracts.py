@@ -1,4 +1,4 @@
-"""The import rules of DESIGN §1, as `lint-imports` checks them with the contracts in the root
+"""The import rules of docs/design.md §1, as `lint-imports` checks them with the contracts in the root
 pyproject.toml: components are independent, tandem.common imports no component and not
 tandem.weights, tandem.weights imports no component, the control plane needs no torch, and no
 package has an import cycle."""

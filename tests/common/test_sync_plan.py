@@ -1,4 +1,4 @@
-"""SyncPlan: the rules of DESIGN §4, pinned without sockets."""
+"""SyncPlan: the rules of docs/design.md §4, pinned without sockets."""
 
 from __future__ import annotations
 

@@ -286,7 +286,7 @@ def test_tandem_master_bad_config_is_a_one_line_error(tmp_path):
     exe = Path(sys.executable).with_name("tandem-master")
     result = subprocess.run([str(exe), "--set", "master.task_lease_seconds=-1"],
                             capture_output=True, text=True, timeout=30)
-    assert result.returncode == 2  # a bad config is exit 2 in every CLI (DESIGN §8)
+    assert result.returncode == 2  # a bad config is exit 2 in every CLI (docs/design.md §8)
     assert "master.task_lease_seconds" in result.stderr and "Traceback" not in result.stderr
 
 

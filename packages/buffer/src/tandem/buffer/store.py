@@ -1,6 +1,6 @@
 """The `ExperienceStore` interface: what any durable store behind the buffer service promises.
 
-Semantics (DESIGN §6), the same for every implementation:
+Semantics (docs/design.md §6), the same for every implementation:
 
 - A group is all experiences with one `group_id` (one task under one policy version). It is
   *waiting* until it holds `group_size` experiences, then *ready*. Only ready groups are sampled,

@@ -1,4 +1,4 @@
-"""The sync plan (DESIGN §4): which weights each explorer step uses and who waits for whom.
+"""The sync plan (docs/design.md §4): which weights each explorer step uses and who waits for whom.
 
 This module is the only place the synchronisation rules live. The master applies them to live
 counters, `tandem plan` replays them over assumed durations, explorers and trainers may read them
@@ -6,7 +6,7 @@ to know what to expect; none of it touches a socket.
 
 Counting. A *step* `e` is the unit of rollout that trainer step `e` trains on:
 
-- One explorer: step `e` is its `e`-th batch (DESIGN §4 word for word).
+- One explorer: step `e` is its `e`-th batch (docs/design.md §4 word for word).
 - Several explorers, synchronous plans (`offset` set): step `e` is a round, one batch from every
   explorer taking part; trainer step `t` trains on all batches of round `t`. Each explorer counts
   its own steps and may run ahead of the others as far as the plan lets it.
@@ -76,7 +76,7 @@ class Go:
 
 @dataclass(frozen=True)
 class SyncPlan:
-    """The rules of DESIGN §4 as a pure function of the knobs and the counters."""
+    """The rules of docs/design.md §4 as a pure function of the knobs and the counters."""
 
     method: Method = "nccl"
     interval: int = 1
@@ -91,7 +91,7 @@ class SyncPlan:
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> "SyncPlan":
-        """One of the four presets of DESIGN §4, with knobs given explicitly winning."""
+        """One of the four presets of docs/design.md §4, with knobs given explicitly winning."""
         if name not in PRESETS:
             raise ValueError(f"unknown sync preset {name!r}; choose one of {sorted(PRESETS)}")
         return cls(**{**PRESETS[name], **overrides})
@@ -173,7 +173,7 @@ class SyncPlan:
         """The first step of an explorer joining when no one has started `first_unstarted` yet.
 
         With nccl a late joiner can only receive weights in a broadcast, so it joins at the next
-        sync point (DESIGN §5); with checkpoint it loads the current version from disk and joins
+        sync point (docs/design.md §5); with checkpoint it loads the current version from disk and joins
         at once. Asynchronous plans number batches globally, so the joiner takes the next one.
         """
         if first_unstarted <= 0 or self.asynchronous or self.method == "checkpoint":

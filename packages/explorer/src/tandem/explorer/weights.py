@@ -124,7 +124,7 @@ class WeightLoader:
         """Receive `version` by broadcast, or read it from disk once a trainer wrote it there.
 
         A trainer that (re)starts at step S under nccl writes its version S to `weights/v{S}`
-        (DESIGN §5: a member that restarts gets the current version by checkpoint): a version
+        (docs/design.md §5: a member that restarts gets the current version by checkpoint): a version
         broadcast before the restart is never broadcast again. An explorer that restarted with
         it may have been granted that version by broadcast before the master heard of the
         checkpoint; it takes it from disk as soon as it is there, within `sync.timeout`."""

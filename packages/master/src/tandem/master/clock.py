@@ -272,7 +272,7 @@ class RunClock:
 
     def published(self, version: int, method: str | None = None) -> list[Decision]:
         if method == "checkpoint" and self.plan.method == "nccl":
-            self.on_disk.add(version)  # a resumed trainer's current version (DESIGN §5)
+            self.on_disk.add(version)  # a resumed trainer's current version (docs/design.md §5)
         self.newest = max(self.newest, version)
         if version not in self.published_versions:
             self.published_versions.append(version)
@@ -317,7 +317,7 @@ class RunClock:
     def _join_step(self) -> int:
         """A joiner is a member from the oldest step the trainer has not been released on, so
         explorers registering together all take part in step 0. With nccl it must also wait
-        for a broadcast it can still take part in (DESIGN §5: a fresh group at the next sync
+        for a broadcast it can still take part in (docs/design.md §5: a fresh group at the next sync
         point)."""
         plan = self.plan
         if plan.asynchronous:

@@ -1,12 +1,12 @@
 """The trainer component: the learner, wired to the master, the buffer and the weight path.
 
 On start, rank 0 continues from its newest checkpoint (step S, 0 without one) and puts the run
-back at S (DESIGN §9, docs/trainer.md "Restarts"): `Register` (the master says how many steps T
+back at S (docs/design.md §9, docs/trainer.md "Restarts"): `Register` (the master says how many steps T
 it counted; S > T is refused), the buffer's `ReleaseLeases` and `RewindTo(S)`, versions after S
 moved aside, then `TrainerResumed(S)`: the master releases `TrainerGo` again from S, and steps
 S..T-1 are trained again on the same groups.
 
-Per step, on rank 0 (DESIGN §4, docs/master.md):
+Per step, on rank 0 (docs/design.md §4, docs/master.md):
 
     TrainerGo(step t, publish p)            from the master's PUB socket (topic `trainer`)
     sample whole groups from the buffer     under a lease
@@ -317,7 +317,7 @@ class Trainer:
             # deleted v{S}: an explorer that (re)starts loads the newest, so v{S} must exist.
             # nccl: versions up to S went by in broadcasts of the lost incarnation and are
             # never broadcast again; an explorer that restarted with this trainer takes v{S}
-            # from disk (DESIGN §5: the current version by checkpoint). The learner is at
+            # from disk (docs/design.md §5: the current version by checkpoint). The learner is at
             # version S exactly; it writes v{S} when missing, and announces it.
             path = await asyncio.to_thread(self._current_version, start)
             await self._master.call(WeightsPublished(version=start, method="checkpoint",

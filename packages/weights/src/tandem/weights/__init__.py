@@ -1,4 +1,4 @@
-"""tandem-weights: moving weights between the trainer and explorer engines (DESIGN §5).
+"""tandem-weights: moving weights between the trainer and explorer engines (docs/design.md §5).
 
 Two methods, one ending: both produce an iterator of (name, tensor) for the engine's
 `load_weights` (or `load_into(module, ...)` for a plain PyTorch module).

@@ -1,4 +1,4 @@
-"""The `placement` section (DESIGN §8): which CPU threads and devices each component gets.
+"""The `placement` section (docs/design.md §8): which CPU threads and devices each component gets.
 
 Components that overlap in time must not fight over the same cores: with every process taking
 every core, overlapping rollout and training only adds contention and the asynchronous presets

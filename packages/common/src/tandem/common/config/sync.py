@@ -1,4 +1,4 @@
-"""The `sync` section (DESIGN §4): method, interval, offset, staleness bound, timeout, presets."""
+"""The `sync` section (docs/design.md §4): method, interval, offset, staleness bound, timeout, presets."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The `weights` section: how published weights are written, kept and broadcast.
 
-The wait limit of every weight transfer is `sync.timeout` (DESIGN §4), not a key of this section.
+The wait limit of every weight transfer is `sync.timeout` (docs/design.md §4), not a key of this section.
 """
 
 from __future__ import annotations

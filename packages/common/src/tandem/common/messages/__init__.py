@@ -1,7 +1,7 @@
 """Every wire message of tandem, one module per protocol; read these files to learn it.
 
 - `base`: the envelope-level messages (ok, heartbeat, pub/sub snapshot) and array fields.
-- `experience`: the experience and the task (DESIGN §3).
+- `experience`: the experience and the task (docs/design.md §3).
 - `buffer`, `master`, `reward`: each service's requests, replies and published events (`master`
   also holds its status models and the master's own journal records).
 - `weights`: the broadcast group's rendezvous and per-version tensor layout (`tandem.weights`).

@@ -1,4 +1,4 @@
-"""The experience (DESIGN §3): one sampled response, or one multi-turn episode, to one task."""
+"""The experience (docs/design.md §3): one sampled response, or one multi-turn episode, to one task."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from .base import Array
 def task_group_id(run: str, epoch: int, task_id: str) -> str:
     """The group of one task's responses, named by the task's place in the run (run, epoch,
     task): whoever rolls the task out, and with whichever weights, fills the same group, so a
-    task leased again after its explorer died stores nothing new (DESIGN §3 as of issue 14)."""
+    task leased again after its explorer died stores nothing new (docs/design.md §3 as of issue 14)."""
     run_key = hashlib.blake2b(run.encode(), digest_size=4).hexdigest()
     return f"{task_id}@e{epoch}.{run_key}"
 

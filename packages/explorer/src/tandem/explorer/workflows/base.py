@@ -91,7 +91,7 @@ class Trajectory:
 
 def make_experience(task: Task, index: int, traj: Trajectory, ctx: RolloutContext, *,
                     reward: float, rewards: dict[str, float], info: dict[str, Any]) -> Experience:
-    """An experience per DESIGN §3, with the group size the buffer needs to close a group.
+    """An experience per docs/design.md §3, with the group size the buffer needs to close a group.
 
     Its version is the oldest that sampled one of its tokens; per-token versions are kept when
     they are not all that one (weights loaded mid-generation). `settle_group_versions` then
