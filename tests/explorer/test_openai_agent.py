@@ -190,6 +190,17 @@ async def test_bad_input_gets_openai_error_json(agent_engine):
         assert err.value.code == "context_length_exceeded"
         with pytest.raises(openai.BadRequestError):
             await client.chat.completions.create(model="policy", messages=hi, temperature=-1)
+        # NaN and Infinity are JSON to Python's parser: each numeric field refuses them by name
+        for route, field, value in [("chat/completions", "temperature", "NaN"),
+                                    ("chat/completions", "top_p", "Infinity"),
+                                    ("completions", "temperature", "-Infinity")]:
+            payload = ('{"model": "policy", "max_tokens": 4, "%s": %s, %s}' % (
+                field, value, '"messages": [{"role": "user", "content": "Hi"}]'
+                if route == "chat/completions" else '"prompt": "Hi"')).encode()
+            status, body = await asyncio.to_thread(_post, f"{ep.url}/{route}", payload)
+            assert status == 400, (route, field, body)
+            assert body["error"]["type"] == "invalid_request_error"
+            assert body["error"]["param"] == field and "finite" in body["error"]["message"]
         with pytest.raises(openai.BadRequestError):
             await client.completions.create(model="policy", prompt=[[10**9]])
         # a client that goes away mid-stream: the endpoint carries on

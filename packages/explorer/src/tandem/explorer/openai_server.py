@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 import socket
 import time
@@ -658,6 +659,8 @@ def _num(body: dict[str, Any], key: str, default: float) -> float:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise APIError(400, f"{key} must be a number, got {value!r}", param=key)
+    if not math.isfinite(value):  # JSON's NaN and Infinity parse as floats
+        raise APIError(400, f"{key} must be a finite number, got {value!r}", param=key)
     return float(value)
 
 
