@@ -22,10 +22,11 @@ from tandem.common.config.explorer import OpenAIConfig
 from tandem.common.errors import ConfigError
 from tandem.common.messages.experience import Task
 from tandem.common.plugins import ENVIRONMENTS, TASKSET_READERS, WORKFLOWS, load_installed
+from tandem.common.tasks import load_rows
 from tandem.explorer.openai_server import OpenAIEndpoint
 from tandem.explorer.sampling import SamplingParams
 from tandem.explorer.verifiers_loader import load_environment as load_vf_environment
-from tandem.explorer.verifiers_loader import read_taskset
+from tandem.explorer.verifiers_loader import parse_source, read_taskset
 from tandem.explorer.workflows import RolloutContext
 from tandem.explorer.workflows.gym_text import Gym
 from tandem.explorer.workflows.verifiers_env import Verifiers
@@ -188,7 +189,9 @@ def model_text(engine, ids: list[int]) -> str:
 # -- verifiers ----------------------------------------------------------------------------------
 
 async def test_verifiers_single_turn_env_by_id_scored_by_its_rubric(agent_engine, as_env_package):
-    rows = read_taskset("echo-env", {"brevity_weight": 0.5})
+    # the master reads the taskset through the reader `verifiers`, as a run config names it
+    load_installed()
+    rows = load_rows("echo-env?brevity_weight=0.5", reader="verifiers")
     assert [r["answer"] for r in rows] == ["84", "8"] and all("prompt" in r for r in rows)
     workflow = Verifiers(agent_engine.tokenizer, {"env": "echo-env",
                                                   "env_args": {"brevity_weight": 0.5}})
@@ -224,7 +227,7 @@ async def test_verifiers_single_turn_env_by_id_scored_by_its_rubric(agent_engine
 async def test_verifiers_multi_turn_env_masks_its_responses(agent_engine):
     workflow = Verifiers(agent_engine.tokenizer, {"env": f"{HERE}:load_nagging",
                                                   "env_args": {"max_turns": 3}})
-    [row] = read_taskset(f"{HERE}:load_nagging")
+    [row] = read_taskset(f"{HERE}:load_nagging?max_turns=3")
     experiences = await rollout(workflow, agent_engine, [Task(id="t", payload=row)])
     assert len(experiences) == 2
     for exp in experiences:
@@ -272,6 +275,12 @@ def test_verifiers_loading_errors_and_signal_handlers(as_env_package):
         load_vf_environment(f"{HERE}:load_environment", {"bogus": 1})
     with pytest.raises(ConfigError, match="master.taskset.split"):
         read_taskset("echo-env", split="test")
+    with pytest.raises(ConfigError, match="master.taskset.path 'echo-env'.*keyword argument 'colour'"):
+        read_taskset("echo-env?colour=red")
+    with pytest.raises(ConfigError, match="'weight' is not key=value"):
+        read_taskset("echo-env?weight")
+    assert parse_source('e?n=5&flag=true&name="x y"&word=hard&xs=[1,2]&q=a%26b') == (
+        "e", {"n": 5, "flag": True, "name": "x y", "word": "hard", "xs": [1, 2], "q": "a&b"})
     with pytest.raises(ValueError, match="workflow_args for Verifiers: env"):
         Verifiers(None, {})
 

@@ -11,9 +11,11 @@ which verifiers 0.1.11 to 0.3 serve (0.4 keeps only its new `verifiers.v1` stack
 from __future__ import annotations
 
 import importlib
+import json
 import signal
 from contextlib import contextmanager
-from typing import Any, Iterator, Literal
+from typing import Any, Iterator
+from urllib.parse import unquote
 
 from tandem.common.errors import ConfigError
 
@@ -89,29 +91,53 @@ def load_environment(spec: str, env_args: dict[str, Any] | None = None, *,
     return env
 
 
-def read_taskset(env: str, env_args: dict[str, Any] | None = None,
-                 split: Literal["train", "eval"] = "train", num_examples: int = -1, *,
+def parse_source(path: str) -> tuple[str, dict[str, Any]]:
+    """A taskset path `env?key=value&key=value` as (env, env_args): each value as JSON where it
+    parses as JSON (numbers, true, false, null, lists, quoted strings), else as text."""
+    env, _, query = path.partition("?")
+    env_args: dict[str, Any] = {}
+    for pair in filter(None, query.split("&")):
+        name, eq, raw = pair.partition("=")
+        if not eq or not name:
+            raise ValueError(f"{pair!r} is not key=value")
+        value = unquote(raw)
+        try:
+            env_args[unquote(name)] = json.loads(value)
+        except json.JSONDecodeError:
+            env_args[unquote(name)] = value
+    return env, env_args
+
+
+def read_taskset(path: str, split: str | None = None,
                  key: str = "master.taskset") -> list[dict[str, Any]]:
-    """The taskset reader `verifiers`: the rows of the environment's dataset (`split` train:
-    `get_dataset()`, eval: `get_eval_dataset()`), first `num_examples` of them (-1: all), each
-    a verifiers rollout input (`prompt` as chat messages, `answer`, `info`, `example_id`) that
-    the `verifiers` workflow rolls out as it is. ConfigError naming `key` on a problem."""
+    """The taskset reader `verifiers` (`<taskset>.reader: verifiers`): the rows of a verifiers
+    environment's dataset, each a rollout input (`prompt` as chat messages, `answer`, `info`,
+    `example_id`) that the `verifiers` workflow rolls out as it is.
+
+    `path` names the environment as the workflow's `env` does, with its `load_environment`
+    arguments as a query: `my-env?num_train_examples=500&difficulty="hard"` (the same as the
+    workflow's `env_args`, or the rows are another environment's). `split`: train (the
+    default; `get_dataset()`) or eval (`get_eval_dataset()`). ConfigError naming `key`."""
     try:
-        environment = load_environment(env, env_args, where=f"{key}.env")
+        env, env_args = parse_source(path)
     except ValueError as exc:
-        raise ConfigError([str(exc)]) from None
+        raise ConfigError([f"{key}.path {path!r}: {exc}; write env?key=value&key=value"]) from None
+    split = split or "train"
     if split not in ("train", "eval"):
         raise ConfigError([f"{key}.split: {split!r}; a verifiers environment has train and "
                            "eval"])
     try:
-        data = (environment.get_dataset(n=num_examples) if split == "train"
-                else environment.get_eval_dataset(n=num_examples))
+        environment = load_environment(env, env_args, where=f"{key}.path")
+    except ValueError as exc:
+        raise ConfigError([str(exc)]) from None
+    try:
+        data = environment.get_dataset() if split == "train" else environment.get_eval_dataset()
     except ValueError as exc:  # no dataset of that split
-        raise ConfigError([f"{key}: environment {env!r} has no {split} dataset: {exc}"]) from None
+        raise ConfigError([f"{key}.path: environment {env!r} has no {split} dataset: "
+                           f"{exc}"]) from None
     rows = [dict(row) for row in data]
-    if not rows:
-        raise ConfigError([f"{key}: environment {env!r}'s {split} dataset is empty"])
-    missing = [i for i, row in enumerate(rows) if "prompt" not in row]
+    missing = [n for n, row in enumerate(rows, 1) if "prompt" not in row]
     if missing:
-        raise ConfigError([f"{key}: rows {missing[:5]} of environment {env!r} have no prompt"])
+        raise ConfigError([f"{key}.path: rows {missing[:5]} of environment {env!r} have no "
+                           "prompt"])
     return rows
