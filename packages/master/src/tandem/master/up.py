@@ -566,6 +566,14 @@ def up(config_path: str, overrides: tuple[str, ...], resume: bool, plain: bool) 
     """Start a whole run on this machine as separate processes."""
     from tandem.common.cli import load_config_or_exit
 
-    config = load_config_or_exit("tandem up", config_path, overrides)
+    from .taskset import load_rows
+
+    def tasks_readable(config: RunConfig) -> None:
+        # every row is read and formatted before any component starts: a bad row is exit 2
+        # naming the file, the row and the column, not a master that dies while starting
+        if config.master.taskset.path:
+            load_rows(config.master.taskset)
+
+    config = load_config_or_exit("tandem up", config_path, overrides, check=tasks_readable)
     sys.exit(run_up(config, resume=resume, live=False if plain else None,
                     png_in_background=True))

@@ -165,8 +165,11 @@ class RunConfig(Section):
                 rows = load_rows(ts.path, ts.split, key=key)
             except ConfigError as exc:
                 raise ValueError("; ".join(exc.errors)) from None
+            messages = args.get("messages_key", "messages")
             for where, field in needed:
-                missing = next((n for n, row in enumerate(rows) if field not in row), None)
+                # single_turn reads a chat's `messages` where a task has no prompt
+                missing = next((n for n, row in enumerate(rows) if field not in row and not (
+                    where.endswith("prompt_key") and isinstance(row.get(messages), list))), None)
                 if missing is not None:
                     raise ValueError(
                         f"{key}: row {missing} of {ts.path} has no {field!r} field (has "
