@@ -53,6 +53,10 @@ def test_a_lazy_entry_takes_the_object_its_module_registers_with_its_declaration
 
     reg.register("loads", json.loads)  # json's own decorator, as tandem's modules do
     assert reg.get("loads") is json.loads and reg.declares("loads") == {"pure": True}
+    # and the other way round: the module imported before the lazy entry is registered
+    reg.register("dumps", json.dumps)
+    reg.register("dumps", "json:dumps", pure=False)
+    assert reg.get("dumps") is json.dumps and reg.declares("dumps") == {"pure": False}
 
 
 def _plugin_file(tmp_path: Path, name: str, body: str) -> Path:

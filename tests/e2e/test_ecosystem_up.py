@@ -15,6 +15,7 @@ from tandem.common.trace import read_trace
 from tandem.master.up import run_up
 
 pytestmark = pytest.mark.slow
+pytest.importorskip("verifiers")  # the optional extra tandem-explorer[verifiers]
 STEPS = 2
 
 ENVIRONMENT = '''

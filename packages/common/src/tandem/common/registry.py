@@ -111,6 +111,11 @@ class Registry(Generic[T]):
                 old.target = target
                 old.declares = {**declares, **old.declares}
                 return
+            if isinstance(target, str) and target == _address(old.target):
+                # the same, the other way round: the module was imported first
+                old.declares = {**old.declares, **declares}
+                old.plugin = plugin
+                return
             raise PluginError([f"{self.config_key}: {self.kind} {name!r} is registered twice, "
                                f"by {old.plugin} and by {plugin}; rename one"])
         self._entries[name] = Entry(name, target, plugin, dict(declares))
