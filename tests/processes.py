@@ -82,6 +82,46 @@ def kill_and_reap(pids) -> None:
         time.sleep(0.02)
 
 
+def thread_states(pid: int) -> list[str]:
+    """The scheduler state letter of each thread of `pid` (R, S, D, T, t, Z, ...); [] once it
+    is gone."""
+    states = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+        except (OSError, IndexError):
+            continue  # that thread exited while we looked
+    return states
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` still runs (a zombie, exited and not yet reaped, does not)."""
+    return any(state not in "ZX" for state in thread_states(pid))
+
+
+def freeze(pid: int, timeout: float = 60.0) -> None:
+    """SIGSTOP `pid` and return once every one of its threads has stopped.
+
+    `kill()` returns before the signal has reached a thread that is running on another core or
+    sits in a system call (a rename, an fsync), so a process is only frozen once /proc says so;
+    from then on nothing it does can change what a test reads of it (its files, its journal
+    records, its logs), and a SIGKILL sent now lands exactly on what was read.
+    `timeout` only bounds a hang (a thread stuck in the kernel); ProcessLookupError if `pid`
+    is gone."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while True:
+        states = [state for state in thread_states(pid) if state not in "ZX"]  # live threads
+        if not states:
+            raise ProcessLookupError(f"process {pid} exited before it could be frozen")
+        if all(state in "tT" for state in states):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"process {pid} did not stop within {timeout:g}s of SIGSTOP: "
+                                 f"its threads are {states}")
+        time.sleep(0.005)
+
+
 def run_group(argv: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
     """`subprocess.run(argv, capture_output=True, text=True)` in a session of its own: past
     `timeout`, the whole group (a `tandem up` and the components it started) gets SIGTERM, then
