@@ -26,6 +26,7 @@ import pytest
 from tandem.buffer import Buffer
 from tandem.common.config import RunConfig
 from tandem.common.config.reward import RewardConfig
+from tandem.common.errors import WaitTimeout
 from tandem.common.heartbeat import Heartbeater
 from tandem.common.messages.master import (
     CompleteTasks,
@@ -54,40 +55,72 @@ async def declare_dead(master: Master, name: str) -> None:
         await master._emit(master._commit(ExplorerLeft(explorer=name)))
 
 
-async def test_a_live_explorer_whose_snapshot_requests_keep_the_socket_busy_stays_alive(
+class HeartbeatCountingMaster(Master):
+    """A master that counts the heartbeats it handles, per component."""
+
+    def __init__(self, config):
+        self.heartbeats: Counter = Counter()
+        super().__init__(config)
+
+    async def _on_heartbeat(self, msg, ctx):
+        self.heartbeats[msg.name] += 1
+        return await super()._on_heartbeat(msg, ctx)
+
+
+class CountingSubscriber(Subscriber):
+    """A subscriber that counts its snapshot requests (resyncs)."""
+
+    resyncs = 0
+
+    async def resync(self) -> None:
+        await super().resync()
+        self.resyncs += 1
+
+
+async def test_a_live_explorer_whose_snapshot_requests_keep_the_socket_busy_keeps_beating(
         tmp_path, tiny_model_path):
     # The subscriber resyncs every 0.1 s on the same client as the heartbeats; the master counts
     # heartbeats (not snapshot requests) as life. Before the fix the heartbeater saw the
     # snapshot replies as "recently heard", never sent a heartbeat, and the master declared the
-    # explorer dead after transport.liveness.
+    # explorer dead after transport.liveness. The verdict is what reaches the master, counted,
+    # not how long it stayed alive: heartbeats keep coming while snapshot replies keep the
+    # client busy, at whatever pace this machine runs both.
     config = make_config(tmp_path, tiny_model_path, "transport.liveness=1.0",
                          "transport.heartbeat_interval=0.2")
-    master = Master(config)
+    master = HeartbeatCountingMaster(config)
     await master.start()
     client = RpcClient(master.address, peer="master", name="explorer-0")
-    sub = Subscriber(master.publish_address, topics=[barrier_topic("explorer-0")],
-                     snapshot=client, resync_interval=0.1)
+    sub = CountingSubscriber(master.publish_address, topics=[barrier_topic("explorer-0")],
+                             snapshot=client, resync_interval=0.1)
     beat = Heartbeater(client, name="explorer-0", role="explorer", interval=0.2, liveness=1.0)
+
+    async def listen_until(done, what: str) -> None:
+        """Keep the subscription resyncing until `done()`; 60 s only bound a hang."""
+        deadline = time.monotonic() + 60
+        while not done():
+            assert time.monotonic() < deadline, (
+                f"no {what} in 60 s: {sub.resyncs} resyncs, "
+                f"{master.heartbeats['explorer-0']} heartbeats")
+            try:
+                await sub.recv(0.3, what="barrier")
+            except WaitTimeout:
+                pass
+
     try:
         await client.call(Register(name="explorer-0", role="explorer", pid=os.getpid()),
                           timeout=2)
         await sub.start()
         beat.start()
-        waited_until = time.monotonic() + 3.0  # three times transport.liveness
-        while time.monotonic() < waited_until:
-            try:
-                await sub.recv(0.3, what="barrier")
-            except Exception:
-                pass
-        status = master.status()
+        await listen_until(lambda: sub.resyncs >= 10, "10 snapshot replies")
+        resyncs, beats = sub.resyncs, master.heartbeats["explorer-0"]
+        await listen_until(lambda: master.heartbeats["explorer-0"] >= beats + 3,
+                           "3 heartbeats among the snapshot replies")
     finally:
         await beat.close()
         await sub.close()
         await client.close()
         await master.close()
-    [me] = [c for c in status.components if c.name == "explorer-0"]
-    assert me.alive and me.silent_for is not None and me.silent_for < 1.0
-    assert status.counters.batches_lost == 0 and status.counters.explorers_alive == 1
+    assert sub.resyncs > resyncs  # the replies went on arriving while the heartbeats did
 
 
 class DeclaredDeadAfterPut(Explorer):
@@ -224,10 +257,10 @@ async def test_a_score_request_in_flight_when_the_reward_service_dies_is_answere
         await doomed.close()
         restarted = RewardService(config, address=address)
         await restarted.start()
-        start = time.monotonic()
-        [score] = await asyncio.wait_for(scoring, 10)
-        assert time.monotonic() - start < 5
-        assert score.score == 1.0
+        # Never resent, the request would wait out reward.request_timeout and fail; resent,
+        # the restarted service answers it, however long its start took
+        [score] = await scoring
+        assert restarted.requests >= 1 and score.score == 1.0
         # resent every reward.timeout, but the service may spend the whole request_timeout
         assert budget[0] > 20
     finally:
