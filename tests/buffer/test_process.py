@@ -62,7 +62,7 @@ async def test_cli_serves_and_exits_cleanly_on_sigterm(tmp_path, buffers):
     finally:
         await client.close()
     process.proc.send_signal(signal.SIGTERM)
-    assert process.proc.wait(10) == 0
+    assert process.proc.wait(60) == 0  # 60 s only bound a hang
     process.wait_for("buffer.stopped", 5.0)
     assert (tmp_path / "buffer.sqlite").exists() and (tmp_path / "logs" / "buffer.jsonl").exists()
 
@@ -74,6 +74,7 @@ async def test_crash_loses_no_acknowledged_put_and_leases_come_back(tmp_path, bu
     process = buffers(tmp_path)  # the default synchronous=full: every commit is fsynced
     client = RpcClient(process.address, peer="buffer", name="putter")
     acked: list[list] = []
+    killed = False
 
     async def putter(worker: int) -> None:
         for i in range(10_000):
@@ -82,7 +83,9 @@ async def test_crash_loses_no_acknowledged_put_and_leases_come_back(tmp_path, bu
                 await client.call(PutExperiences(experiences=group, group_size=4),
                                   timeout=1.0, retries=0)
             except (PeerDead, RequestFailed):
-                return
+                if killed:
+                    return
+                continue  # only slow (an fsync on a busy disk): not acked, so not counted
             acked.append(group)
 
     putters = [asyncio.create_task(putter(w)) for w in range(4)]
@@ -91,13 +94,17 @@ async def test_crash_loses_no_acknowledged_put_and_leases_come_back(tmp_path, bu
             await asyncio.sleep(0.01)
         lease = await client.call(SampleGroups(num_groups=2, lease_seconds=lease_seconds),
                                   timeout=5, retries=0)
-        await asyncio.sleep(rng.uniform(0.05, 0.6))
+        # the kill lands after a number of acks the seed picks, with four puts on their way
+        # (sent, being written, acked and unread): every interleaving must keep every ack
+        kill_after = len(acked) + rng.randint(1, 40)
+        while len(acked) < kill_after:
+            await asyncio.sleep(0.005)
+        killed = True
         process.proc.kill()
         process.proc.wait()
         await asyncio.gather(*putters)
     finally:
         await client.close()
-    assert len(acked) > 4, f"too few puts before the kill (seed {seed})"
 
     restarted = buffers(tmp_path)
     client = RpcClient(restarted.address, peer="buffer", name="checker")
@@ -125,4 +132,4 @@ async def test_crash_loses_no_acknowledged_put_and_leases_come_back(tmp_path, bu
     finally:
         await client.close()
     restarted.proc.send_signal(signal.SIGTERM)
-    assert restarted.proc.wait(10) == 0
+    assert restarted.proc.wait(60) == 0
