@@ -50,11 +50,12 @@ class ComponentProcess:
         raise AssertionError(f"{self.name} did not log {event} within {timeout}s (exit code "
                              f"{self.proc.poll()}); last lines:\n{''.join(self.raw[-15:])}")
 
-    def stop(self) -> int:
+    def stop(self, timeout: float = 10.0) -> int:
+        """SIGTERM, then SIGKILL if it has not exited `timeout` s later; the exit code."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(10)
+                self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()

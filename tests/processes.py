@@ -94,6 +94,17 @@ def thread_states(pid: int) -> list[str]:
     return states
 
 
+def catches(pid: int, sig: int) -> bool:
+    """Whether `pid` has a handler of its own installed for `sig` (/proc: SigCgt)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    caught = next((line.split()[1] for line in status.splitlines()
+                   if line.startswith("SigCgt:")), "0")
+    return bool(int(caught, 16) >> (sig - 1) & 1)
+
+
 def alive(pid: int) -> bool:
     """Whether `pid` still runs (a zombie, exited and not yet reaped, does not)."""
     return any(state not in "ZX" for state in thread_states(pid))

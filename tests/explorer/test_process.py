@@ -107,6 +107,10 @@ async def play_trainer(master: str, publish: str, buffer: str, run_dir: str, mod
 async def test_explorer_process_steps_waits_for_weights_and_leaves_on_sigterm(
         tmp_path, tiny_model_path, procs):
     config = write_run(tmp_path, tiny_model_path)
+    # the wait for version 2 below lasts an hour unless SIGTERM ends it
+    data = yaml.safe_load(config.read_text())
+    data["sync"]["timeout"] = 3600
+    config.write_text(yaml.safe_dump(data))
     run_dir = str(tmp_path / "run")
     master = procs("master", [str(BIN / "tandem-master"), "--config", str(config)])
     buffer = procs("buffer", [str(BIN / "tandem-buffer"), "--config", str(config),
@@ -128,8 +132,9 @@ async def test_explorer_process_steps_waits_for_weights_and_leaves_on_sigterm(
     # step 2 needs version 2, which never comes: the explorer waits until SIGTERM
     time.sleep(0.5)
     assert explorer.proc.poll() is None
-    begin = time.monotonic()
-    assert explorer.stop() == 0 and time.monotonic() - begin < 10
+    # exit code 0 long before the hour is up: SIGTERM ended the wait (60 s only bound the
+    # interpreter's exit on a busy machine)
+    assert explorer.stop(timeout=60) == 0
     closed = explorer.wait_for("explorer.closed", 5)
     assert closed["steps"] == 2 and closed["reason"] == "signal"
 
