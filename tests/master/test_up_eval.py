@@ -45,28 +45,37 @@ def test_the_end_of_a_run_waits_for_the_clients_not_for_the_servers(tmp_path):
     server that never does, so `_finish` must not wait `up.stop_timeout` for it (it did: dead
     time at the end of every run, a minute with an evaluating explorer's `eval.final_wait`)."""
     import sys
-    import time
+    import threading
 
     from tandem.common.config import RunConfig
     from tandem.master.up import Child, Supervisor
 
+    # the buffer serves until this file appears, and up.stop_timeout is an hour: a _finish
+    # that waited for it would not return while the buffer runs, however fast the machine
+    released = tmp_path / "buffer-may-exit"
     sup = Supervisor(RunConfig.model_validate(
-        {"run_dir": str(tmp_path), "up": {"stop_timeout": 30}, "logging": {"level": "warning"}}),
-        live=False)
+        {"run_dir": str(tmp_path), "up": {"stop_timeout": 3600},
+         "logging": {"level": "warning"}}), live=False)
     quick = [sys.executable, "-c", "import time; time.sleep(0.5)"]
+    serving = [sys.executable, "-c", "import os, sys, time\n"
+               "while not os.path.exists(sys.argv[1]):\n    time.sleep(0.05)", str(released)]
     sup.children = [Child(name, role, argv, tmp_path / f"{name}.out") for name, role, argv in [
         ("master", "master", [sys.executable, "-c", "pass"]),
-        ("buffer", "buffer", [sys.executable, "-c", "import time; time.sleep(60)"]),
+        ("buffer", "buffer", serving),
         ("trainer", "trainer", quick), ("explorer-0", "explorer", quick)]]
     for child in sup.children:
         child.start()
+    finishing = threading.Thread(target=sup._finish, daemon=True)
     try:
         sup.children[0].proc.wait(30)
-        started = time.monotonic()
-        sup._finish()
-        assert time.monotonic() - started < 10  # not the 30 s stop_timeout
+        finishing.start()
+        finishing.join(120)  # 120 s only bound a hang: up waits an hour for the buffer
+        assert not finishing.is_alive(), "_finish waited for the buffer"
         assert [c.returncode for c in sup.children[2:]] == [0, 0]  # the clients ended first
         assert sup.children[1].returncode is None
     finally:
+        released.write_text("")
+        if finishing.ident is not None:
+            finishing.join(30)
         sup._stop_all()
     assert all(c.returncode is not None for c in sup.children)
