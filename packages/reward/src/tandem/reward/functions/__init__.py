@@ -14,7 +14,8 @@ def lookup(name: str) -> type[RewardFunction]:
     """The reward function class registered as `name`; a clear error naming the known ones."""
     load_installed()
     if name not in REWARDS:
-        raise KeyError(REWARDS.unknown(name))
+        raise KeyError(f"unknown reward function {name!r}; registered: "
+                       f"{', '.join(REWARDS.names())}")
     cls = REWARDS.get(name)
     if not (isinstance(cls, type) and issubclass(cls, RewardFunction)):
         raise TypeError(f"reward function {name!r} ({REWARDS.entry(name).plugin}) is "
