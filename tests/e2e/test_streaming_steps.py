@@ -3,49 +3,132 @@ real processes: the explorer leases and rolls out its next step while this one d
 
 from __future__ import annotations
 
-import pytest
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
 
-from tandem.common.config import RunConfig
+import pytest
+import yaml
+
+from processes import freeze
+from tandem.common.messages import ExplorerStepDone, TasksLeased
 from tandem.common.trace import read_trace
+from tandem.master.journal import JournalError, read_journal
 from tandem.master.quickstart import reversal_tasks, write_jsonl
-from tandem.master.up import run_up
 
 pytestmark = pytest.mark.slow
 STEPS = 4
+TANDEM = str(Path(sys.executable).parent / "tandem")
 
 
-def test_the_next_step_starts_while_the_last_groups_of_this_one_finish(tmp_path,
-                                                                     tiny_model_dir):
+def journal(run_dir: Path) -> list:
+    try:
+        return read_journal(run_dir / "master" / "journal.bin")
+    except (JournalError, OSError):
+        return []
+
+
+def child_pid(up_pid: int, name: str) -> int | None:
+    """The pid of `tandem up`'s child `tandem-<name>`, once it started."""
+    try:
+        children = Path(f"/proc/{up_pid}/task/{up_pid}/children").read_text().split()
+    except OSError:
+        return None
+    for pid in map(int, children):
+        try:
+            if f"tandem-{name}" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(
+                    errors="replace"):
+                return pid
+        except OSError:
+            continue
+    return None
+
+
+def samples_scored(run_dir: Path) -> int:
+    """Samples the explorer's reward functions scored so far, from its live /metrics."""
+    try:
+        url = (run_dir / "metrics" / "explorer-0.url").read_text().strip()
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            text = reply.read().decode()
+    except OSError:
+        return 0
+    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("tandem_explorer_reward{") and 'stat="evaluated"' in line))
+
+
+def wait_for(predicate, what: str, timeout: float = 150):
+    """`predicate()`'s first true value; `timeout` only bounds a hang."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"no {what} within {timeout:g}s"
+        time.sleep(0.02)
+    return value
+
+
+def test_the_next_step_rolls_out_while_this_one_drains(tmp_path, tiny_model_dir):
+    """The overlap is made, not hoped for (a tiny model rolls a step out in tens of
+    milliseconds, about the time the next step's lease takes): the buffer is frozen from the
+    start, so no put is acked and no step can be reported. Step 1 must still be leased and
+    rolled out, a sample of it scored, while step 0 waits for its puts: without lease_ahead a
+    step's tasks are leased only after the step before is reported, which the frozen buffer
+    holds back for as long as it stays frozen."""
     train, _ = reversal_tasks(0)
     taskset = write_jsonl(train[:64], tmp_path / "train.jsonl")
-    config = RunConfig.model_validate({
-        "name": "ahead", "run_dir": str(tmp_path / "run"), "model": {"path": str(tiny_model_dir)},
+    run_dir = tmp_path / "run"
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({
+        "name": "ahead", "run_dir": str(run_dir), "model": {"path": str(tiny_model_dir)},
         # staleness 4 over 4 steps: the master never holds a grant back for the trainer
         "sync": {"preset": "fully_async", "timeout": 60},
         "master": {"total_steps": STEPS, "taskset": {"path": str(taskset), "epochs": 10}},
-        # one task per engine batch: a step is six batches one after the other, so its first
-        # group is scored (a slot frees) long before its last
+        # one task per engine batch: a step is six batches one after the other
         "explorers": [{"name": "explorer-0", "batch_size": 6, "repeat_times": 2,
                        "engine": {"max_batch": 2},
                        "workflow_args": {"reward_fn": "k12", "answer_key": "truth"},
                        "sampling": {"max_tokens": 12}}],
         "trainer": {"groups_per_step": 6, "lr": 1e-3},
         "reward": {"functions": {"k12": 1.0}},
-        "transport": {"liveness": 30.0},
+        # a buffer held frozen is not a dead one: its clients wait for it
+        "transport": {"liveness": 300.0, "rpc_timeout": 300.0},
         "logging": {"level": "warning"},
-        "up": {"run_timeout": 150},
-    })
-    assert run_up(config, live=False) == 0
-    spans = read_trace(config.run_dir)
+        "up": {"run_timeout": 300, "timeline": False},
+    }))
+    proc = subprocess.Popen([TANDEM, "up", str(config), "--plain"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    buffer = None
+    try:
+        buffer = wait_for(lambda: child_pid(proc.pid, "buffer"), "buffer process", 60)
+        freeze(buffer)
+        # step 0 is 12 samples: one more scored is step 1 generating while step 0 drains
+        wait_for(lambda: samples_scored(run_dir) > 12, "sample of step 1 scored")
+        records = journal(run_dir)
+        os.kill(buffer, signal.SIGCONT)
+        buffer = None
+        out, _ = proc.communicate(timeout=600)  # only against a hang
+    finally:
+        if buffer is not None:
+            os.kill(buffer, signal.SIGCONT)
+        if proc.poll() is None:  # a failed wait: `tandem up` stops what it started
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.communicate(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+    assert proc.returncode == 0, out[-3000:]
+    # while the buffer was frozen: step 1 leased (and rolling out), step 0 unreported
+    assert any(isinstance(r, TasksLeased) and r.step == 1 for r in records)
+    assert not any(isinstance(r, ExplorerStepDone) for r in records)
+    spans = read_trace(run_dir)
     rollouts = sorted((s for s in spans if s["kind"] == "rollout"), key=lambda s: s["start"])
     # every step rolled out once, in order, each with at most max_staleness old weights
     assert [s["step"] for s in rollouts] == list(range(STEPS))
     assert all(s["step"] - s["version"] <= 4 for s in rollouts)
     trains = [s for s in spans if s["kind"] == "train"]
     assert sorted(s["step"] for s in trains) == list(range(STEPS))
-    # Without lease_ahead a step's tasks are leased only after the step before is reported,
-    # which follows its last put (the end of its rollout span). Here the next step's tasks
-    # went to the engine before the last group of the step before was even scored.
-    ahead = [(a["step"], b["step"]) for a, b in zip(rollouts, rollouts[1:])
-             if b["start"] < a["attrs"]["generated"] <= a["end"]]
-    assert ahead, [(s["step"], s["start"], s["attrs"]["generated"], s["end"]) for s in rollouts]
+    # step 1's rollout began before step 0's ended (its puts waited for the buffer)
+    assert rollouts[1]["start"] < rollouts[0]["end"], rollouts[:2]
