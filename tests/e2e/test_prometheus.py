@@ -58,9 +58,14 @@ def test_each_component_serves_its_metrics_during_a_run(tmp_path, tiny_model_dir
         buffer_url = (urls / "buffer.url").read_text().strip()
         got["buffer"] = wait_for(lambda: (lambda b: b if value(
             b, r'tandem_buffer_experiences\{state=".*"\}') >= 8 else None)(scrape(buffer_url)),
-            10, "the buffer's store counts")
+            60, "the buffer's store counts")
+        # the trace shows a step trained once it is written; its publication comes after
+        trainer_url = (urls / "trainer.url").read_text().strip()
+        got["trainer"] = wait_for(lambda: (lambda t: t if value(
+            t, r'tandem_trainer_span_seconds_count\{kind="sync",.*\}') >= 1 else None)(
+            scrape(trainer_url)), 60, "the trainer's first publication")
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=30)
+        out, _ = proc.communicate(timeout=600)  # only against a hang
 
     trainer, buffer, master, explorer = (got[c] for c in
                                          ("trainer", "buffer", "master", "explorer-0"))
