@@ -195,6 +195,14 @@ def test_plugin_mistakes_exit_2_with_one_line(tmp_path, plugin, case):
         assert part in lines[0], lines[0]
 
 
+def test_committed_data_is_what_the_generator_writes(tmp_path, plugin):
+    proc = subprocess.run([sys.executable, "-m", "digit_retry.data", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60, env=plugin["env"])
+    assert proc.returncode == 0, proc.stderr
+    for name in ("train.jsonl", "heldout.jsonl"):
+        assert (tmp_path / name).read_text() == (EXAMPLE / "data" / name).read_text(), name
+
+
 def test_extending_doc_quotes_the_example_as_it_is():
     """Each code block of docs/extending.md marked with `<!-- file: PATH -->` is that file."""
     text = (ROOT / "docs" / "extending.md").read_text()
