@@ -90,3 +90,32 @@ async def fresh_conversations(task: dict, client) -> float:
         await client.chat.completions.create(model="policy", max_tokens=4,
                                              messages=[{"role": "user", "content": question}])
     return 0.5
+
+
+def train_through_up(run_dir: Path, model_dir: Path, *, name: str, steps: int, taskset: dict,
+                     explorer: dict) -> tuple[object, list[dict]]:
+    """A short synchronous `tandem up` run of one endpoint-driven explorer (`explorer`: its
+    workflow, workflow_args and sampling) on the agent model; asserts every step trained and
+    every rollout put experiences, and returns the config and the rollout spans."""
+    from tandem.common.config import RunConfig
+    from tandem.common.trace import read_trace
+    from tandem.master.up import run_up
+
+    config = RunConfig.model_validate({
+        "name": name, "run_dir": str(run_dir),
+        "model": {"path": str(model_dir)},  # the session's: the run only reads it
+        "sync": {"preset": "synchronous", "timeout": 60},
+        "master": {"total_steps": steps, "taskset": taskset},
+        "explorers": [{"name": "explorer-0", "batch_size": 2, "repeat_times": 2,
+                       "engine": {"options": {"threads": 1}}, **explorer}],
+        "trainer": {"groups_per_step": 2, "lr": 1e-3},
+        "transport": {"liveness": 30.0},
+        "logging": {"level": "warning", "metrics": {"enabled": False}},
+        "up": {"run_timeout": 120, "timeline": False},
+    })
+    assert run_up(config, live=False) == 0
+    spans = read_trace(config.run_dir)
+    assert sorted(s["step"] for s in spans if s["kind"] == "train") == list(range(steps))
+    rollouts = [s for s in spans if s["kind"] == "rollout"]
+    assert rollouts and all((s.get("attrs") or {}).get("experiences", 0) > 0 for s in rollouts)
+    return config, rollouts

@@ -6,13 +6,15 @@ workflow `verifiers`, and the trainer trains on the experiences."""
 from __future__ import annotations
 
 import os
+import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
-from tandem.common.config import RunConfig
-from tandem.common.trace import read_trace
-from tandem.master.up import run_up
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+from agent_model import train_through_up  # noqa: E402
+
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("verifiers")  # the optional extra tandem-explorer[verifiers]
@@ -43,29 +45,12 @@ def test_verifiers_environment_trains_through_tandem_up(tmp_path, agent_model_di
     (package / "times_seven.py").write_text(textwrap.dedent(ENVIRONMENT))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(package),
                                                       os.environ.get("PYTHONPATH", "")]))
-    config = RunConfig.model_validate({
-        "name": "verifiers", "run_dir": str(tmp_path / "run"),
-        "model": {"path": str(agent_model_dir)},  # the session's: the run only reads it
-        "sync": {"preset": "synchronous", "timeout": 60},
-        "master": {"total_steps": STEPS,
-                   "taskset": {"reader": "verifiers", "path": "times-seven?n=8",
-                               "id_field": "example_id", "epochs": 10}},
-        "explorers": [{"name": "explorer-0", "batch_size": 2, "repeat_times": 2,
-                       "workflow": "verifiers",
-                       "workflow_args": {"env": "times-seven", "env_args": {"n": 8},
-                                         "timeout": 60},
-                       "sampling": {"max_tokens": 24, "temperature": 0.7},
-                       "engine": {"options": {"threads": 1}}}],
-        "trainer": {"groups_per_step": 2, "lr": 1e-3},
-        "transport": {"liveness": 30.0},
-        "logging": {"level": "warning", "metrics": {"enabled": False}},
-        "up": {"run_timeout": 120, "timeline": False},
-    })
-    assert run_up(config, live=False) == 0
-    spans = read_trace(config.run_dir)
-    trains = sorted(s["step"] for s in spans if s["kind"] == "train")
-    assert trains == list(range(STEPS))
-    rollouts = [s for s in spans if s["kind"] == "rollout"]
-    assert rollouts and all((s.get("attrs") or {}).get("experiences", 0) > 0 for s in rollouts)
+    _, rollouts = train_through_up(
+        tmp_path / "run", agent_model_dir, name="verifiers", steps=STEPS,
+        taskset={"reader": "verifiers", "path": "times-seven?n=8", "id_field": "example_id",
+                 "epochs": 10},
+        explorer={"workflow": "verifiers",
+                  "workflow_args": {"env": "times-seven", "env_args": {"n": 8}, "timeout": 60},
+                  "sampling": {"max_tokens": 24, "temperature": 0.7}})
     # the rubric's rewards: says_answer (0 or 1) + 0.5 * brevity (in (0, 0.5])
     assert all(0 < s["attrs"]["reward_mean"] <= 1.5 for s in rollouts)

@@ -93,6 +93,16 @@ class Held:
         freeze(pid)
         self.pids.add(pid)
 
+    def both_started(self, proc, trainer_log: Path) -> tuple[int, int]:
+        """The explorer and the trainer of `tandem up` process `proc`, both held: the explorer
+        while it still starts up, the trainer once it has started."""
+        explorer = wait_for(lambda: component_pid(proc.pid, "explorer"), 60, "the explorer")
+        self.hold(explorer)
+        trainer = wait_for(lambda: component_pid(proc.pid, "trainer"), 60, "the trainer")
+        wait_for(lambda: logged(trainer_log, "trainer.started"), 150, "the trainer's start")
+        self.hold(trainer)
+        return explorer, trainer
+
     def release(self, pid: int) -> None:
         self.pids.discard(pid)
         os.kill(pid, signal.SIGCONT)
@@ -141,11 +151,7 @@ def test_a_killed_trainer_restarted_by_up_resumes_from_its_checkpoint_and_retrai
     proc = resume_check.up_process(config)
     try:
         with Held() as held:
-            explorer = wait_for(lambda: component_pid(proc.pid, "explorer"), 60, "the explorer")
-            held.hold(explorer)  # still starting up
-            trainer = wait_for(lambda: component_pid(proc.pid, "trainer"), 60, "the trainer")
-            wait_for(lambda: logged(trainer_log, "trainer.started"), 150, "the trainer's start")
-            held.hold(trainer)
+            explorer, trainer = held.both_started(proc, trainer_log)
             while True:
                 held.release(trainer)
                 wait_for(trainer_can_go_no_further, 150, "the trainer to train every batch")
@@ -218,11 +224,7 @@ def test_sigterm_then_resume_finishes_every_step_without_waiting_for_stale_lease
     proc = resume_check.up_process(config)
     try:
         with Held() as held:
-            explorer = wait_for(lambda: component_pid(proc.pid, "explorer"), 60, "the explorer")
-            held.hold(explorer)  # still starting up
-            trainer = wait_for(lambda: component_pid(proc.pid, "trainer"), 60, "the trainer")
-            wait_for(lambda: logged(trainer_log, "trainer.started"), 150, "the trainer's start")
-            held.hold(trainer)
+            explorer, trainer = held.both_started(proc, trainer_log)
             held.release(explorer)
             wait_for(lambda: batches_done(run_dir) >= 3, 150, "three batches")
             held.hold(explorer)

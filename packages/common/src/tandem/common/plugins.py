@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from .registry import PluginError, Registry, plugin_scope, reset_plugin_scope
+from .registry import (
+    PluginError, Registry, import_address, plugin_scope, reset_plugin_scope)
 
 ENTRY_POINT_GROUP = "tandem.plugins"
 
@@ -122,6 +123,18 @@ def load_plugins(specs: Iterable[str] = (), *, key: str = "plugins") -> None:
             reset_plugin_scope(token)
 
 
+def registered_or_imported(registry: Registry[Any], spec: str, where: str, address: str) -> Any:
+    """What `spec` names where a config takes either: an item registered in `registry`, or
+    "package.module:attr" (`address` shows that form in errors, e.g. 'package.module:EnvClass');
+    a ValueError naming `where` otherwise."""
+    if ":" in spec:
+        return import_address(spec, where, f"{address} or a registered {registry.kind} name")
+    load_installed()
+    if spec not in registry:
+        raise ValueError(registry.unknown(spec, where) + f", or write {address}")
+    return registry.get(spec, where)
+
+
 def loaded_plugins() -> list[str]:
     """The `plugins` specs this process imported, in order: what its own child processes
     (the reward workers) import too."""
@@ -179,16 +192,10 @@ def outside_tandem(specs: Iterable[str] = ()) -> list[str]:
     return out
 
 
-def describe() -> dict[str, list[tuple[str, str]]]:
-    """Every registry's names with the plugin that registered each (`tandem plugins`)."""
-    load_installed()
-    return {kind: [(name, e.plugin) for name, e in reg.items()]
-            for kind, reg in REGISTRIES.items()}
-
-
 __all__ = [
     "ADVANTAGES", "AGENTS", "ENGINES", "ENTRY_POINT_GROUP", "ENVIRONMENTS", "EngineCapabilities",
     "LossNeeds", "POLICY_LOSSES", "PluginError", "REGISTRIES", "REWARDS", "TASKSET_FORMATS",
-    "TASKSET_READERS", "WORKFLOWS", "absolute", "describe", "load_installed", "load_plugins",
+    "TASKSET_READERS", "WORKFLOWS", "absolute", "load_installed", "load_plugins",
     "loaded_plugins", "outside_tandem",
+    "registered_or_imported",
 ]

@@ -72,6 +72,23 @@ class Entry(Generic[T]):
         return self.target
 
 
+def import_address(spec: str, where: str, expected: str = "'package.module:attr'") -> Any:
+    """The object `"package.module:attr"` names (`attr` may be dotted); a ValueError naming
+    `where` and what was `expected` when it is malformed, cannot be imported, or is missing."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{where} {spec!r}: expected {expected}")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"{where} {spec!r}: cannot import {module_name}: {exc}") from None
+    for part in attr.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            raise ValueError(f"{where} {spec!r}: {module_name} has no {attr}")
+    return obj
+
+
 def _address(obj: Any) -> str | None:
     module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
     return f"{module}:{qualname}" if module and qualname else None

@@ -9,7 +9,7 @@ module only when called, with its heavy dependencies.
 from __future__ import annotations
 
 from tandem.common.config import EngineConfig, ModelConfig
-from tandem.common.plugins import ENGINES, EngineCapabilities, load_installed
+from tandem.common.plugins import ENGINES, load_installed
 
 from .engine import Engine
 
@@ -22,13 +22,6 @@ def create_engine(config: EngineConfig, model_config: ModelConfig, *,
     load_installed()
     factory = ENGINES.get(config.kind, "engine.kind")
     return factory(config, model_config, lora_adapters=lora_adapters)
-
-
-def capabilities(kind: str) -> EngineCapabilities:
-    """What the engine registered as `kind` declares it can do."""
-    load_installed()
-    caps = ENGINES.declares(kind, "engine.kind").get("capabilities")
-    return caps if isinstance(caps, EngineCapabilities) else EngineCapabilities()
 
 
 def transformers(config: EngineConfig, model_config: ModelConfig, *,

@@ -10,7 +10,6 @@ which verifiers 0.1.11 to 0.3 serve (0.4 keeps only its new `verifiers.v1` stack
 
 from __future__ import annotations
 
-import importlib
 import json
 import signal
 from contextlib import contextmanager
@@ -18,6 +17,7 @@ from typing import Any, Iterator
 from urllib.parse import unquote
 
 from tandem.common.errors import ConfigError
+from tandem.common.registry import import_address
 
 INSTALL = "pip install 'tandem-explorer[verifiers]'"
 
@@ -59,20 +59,9 @@ def load_environment(spec: str, env_args: dict[str, Any] | None = None, *,
     """
     vf = import_verifiers(where)
     env_args = dict(env_args or {})
-    module_name, sep, attr = spec.partition(":")
     with _signal_handlers_kept():
-        if sep:
-            if not module_name or not attr:
-                raise ValueError(f"{where} {spec!r}: expected an environment id or "
-                                 "'package.module:function'")
-            try:
-                fn: Any = importlib.import_module(module_name)
-            except ImportError as exc:
-                raise ValueError(f"{where} {spec!r}: cannot import {module_name}: {exc}") from None
-            for part in attr.split("."):
-                fn = getattr(fn, part, None)
-                if fn is None:
-                    raise ValueError(f"{where} {spec!r}: {module_name} has no {attr}")
+        if ":" in spec:
+            fn = import_address(spec, where, "an environment id or 'package.module:function'")
             if not callable(fn):
                 raise ValueError(f"{where} {spec!r} is not a function")
             try:

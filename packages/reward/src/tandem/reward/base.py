@@ -24,8 +24,7 @@ def register(name: str, **declares):
 
     def add(cls: type[RewardFunction]) -> type[RewardFunction]:
         cls.name = name
-        kind = "async" if issubclass(cls, AsyncReward) else "pure"
-        REWARDS.register(name, cls, kind=kind, **declares)
+        REWARDS.register(name, cls, **declares)
         return cls
 
     return add

@@ -5,9 +5,9 @@ from tandem.common.plugins import REWARDS
 
 _F = "tandem.reward.functions"
 
-REWARDS.register("math", f"{_F}.math_answer:MathReward", kind="pure")
-REWARDS.register("k12", f"{_F}.k12:K12Reward", kind="pure")
-REWARDS.register("vision", f"{_F}.vision:VisionReward", kind="pure")
-REWARDS.register("format", f"{_F}.format:FormatReward", kind="pure")
-REWARDS.register("code", f"{_F}.code_tests:CodeReward", kind="async")
-REWARDS.register("reward_model", f"{_F}.reward_model:RewardModelReward", kind="async")
+REWARDS.register("math", f"{_F}.math_answer:MathReward")
+REWARDS.register("k12", f"{_F}.k12:K12Reward")
+REWARDS.register("vision", f"{_F}.vision:VisionReward")
+REWARDS.register("format", f"{_F}.format:FormatReward")
+REWARDS.register("code", f"{_F}.code_tests:CodeReward")
+REWARDS.register("reward_model", f"{_F}.reward_model:RewardModelReward")

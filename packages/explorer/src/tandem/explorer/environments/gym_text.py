@@ -18,9 +18,10 @@ string, a `step` result that is not five values), is a `GymEpisodeError` naming 
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Any, Callable, Literal
+
+from tandem.common.plugins import ENVIRONMENTS, registered_or_imported
 
 from .base import Environment
 
@@ -32,27 +33,7 @@ class GymEpisodeError(Exception):
 def resolve_gym_env(spec: str, *, where: str = "workflow_args.env") -> Callable[..., Any]:
     """The class (or factory) `spec` names: "package.module:EnvClass", or a name a plugin
     registered it under in `ENVIRONMENTS`."""
-    module_name, sep, attr = spec.partition(":")
-    if sep:
-        if not module_name or not attr:
-            raise ValueError(f"{where} {spec!r}: expected 'package.module:EnvClass' or a "
-                             "registered environment name")
-        try:
-            target: Any = importlib.import_module(module_name)
-        except ImportError as exc:
-            raise ValueError(f"{where} {spec!r}: cannot import {module_name}: {exc}") from None
-        for part in attr.split("."):
-            target = getattr(target, part, None)
-            if target is None:
-                raise ValueError(f"{where} {spec!r}: {module_name} has no {attr}")
-    else:
-        from tandem.common.plugins import ENVIRONMENTS, load_installed
-
-        load_installed()
-        if spec not in ENVIRONMENTS:
-            raise ValueError(ENVIRONMENTS.unknown(spec, where) +
-                             ", or write 'package.module:EnvClass'")
-        target = ENVIRONMENTS.get(spec, where)
+    target = registered_or_imported(ENVIRONMENTS, spec, where, "'package.module:EnvClass'")
     if isinstance(target, type) and issubclass(target, Environment):
         raise ValueError(f"{where} {spec!r} is a tandem Environment: run it with the "
                          "multi_turn workflow")

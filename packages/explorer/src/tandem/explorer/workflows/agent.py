@@ -13,18 +13,17 @@ reward scores 0 with the reason in the experience's info; the explorer carries o
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import structlog
 from pydantic import Field
 
-from tandem.common.plugins import AGENTS, load_installed
 from tandem.common.messages.experience import Experience, Task
+from tandem.common.plugins import AGENTS, registered_or_imported
 
 from ..openai_calls import CallRecord, versions_of
 from .base import RolloutContext, Trajectory, Workflow, WorkflowArgs, make_experience
@@ -42,38 +41,50 @@ class AgentArgs(WorkflowArgs):
 
 
 @dataclass
-class _Outcome:
+class Episode:
+    """One episode played through the endpoint under its own key: its calls and how it ended."""
+
     task: Task
     index: int
-    reward: float = 0.0
-    components: dict[str, float] = field(default_factory=dict)
     reason: str = "ok"
     records: list[CallRecord] = field(default_factory=list)
     seconds: float = 0.0
 
 
+@dataclass
+class _Outcome(Episode):
+    reward: float = 0.0
+    components: dict[str, float] = field(default_factory=dict)
+
+
+async def play_episode(episode: Episode, endpoint: Any, gate: asyncio.Semaphore, openai: Any,
+                       args: Any, play: Callable[[Any], Awaitable[Any]]) -> Any:
+    """`play(client)` as `episode`, with an OpenAI client holding that episode's key alone and
+    `args.timeout` / `args.max_retries`; its result, or None when it ran past the timeout or
+    raised (the reason is set: the episode scores 0). The endpoint's records of the episode's
+    calls are kept whatever happened."""
+    async with gate:
+        key = endpoint.calls.open()
+        client = openai.AsyncOpenAI(base_url=endpoint.url, api_key=key,
+                                    max_retries=args.max_retries, timeout=args.timeout)
+        t0 = time.monotonic()
+        try:
+            return await asyncio.wait_for(play(client), args.timeout)
+        except asyncio.TimeoutError:
+            episode.reason = f"timeout: ran past workflow_args.timeout = {args.timeout:g}s"
+        except Exception as exc:  # noqa: BLE001 - the user's code: score 0, carry on
+            episode.reason = f"raised {type(exc).__name__}: {str(exc)[:200]}"
+        finally:
+            episode.seconds = time.monotonic() - t0
+            episode.records = endpoint.calls.close(key)
+            await client.close()
+    return None
+
+
 def load_agent(spec: str) -> Callable[..., Any]:
     """The async function `spec` names: an agent a plugin registered (`AGENTS`), or
     "package.module:function"."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep:
-        load_installed()
-        if spec not in AGENTS:
-            raise ValueError(AGENTS.unknown(spec, "workflow_args.fn") + ", or write "
-                             "'package.module:function'")
-        fn = AGENTS.get(spec, "workflow_args.fn")
-    elif not module_name or not attr:
-        raise ValueError(f"workflow_args.fn {spec!r}: expected 'package.module:function'")
-    else:
-        try:
-            fn = importlib.import_module(module_name)
-        except ImportError as exc:
-            raise ValueError(f"workflow_args.fn {spec!r}: cannot import {module_name}: "
-                             f"{exc}") from None
-        for part in attr.split("."):
-            fn = getattr(fn, part, None)
-            if fn is None:
-                raise ValueError(f"workflow_args.fn {spec!r}: {module_name} has no {attr}")
+    fn = registered_or_imported(AGENTS, spec, "workflow_args.fn", "'package.module:function'")
     if not inspect.iscoroutinefunction(fn):
         raise ValueError(f"workflow_args.fn {spec!r} must be an async function "
                          "(async def run(task, client))")
@@ -173,24 +184,10 @@ class Agent(Workflow):
     async def _episode(self, openai: Any, endpoint: Any, gate: asyncio.Semaphore, task: Task,
                        index: int) -> _Outcome:
         out = _Outcome(task, index)
-        async with gate:
-            episode = endpoint.calls.open()
-            client = openai.AsyncOpenAI(base_url=endpoint.url, api_key=episode,
-                                        max_retries=self.args.max_retries,
-                                        timeout=self.args.timeout)
-            t0 = time.monotonic()
-            try:
-                result = await asyncio.wait_for(self.fn(dict(task.payload), client),
-                                                self.args.timeout)
-                out.reward, out.components, out.reason = score_of(result)
-            except asyncio.TimeoutError:
-                out.reason = f"timeout: ran past workflow_args.timeout = {self.args.timeout:g}s"
-            except Exception as exc:  # noqa: BLE001 - the user's code: score 0, carry on
-                out.reason = f"raised {type(exc).__name__}: {str(exc)[:200]}"
-            finally:
-                out.seconds = time.monotonic() - t0
-                out.records = endpoint.calls.close(episode)
-                await client.close()
+        result = await play_episode(out, endpoint, gate, openai, self.args,
+                                    lambda client: self.fn(dict(task.payload), client))
+        if out.reason == "ok":
+            out.reward, out.components, out.reason = score_of(result)
         if out.reason != "ok":
             log.warning("agent.episode_failed", task=task.id, episode=index, reason=out.reason)
         return out

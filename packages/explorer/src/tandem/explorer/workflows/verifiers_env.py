@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -29,9 +29,9 @@ from pydantic import Field
 
 from tandem.common.messages.experience import Experience, Task
 
-from ..openai_calls import CallRecord, versions_of
+from ..openai_calls import versions_of
 from ..verifiers_loader import import_verifiers, load_environment
-from .agent import trajectories
+from .agent import Episode, play_episode, trajectories
 from .base import RolloutContext, Workflow, WorkflowArgs, make_experience
 
 log = structlog.get_logger(__name__)
@@ -52,13 +52,8 @@ class VerifiersArgs(WorkflowArgs):
 
 
 @dataclass
-class _Rollout:
-    task: Task
-    index: int
+class _Rollout(Episode):
     state: Any = None  # the environment's State, None if the rollout raised
-    reason: str = "ok"
-    records: list[CallRecord] = field(default_factory=list)
-    seconds: float = 0.0
 
 
 class Verifiers(Workflow):
@@ -149,26 +144,14 @@ class Verifiers(Workflow):
     async def _rollout(self, openai: Any, endpoint: Any, gate: asyncio.Semaphore,
                        r: _Rollout) -> None:
         sampling = {**copy.deepcopy(self.env.sampling_args), **self.args.sampling_args}
-        async with gate:
-            episode = endpoint.calls.open()
-            client = self.vf.OpenAIChatCompletionsClient(openai.AsyncOpenAI(
-                base_url=endpoint.url, api_key=episode, max_retries=self.args.max_retries,
-                timeout=self.args.timeout))
-            t0 = time.monotonic()
-            try:
-                r.state = await asyncio.wait_for(
-                    self.env.rollout(copy.deepcopy(dict(r.task.payload)), client,
-                                     endpoint.config.model, sampling),
-                    self.args.timeout)
-                error = r.state.get("error")
-                if error is not None:
-                    cause = error.__cause__ or error
-                    r.reason = f"error: {type(error).__name__}: {str(cause)[:200]}"
-            except asyncio.TimeoutError:
-                r.reason = f"timeout: ran past workflow_args.timeout = {self.args.timeout:g}s"
-            except Exception as exc:  # noqa: BLE001 - the environment's code: score 0, go on
-                r.reason = f"raised {type(exc).__name__}: {str(exc)[:200]}"
-            finally:
-                r.seconds = time.monotonic() - t0
-                r.records = endpoint.calls.close(episode)
-                await client.close()
+
+        def play(client: Any) -> Any:
+            return self.env.rollout(copy.deepcopy(dict(r.task.payload)),
+                                    self.vf.OpenAIChatCompletionsClient(client),
+                                    endpoint.config.model, sampling)
+
+        r.state = await play_episode(r, endpoint, gate, openai, self.args, play)
+        error = r.state.get("error") if r.state is not None else None
+        if error is not None:
+            cause = error.__cause__ or error
+            r.reason = f"error: {type(error).__name__}: {str(cause)[:200]}"
