@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from processes import freeze
-from tandem.common.messages import TrainerStepDone
+from tandem.common.messages import ExplorerStepDone, TrainerStepDone
 from tandem.master.journal import JournalError, read_journal
 from tandem.master.quickstart import reversal_tasks, write_jsonl
 
@@ -83,6 +83,15 @@ def counted_steps(run_dir: Path) -> int:
     return len({r.step for r in records if isinstance(r, TrainerStepDone)})
 
 
+def reported_batches(run_dir: Path) -> int:
+    """Explorer batches the master journaled."""
+    try:
+        records = read_journal(run_dir / "master" / "journal.bin")
+    except (JournalError, OSError):
+        return 0
+    return len({r.batch for r in records if isinstance(r, ExplorerStepDone)})
+
+
 def component_pid(run_dir: Path, name: str) -> int | None:
     for pid in run_processes(run_dir):
         try:
@@ -146,16 +155,23 @@ def test_restart_on_failure_brings_a_killed_explorer_back_and_the_run_finishes(
     cfg = write_config(tmp_path, tiny_model_dir, steps=steps, restart="on-failure")
     run_dir = tmp_path / "run"
     with tandem_up(cfg) as proc:
-        wait_for(lambda: counted_steps(run_dir) >= 1, 90, "a trained step")
-        # The run cannot end while its trainer is frozen (the master counts no step), so the
-        # explorer dies while the run still needs it, however far the run got meanwhile, and
-        # `tandem up` must bring it back before anything else can happen.
-        trainer = wait_for(lambda: component_pid(run_dir, "trainer"), 5, "the trainer")
+        # The run is moved forward one side at a time, so it cannot end before the kill however
+        # fast the machine: with the explorer frozen the trainer can train only the batches
+        # that exist, and with the trainer frozen the explorer runs at most max_staleness
+        # batches past the newest weights.
+        explorer = wait_for(lambda: component_pid(run_dir, "explorer"), 90, "the explorer")
+        freeze(explorer)  # still starting up
+        trainer = wait_for(lambda: component_pid(run_dir, "trainer"), 90, "the trainer")
         freeze(trainer)
         try:
-            # at most one report was on its way: the run is not over
+            os.kill(explorer, signal.SIGCONT)
+            wait_for(lambda: reported_batches(run_dir) >= 1, 90, "a rolled-out batch")
+            freeze(explorer)
+            os.kill(trainer, signal.SIGCONT)
+            wait_for(lambda: counted_steps(run_dir) >= 1, 90, "a trained step")
+            freeze(trainer)
+            # the trainer stands still with only the batches that exist: the run is not over
             assert counted_steps(run_dir) < steps - 1
-            explorer = wait_for(lambda: component_pid(run_dir, "explorer"), 5, "the explorer")
             os.kill(explorer, signal.SIGKILL)
             wait_for(lambda: component_pid(run_dir, "explorer") not in (None, explorer), 60,
                      "`tandem up` to start the explorer again")
