@@ -93,6 +93,9 @@ class Heartbeater:
 
     async def close(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            # cancelled again until it ends: a cancellation that lands as an awaited call
+            # completes can be swallowed on the way (asyncio.wait_for in Python 3.11 does)
+            while not self._task.done():
+                self._task.cancel()
+                await asyncio.wait((self._task,), timeout=0.5)
             self._task = None

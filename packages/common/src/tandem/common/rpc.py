@@ -406,13 +406,20 @@ class RpcClient:
         try:
             for attempt in range(retries + 1):
                 began = loop.time()
+                # a DEALER with no peer to take the message (none connected yet, or the
+                # handshake failed: a port taken by another kind of socket) blocks its send for
+                # ever; that wait is part of the attempt's silence. asyncio.wait, not wait_for:
+                # Python 3.11's wait_for can swallow a cancellation that arrives as the send
+                # completes, and a component closing its client would then wait for ever
+                send = asyncio.ensure_future(self._sock.send_multipart(frames, copy=False))
                 try:
-                    # a DEALER with no peer to take the message (none connected yet, or the
-                    # handshake failed: a port taken by another kind of socket) blocks its send
-                    # for ever; that wait is part of the attempt's silence
-                    await asyncio.wait_for(self._sock.send_multipart(frames, copy=False), timeout)
-                except asyncio.TimeoutError:
+                    sent, _ = await asyncio.wait((send,), timeout=timeout)
+                finally:
+                    if not send.done():
+                        send.cancel()
+                if not sent:
                     continue
+                send.result()  # a socket error is the caller's
                 # asyncio.wait leaves the future alone on timeout (the next attempt waits on it
                 # again) without the extra futures and callbacks of wait_for(shield(...))
                 done, _ = await asyncio.wait(
