@@ -15,7 +15,8 @@ Imports nothing heavy, so a CLI's `--help` stays instant.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable, Iterable
 
 import click
 
@@ -78,7 +79,7 @@ def fail(prog: str, exc: BaseException, code: int) -> int:
 
 
 def load_config_or_exit(prog: str, config_path: str | None, overrides: Iterable[str],
-                        check: Callable[["RunConfig"], Any] | None = None) -> "RunConfig":
+                        check: Callable[[RunConfig], Any] | None = None) -> RunConfig:
     """The validated run config, or one line `prog: invalid config ...` and exit code 2.
 
     `check(config)` may add a CLI's own rule (an explorer name that must exist); a ConfigError
@@ -99,7 +100,7 @@ def load_config_or_exit(prog: str, config_path: str | None, overrides: Iterable[
         sys.exit(EXIT_USAGE)
 
 
-def run_component(prog: str, config: "RunConfig", name: str,
+def run_component(prog: str, config: RunConfig, name: str,
                   build: Callable[[], Component]) -> int:
     """Serve the component `build()` makes as the process `name`; returns the exit code."""
     import asyncio
@@ -123,7 +124,7 @@ def run_component(prog: str, config: "RunConfig", name: str,
     return EXIT_DONE
 
 
-def _apply_placement(config: "RunConfig", name: str) -> int | None:
+def _apply_placement(config: RunConfig, name: str) -> int | None:
     """This process's share of the machine (`placement`), before build() imports torch;
     returns the intra-op thread count it sets, if any."""
     import structlog

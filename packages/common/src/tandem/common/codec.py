@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import reprlib
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 import msgpack
 import numpy as np
@@ -63,7 +64,7 @@ class Limits:
 
     @classmethod
     def of(cls, transport: Any, items: Mapping[str, Mapping[str, tuple[int, str]]] | None = None
-           ) -> "Limits":
+           ) -> Limits:
         """The limits of a `TransportConfig` (plus per-type item limits)."""
         return cls(max_bytes=transport.max_message_bytes, max_frames=transport.max_frames,
                    max_items=transport.max_items, max_depth=transport.max_depth,
@@ -127,7 +128,7 @@ def _as_numpy(value: Any) -> tuple[str, np.ndarray]:
 
 
 class _Packer:
-    __slots__ = ("frames", "threshold", "_packer")
+    __slots__ = ("_packer", "frames", "threshold")
 
     def __init__(self, threshold: int):
         self.frames: list[Frame] = []
@@ -270,7 +271,7 @@ class _Reader:
     """A file-like view of a frame for msgpack's streaming Unpacker, which then holds only
     `read_size` bytes at a time instead of a copy of the whole frame."""
 
-    __slots__ = ("view", "pos")
+    __slots__ = ("pos", "view")
 
     def __init__(self, view: memoryview, pos: int = 0):
         self.view, self.pos = view, pos

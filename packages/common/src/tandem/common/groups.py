@@ -9,7 +9,7 @@ the others; all three use this one definition.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from .messages.experience import Experience
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import errno
 import threading
 from pathlib import Path
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram

@@ -21,7 +21,8 @@ import importlib.util
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Iterable
 
 from .registry import (
     PluginError, Registry, import_address, plugin_scope, reset_plugin_scope)
@@ -193,9 +194,24 @@ def outside_tandem(specs: Iterable[str] = ()) -> list[str]:
 
 
 __all__ = [
-    "ADVANTAGES", "AGENTS", "ENGINES", "ENTRY_POINT_GROUP", "ENVIRONMENTS", "EngineCapabilities",
-    "LossNeeds", "POLICY_LOSSES", "PluginError", "REGISTRIES", "REWARDS", "TASKSET_FORMATS",
-    "TASKSET_READERS", "WORKFLOWS", "absolute", "load_installed", "load_plugins",
-    "loaded_plugins", "outside_tandem",
+    "ADVANTAGES",
+    "AGENTS",
+    "ENGINES",
+    "ENTRY_POINT_GROUP",
+    "ENVIRONMENTS",
+    "POLICY_LOSSES",
+    "REGISTRIES",
+    "REWARDS",
+    "TASKSET_FORMATS",
+    "TASKSET_READERS",
+    "WORKFLOWS",
+    "EngineCapabilities",
+    "LossNeeds",
+    "PluginError",
+    "absolute",
+    "load_installed",
+    "load_plugins",
+    "loaded_plugins",
+    "outside_tandem",
     "registered_or_imported",
 ]

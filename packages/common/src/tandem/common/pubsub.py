@@ -8,7 +8,6 @@ asks for the current state instead of waiting for the next event.
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections import deque

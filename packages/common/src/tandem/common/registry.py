@@ -20,7 +20,8 @@ from __future__ import annotations
 import contextvars
 import importlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generic, Iterator, TypeVar
+from typing import Any, Generic, TypeVar
+from collections.abc import Callable, Iterator
 
 from .errors import ConfigError
 

@@ -42,7 +42,7 @@ class RemoteScorer:
 
     @classmethod
     def from_config(cls, reward: RewardConfig, transport: TransportConfig | None = None, *,
-                    name: str = "reward-client") -> "RemoteScorer":
+                    name: str = "reward-client") -> RemoteScorer:
         """The client of the service the `reward` section names."""
         return cls(reward.address, transport=transport, timeout=reward.request_timeout,
                    max_batch=reward.max_batch, name=name, resend=reward.timeout)
@@ -70,7 +70,7 @@ class RemoteScorer:
     async def close(self) -> None:
         await self._client.close()
 
-    async def __aenter__(self) -> "RemoteScorer":
+    async def __aenter__(self) -> RemoteScorer:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

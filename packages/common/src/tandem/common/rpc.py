@@ -22,7 +22,8 @@ import time
 import uuid
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
 
 import structlog
 import zmq
@@ -476,7 +477,7 @@ class RpcClient:
             self._sock.close(linger=0)
             self._sock = None
 
-    async def __aenter__(self) -> "RpcClient":
+    async def __aenter__(self) -> RpcClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -52,7 +52,7 @@ class RunDirLock:
             os.close(self._fd)  # closing drops the record lock
             self._fd = None
 
-    def __enter__(self) -> "RunDirLock":
+    def __enter__(self) -> RunDirLock:
         self.acquire()
         return self
 

@@ -90,14 +90,14 @@ class SyncPlan:
             raise ValueError(f"batches_per_step must be >= 1, got {self.batches_per_step}")
 
     @classmethod
-    def preset(cls, name: str, **overrides: Any) -> "SyncPlan":
+    def preset(cls, name: str, **overrides: Any) -> SyncPlan:
         """One of the four presets of docs/design.md §4, with knobs given explicitly winning."""
         if name not in PRESETS:
             raise ValueError(f"unknown sync preset {name!r}; choose one of {sorted(PRESETS)}")
         return cls(**{**PRESETS[name], **overrides})
 
     @classmethod
-    def from_config(cls, sync: Any, batches_per_step: int = 1) -> "SyncPlan":
+    def from_config(cls, sync: Any, batches_per_step: int = 1) -> SyncPlan:
         """From a `SyncConfig` (or anything with its attributes)."""
         return cls(method=sync.method, interval=sync.interval, offset=sync.offset,
                    max_staleness=sync.max_staleness, batches_per_step=batches_per_step)

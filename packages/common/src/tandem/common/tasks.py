@@ -28,7 +28,8 @@ import csv
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from .errors import ConfigError
 from .plugins import TASKSET_FORMATS, TASKSET_READERS
@@ -433,7 +434,17 @@ def _register() -> None:
 _register()
 
 __all__ = [
-    "BadRow", "Source", "TASK_KEYS", "columns_format", "load_rows", "load_tasks",
-    "read_csv", "read_hub", "read_jsonl", "read_parquet", "read_saved_dataset",
-    "read_sources", "task_id_key",
+    "TASK_KEYS",
+    "BadRow",
+    "Source",
+    "columns_format",
+    "load_rows",
+    "load_tasks",
+    "read_csv",
+    "read_hub",
+    "read_jsonl",
+    "read_parquet",
+    "read_saved_dataset",
+    "read_sources",
+    "task_id_key",
 ]

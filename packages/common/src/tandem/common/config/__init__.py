@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Iterable
 
 from pydantic import Field, model_validator
 
@@ -55,7 +56,7 @@ class RunConfig(Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
 
     @model_validator(mode="after")
-    def _explorers_consistent(self) -> "RunConfig":
+    def _explorers_consistent(self) -> RunConfig:
         if not self.explorers:
             raise ValueError("explorers: at least one explorer is needed")
         names = [e.name for e in self.explorers]
@@ -65,7 +66,7 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _eval_role_consistent(self) -> "RunConfig":
+    def _eval_role_consistent(self) -> RunConfig:
         evals = [e.name for e in self.explorers if e.role == "eval"]
         if not evals:
             return self
@@ -88,7 +89,7 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _names_registered(self) -> "RunConfig":
+    def _names_registered(self) -> RunConfig:
         """Every name the config uses is registered, by tandem or a plugin, and each engine
         can do what the run asks of it (its declared capabilities)."""
         problems = check_names(self)
@@ -97,7 +98,7 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _interrupts_are_asynchronous(self) -> "RunConfig":
+    def _interrupts_are_asynchronous(self) -> RunConfig:
         for e in self.explorers:
             if e.on_new_weights == "interrupt" and (not self.sync.asynchronous
                                                    or self.sync.method != "checkpoint"):
@@ -108,7 +109,7 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _mini_batches_fit(self) -> "RunConfig":
+    def _mini_batches_fit(self) -> RunConfig:
         tc = self.trainer
         needs = tc.loss.declared_needs  # None where no loss is registered: the trainer checks
         if needs is not None and needs.pairs:
@@ -123,7 +124,7 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _lora_adapters_loadable(self) -> "RunConfig":
+    def _lora_adapters_loadable(self) -> RunConfig:
         """`lora_transfer: adapter` publishes peft adapter folders as checkpoint versions, which
         only vLLM's LoRA API loads."""
         if self.weights.lora_transfer != "adapter":
@@ -142,7 +143,7 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _eval_tasksets_answerable(self) -> "RunConfig":
+    def _eval_tasksets_answerable(self) -> RunConfig:
         """Every eval task carries the prompt and the answer the evaluating explorer's
         workflow and reward read; checked here so a missing column fails at load, not mid-run."""
         ev = self.eval
@@ -244,9 +245,32 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
 
 
 __all__ = [
-    "BufferConfig", "CurveConfig", "EngineConfig", "EvalConfig", "EvalTasksetConfig",
-    "ExplorerConfig", "LoggingConfig", "LoraConfig",
-    "MasterConfig", "ModelConfig", "PRESETS", "PlacementConfig", "RewardConfig", "RunConfig", "SamplingConfig",
-    "Section", "SyncConfig", "TasksetConfig", "TrainerConfig", "TransportConfig", "UpConfig", "WeightsConfig",
-    "apply_override", "interpolate_env", "load", "load_config", "read_yaml", "validate",
+    "PRESETS",
+    "BufferConfig",
+    "CurveConfig",
+    "EngineConfig",
+    "EvalConfig",
+    "EvalTasksetConfig",
+    "ExplorerConfig",
+    "LoggingConfig",
+    "LoraConfig",
+    "MasterConfig",
+    "ModelConfig",
+    "PlacementConfig",
+    "RewardConfig",
+    "RunConfig",
+    "SamplingConfig",
+    "Section",
+    "SyncConfig",
+    "TasksetConfig",
+    "TrainerConfig",
+    "TransportConfig",
+    "UpConfig",
+    "WeightsConfig",
+    "apply_override",
+    "interpolate_env",
+    "load",
+    "load_config",
+    "read_yaml",
+    "validate",
 ]

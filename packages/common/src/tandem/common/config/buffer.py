@@ -58,7 +58,7 @@ class BufferConfig(Section):
                     "floods or re-sends holds at most this many")
 
     @model_validator(mode="after")
-    def _priority_key_given(self) -> "BufferConfig":
+    def _priority_key_given(self) -> BufferConfig:
         if self.priority == "key" and not self.priority_key:
             raise ValueError("buffer.priority: 'key' needs buffer.priority_key, the info field "
                              "to rank groups by; set it or choose another priority")

@@ -21,7 +21,7 @@ class EvalTasksetConfig(Section):
     limit: int | None = Field(default=None, ge=1, description="evaluate only the first N rows")
 
     @model_validator(mode="after")
-    def _name_is_a_path(self) -> "EvalTasksetConfig":
+    def _name_is_a_path(self) -> EvalTasksetConfig:
         if any(ch.isspace() for ch in self.name) or "/" in self.name:
             raise ValueError(f"name {self.name!r}: no spaces or '/' (it is part of metric names)")
         return self
@@ -77,7 +77,7 @@ class EvalConfig(Section):
         return sorted(set(self.k or [1, self.repeat_times]))
 
     @model_validator(mode="after")
-    def _consistent(self) -> "EvalConfig":
+    def _consistent(self) -> EvalConfig:
         names = [t.name for t in self.tasksets]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:

@@ -24,7 +24,7 @@ class SamplingConfig(Section):
         default=None, description="fixes the sampling stream of every call; null: seeded per call")
 
     @model_validator(mode="after")
-    def _stops_not_empty(self) -> "SamplingConfig":
+    def _stops_not_empty(self) -> SamplingConfig:
         if any(not s for s in self.stop):
             raise ValueError("sampling.stop: an empty string would end every response at once; "
                              "remove it")
@@ -73,7 +73,7 @@ class EngineConfig(Section):
         default=64, ge=1, description="remote: requests in flight to the server at once")
 
     @model_validator(mode="after")
-    def _capable(self) -> "EngineConfig":
+    def _capable(self) -> EngineConfig:
         problems = check_engine(self)
         if problems:
             raise ValueError("\n".join(problems))
@@ -107,7 +107,7 @@ class OpenAIConfig(Section):
         description="seconds a request waits for others to share its engine batch")
 
     @model_validator(mode="after")
-    def _address_is_host_port(self) -> "OpenAIConfig":
+    def _address_is_host_port(self) -> OpenAIConfig:
         host, sep, port = self.address.rpartition(":")
         if not sep or not host or not port.isdigit() or int(port) > 65535:
             raise ValueError(f"openai.address {self.address!r}: expected host:port, "
@@ -160,7 +160,7 @@ class ExplorerConfig(Section):
                     "(transformers and vllm engines)")
 
     @model_validator(mode="after")
-    def _name_is_a_topic(self) -> "ExplorerConfig":
+    def _name_is_a_topic(self) -> ExplorerConfig:
         if any(ch.isspace() for ch in self.name) or "/" in self.name or "." in self.name:
             raise ValueError(f"name {self.name!r}: no spaces, '/' or '.' (it names a PUB topic, "
                              "which ZeroMQ matches by prefix, and a weight-group member)")

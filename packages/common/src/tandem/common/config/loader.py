@@ -8,7 +8,8 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any, Iterable, TypeVar
+from typing import Any, TypeVar
+from collections.abc import Iterable
 
 import yaml
 from pydantic import BaseModel, ValidationError

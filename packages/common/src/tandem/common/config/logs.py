@@ -31,7 +31,7 @@ class MetricsConfig(Section):
                     "0 = a free port for each (docs/metrics.md)")
 
     @model_validator(mode="after")
-    def _room(self) -> "MetricsConfig":
+    def _room(self) -> MetricsConfig:
         if self.port and self.port + PORT_OFFSETS["explorer"] > 65535:
             raise ValueError(f"logging.metrics.port: {self.port} leaves no room for the "
                              f"components' ports above it; pick a port below 65500")
@@ -54,7 +54,7 @@ class LoggingConfig(Section):
         default=None, description="wandb project / mlflow experiment; default: the run's name")
 
     @model_validator(mode="after")
-    def _unique_trackers(self) -> "LoggingConfig":
+    def _unique_trackers(self) -> LoggingConfig:
         if len(set(self.trackers)) != len(self.trackers):
             raise ValueError(f"logging.trackers: {self.trackers} names one tracker twice")
         return self

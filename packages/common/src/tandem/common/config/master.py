@@ -40,7 +40,7 @@ class TasksetFormat(Section):
                                     description="settings of a plugin's format")
 
     @model_validator(mode="after")
-    def _consistent(self) -> "TasksetFormat":
+    def _consistent(self) -> TasksetFormat:
         if self.prompt and self.messages:
             raise ValueError("prompt and messages are both set; a task has one or the other")
         if self.system is not None and self.system_column:
@@ -78,7 +78,7 @@ class TasksetConfig(Section):
                                   "a format: the same as format.id)")
 
     @model_validator(mode="after")
-    def _one_id_column(self) -> "TasksetConfig":
+    def _one_id_column(self) -> TasksetConfig:
         if self.format is not None and self.id_field:
             if self.format.id not in (None, self.id_field):
                 raise ValueError(f"id_field {self.id_field!r} and format.id "

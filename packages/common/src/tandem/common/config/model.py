@@ -49,7 +49,7 @@ class ModelConfig(Section):
         default=None, description="train LoRA adapters instead of every weight; null = full")
 
     @model_validator(mode="after")
-    def _lora_targets_exist(self) -> "ModelConfig":
+    def _lora_targets_exist(self) -> ModelConfig:
         if self.lora is None or not self.path:
             return self
         names = weight_names(Path(self.path))

@@ -100,13 +100,13 @@ def machine_cores() -> int:
         return os.cpu_count() or 1
 
 
-def overlaps(config: "RunConfig") -> bool:
+def overlaps(config: RunConfig) -> bool:
     """Whether trainer and explorers run at the same time under this sync plan."""
     s = config.sync
     return not (s.offset == 0 and s.interval == 1)
 
 
-def resolve_placement(config: "RunConfig", cores: int | None = None) -> dict[str, Assignment]:
+def resolve_placement(config: RunConfig, cores: int | None = None) -> dict[str, Assignment]:
     """One Assignment per process name: master, buffer, reward, trainer, each explorer."""
     p = config.placement
     total = cores or p.cores or machine_cores()
@@ -131,7 +131,7 @@ def resolve_placement(config: "RunConfig", cores: int | None = None) -> dict[str
     return out
 
 
-def assignment_for(config: "RunConfig", name: str) -> Assignment:
+def assignment_for(config: RunConfig, name: str) -> Assignment:
     """The Assignment of the process called `name` (trainer ranks share the trainer's)."""
     table = resolve_placement(config)
     if name.startswith("trainer"):
@@ -139,7 +139,7 @@ def assignment_for(config: "RunConfig", name: str) -> Assignment:
     return table.get(name, table["master"])
 
 
-def apply_placement(config: "RunConfig", name: str) -> Assignment:
+def apply_placement(config: RunConfig, name: str) -> Assignment:
     """Apply `name`'s share to this process: the environment now (OMP_NUM_THREADS and friends,
     read by torch, OpenMP and MKL when they load), and torch's intra-op threads when torch is
     already loaded. The control plane never imports torch itself (the import contracts in

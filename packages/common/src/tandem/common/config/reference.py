@@ -11,7 +11,8 @@ import sys
 import types
 import typing
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo

@@ -38,7 +38,7 @@ def engine_capabilities(kind: str) -> EngineCapabilities | None:
     return caps if isinstance(caps, EngineCapabilities) else EngineCapabilities()
 
 
-def check_engine(engine: "EngineConfig") -> list[str]:
+def check_engine(engine: EngineConfig) -> list[str]:
     """The `engine` section's own rules, from the engine's declared capabilities."""
     problems: list[str] = []
     load_installed()
@@ -63,7 +63,7 @@ def _having(capability: str) -> str:
     return ", ".join(names) or "none registered"
 
 
-def check_names(config: "RunConfig") -> list[str]:
+def check_names(config: RunConfig) -> list[str]:
     """Every registry name the run config uses, and the cross-section rules that depend on an
     engine's capabilities; one problem per line, each naming its key."""
     load_installed()

@@ -82,7 +82,7 @@ class RewardConfig(Section):
     reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig)
 
     @model_validator(mode="after")
-    def _consistent(self) -> "RewardConfig":
+    def _consistent(self) -> RewardConfig:
         if not self.functions:
             raise ValueError(
                 "reward.functions: name at least one reward function, e.g. {math: 1.0}")

@@ -41,7 +41,7 @@ class SyncConfig(Section):
         return data
 
     @model_validator(mode="after")
-    def _consistent(self) -> "SyncConfig":
+    def _consistent(self) -> SyncConfig:
         check_knobs(self.method, self.interval, self.offset, self.max_staleness)
         return self
 

@@ -53,7 +53,7 @@ class OffPolicyConfig(Section):
         default=None, gt=0, description="truncate the behaviour weight at this value")
 
     @model_validator(mode="after")
-    def _consistent(self) -> "OffPolicyConfig":
+    def _consistent(self) -> OffPolicyConfig:
         if self.behaviour_weight and not self.proximal:
             raise ValueError("off_policy.behaviour_weight needs off_policy.proximal: true "
                              "(the weight is exp(proximal - behaviour))")
@@ -102,7 +102,7 @@ class LossConfig(Section):
         return {"name": data} if isinstance(data, str) else data
 
     @model_validator(mode="after")
-    def _registered(self) -> "LossConfig":
+    def _registered(self) -> LossConfig:
         load_installed()
         if not len(POLICY_LOSSES):
             return self  # the trainer is not installed here; it checks when it starts
@@ -227,7 +227,7 @@ class TrainerConfig(Section):
     tensorboard: bool = Field(default=True, description="write metrics to run_dir/tensorboard")
 
     @model_validator(mode="after")
-    def _consistent(self) -> "TrainerConfig":
+    def _consistent(self) -> TrainerConfig:
         if self.schedule == "cosine" and self.total_steps is None:
             raise ValueError("trainer.schedule: cosine needs trainer.total_steps (the horizon)")
         if self.total_steps is not None and self.warmup_steps > self.total_steps:

@@ -18,7 +18,7 @@ class CurveConfig(Section):
         default_factory=list, description="client public keys a server accepts; empty = own key only")
 
     @model_validator(mode="after")
-    def _keys_are_z85(self) -> "CurveConfig":
+    def _keys_are_z85(self) -> CurveConfig:
         for name in ("server_public", "server_secret", "client_public", "client_secret"):
             if len(getattr(self, name)) != 40:
                 raise ValueError(f"transport.curve.{name} must be a 40-character Z85 key")

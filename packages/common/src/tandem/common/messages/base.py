@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationInf
 
 PROTOCOL_VERSION = 1
 
-REGISTRY: dict[str, type["Message"]] = {}
+REGISTRY: dict[str, type[Message]] = {}
 
 
 class Message(BaseModel):

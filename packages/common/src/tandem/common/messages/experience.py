@@ -64,7 +64,7 @@ class Experience(BaseModel):
     info: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
-    def _lengths_agree(self) -> "Experience":
+    def _lengths_agree(self) -> Experience:
         n = int(self.tokens.shape[0])
         if self.prompt_len > n:
             raise ValueError(f"prompt_len {self.prompt_len} exceeds {n} tokens")
@@ -85,7 +85,7 @@ class Experience(BaseModel):
                              "the oldest version of the response's group")
         return self
 
-    def versions_of_tokens(self) -> "np.ndarray":
+    def versions_of_tokens(self) -> np.ndarray:
         """The version of each response token (`policy_version` throughout when not mixed)."""
         if self.token_versions is not None:
             return self.token_versions

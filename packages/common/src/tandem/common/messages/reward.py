@@ -23,7 +23,7 @@ class ScoreItem(BaseModel):
     args: dict[str, Any] = Field(default_factory=dict, description="per-function options")
 
     @model_validator(mode="after")
-    def _one_selector(self) -> "ScoreItem":
+    def _one_selector(self) -> ScoreItem:
         if self.fn is not None and self.functions is not None:
             raise ValueError("give either fn or functions, not both")
         if self.functions is not None and not self.functions:
