@@ -133,7 +133,7 @@ class WeightBroadcaster:
         self._closed = False
 
     @classmethod
-    def from_config(cls, config, *, device: str | torch.device = "cpu") -> "WeightBroadcaster":
+    def from_config(cls, config, *, device: str | torch.device = "cpu") -> WeightBroadcaster:
         """Build from a `RunConfig` (its `weights` section and `sync.timeout`)."""
         w = config.weights
         return cls(host=w.rendezvous_host, port=w.rendezvous_port, device=device,
@@ -322,7 +322,7 @@ class WeightBroadcaster:
             return
         try:
             group.store.set("abandoned", reason.encode())
-        except Exception as exc:  # noqa: BLE001 - the store is ours; log and go on
+        except Exception as exc:
             log.warning("weights.group.mark_failed", epoch=group.rendezvous.epoch, error=str(exc))
         if group.pg is not None:
             shutdown_backend(group.pg)

@@ -164,7 +164,7 @@ class WeightPublisher:
         self._remove_leftovers()
 
     @classmethod
-    def from_config(cls, run_dir: str | Path, weights, **kwargs) -> "WeightPublisher":
+    def from_config(cls, run_dir: str | Path, weights, **kwargs) -> WeightPublisher:
         """Build from a `WeightsConfig` section."""
         return cls(run_dir, keep=weights.keep_versions, shard_bytes=weights.shard_bytes, **kwargs)
 
@@ -271,7 +271,7 @@ class WeightSubscriber:
         self.verify = verify
 
     @classmethod
-    def from_config(cls, run_dir: str | Path, weights) -> "WeightSubscriber":
+    def from_config(cls, run_dir: str | Path, weights) -> WeightSubscriber:
         """Build from a `WeightsConfig` section (`verify_checksums`)."""
         return cls(run_dir, verify=weights.verify_checksums)
 

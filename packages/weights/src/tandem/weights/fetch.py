@@ -73,7 +73,7 @@ class WeightServer:
         self.peak_admitted = 0
 
     @classmethod
-    def from_config(cls, config) -> "WeightServer":
+    def from_config(cls, config) -> WeightServer:
         w = config.weights
         return cls(config.run_dir, w.fetch_address, transport=config.transport,
                    streams=w.fetch_streams, max_chunk_bytes=w.fetch_chunk_bytes)
@@ -183,7 +183,7 @@ class WeightFetcher:
         self.bytes_fetched = 0
 
     @classmethod
-    def from_config(cls, config, name: str) -> "WeightFetcher":
+    def from_config(cls, config, name: str) -> WeightFetcher:
         w = config.weights
         return cls(config.run_dir, w.fetch_address, transport=config.transport,
                    chunk_bytes=w.fetch_chunk_bytes, window=w.fetch_window,

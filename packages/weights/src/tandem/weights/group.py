@@ -175,7 +175,7 @@ def shutdown_backend(pg: Any) -> None:
         try:
             fn()
             return
-        except Exception as exc:  # noqa: BLE001 - best effort on a group we are leaving
+        except Exception as exc:
             log.debug("weights.group.shutdown_failed", method=method, error=str(exc))
 
 
@@ -197,7 +197,7 @@ class Guarded:
     def _run(self, fn: Callable[[], Any]) -> None:
         try:
             self._result["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+        except BaseException as exc:
             self._result["error"] = exc
 
     def result(self, timeout: float, on_hang: Callable[[], None],
