@@ -24,7 +24,7 @@ import struct
 import time
 import zlib
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 import structlog
 
@@ -144,4 +144,4 @@ def read_journal(path: str | Path) -> list[Message]:
     return [msg for _, msg in Journal(path).replay()]
 
 
-__all__ = ["Journal", "JournalError", "MAX_RECORD_BYTES", "read_journal"]
+__all__ = ["MAX_RECORD_BYTES", "Journal", "JournalError", "read_journal"]

@@ -146,7 +146,7 @@ def candidates(max_staleness: int, batches_per_step: int) -> list[SyncPlan]:
     out = []
     for method in ("nccl", "checkpoint"):
         for interval in range(1, max_staleness + 2):
-            for offset in range(0, max_staleness + 2 - interval):
+            for offset in range(max_staleness + 2 - interval):
                 out.append(SyncPlan(method=method, interval=interval, offset=offset,
                                     max_staleness=max_staleness,
                                     batches_per_step=batches_per_step))

@@ -82,7 +82,7 @@ def render_terminal(timeline: Timeline, console: Console | None = None, width: i
         console.print(Text(name.ljust(pad)) + _lane_text(timeline.lane(name), width, scale))
     console.print(Text("buffer".ljust(pad)) + _buffer_text(timeline, width, scale))
     console.print(Text("trainer".ljust(pad)) + _lane_text(timeline.lane("trainer"), width, scale))
-    axis = f"0 s".ljust(width - 8) + f"{timeline.makespan:>8.3g}"
+    axis = "0 s".ljust(width - 8) + f"{timeline.makespan:>8.3g}"
     console.print(" " * pad + axis)
     legend = Text(" " * pad)
     for name, key in (("rollout", "rollout"), ("train", "train"), ("sync (NCCL)", "nccl"),
