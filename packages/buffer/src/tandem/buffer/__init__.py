@@ -19,8 +19,21 @@ from .store import (
 from .writer import GroupCommitWriter, StoreClosed
 
 __all__ = [
-    "BadPut", "Buffer", "BufferFull", "ExperienceStore", "GroupCommitWriter", "Lease",
-    "NotEnoughExperiences", "Pruner", "PutOutcome", "REPLY_CODES", "RewindOutcome",
-    "RewindTooFar", "SqliteStore", "StoreClosed", "StoreError", "UnknownLease",
+    "REPLY_CODES",
+    "BadPut",
+    "Buffer",
+    "BufferFull",
+    "ExperienceStore",
+    "GroupCommitWriter",
+    "Lease",
+    "NotEnoughExperiences",
+    "Pruner",
+    "PutOutcome",
+    "RewindOutcome",
+    "RewindTooFar",
+    "SqliteStore",
+    "StoreClosed",
+    "StoreError",
+    "UnknownLease",
     "group_priority",
 ]

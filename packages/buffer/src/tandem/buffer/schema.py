@@ -10,7 +10,8 @@ from __future__ import annotations
 import fcntl
 import sqlite3
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO
+from collections.abc import Iterator
 
 from tandem.common.errors import TandemError
 

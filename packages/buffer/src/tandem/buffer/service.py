@@ -67,7 +67,7 @@ def _replying(handler: Handler) -> Handler:
 class _Parked:
     """A sample request waiting for groups: woken by every change, or told why it must end."""
 
-    __slots__ = ("wake", "holder", "superseded")
+    __slots__ = ("holder", "superseded", "wake")
 
     def __init__(self, holder: str | None) -> None:
         self.wake = asyncio.Event()
@@ -286,7 +286,7 @@ class Buffer:
                     waited += 1
                     try:
                         await asyncio.wait_for(waiter.wake.wait(), min(remaining, RECHECK))
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         pass
                     if waiter.superseded:  # answer now, without leasing anything more
                         raise NotEnoughExperiences(

@@ -14,7 +14,8 @@ import uuid
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
+from collections.abc import Callable
 
 import msgpack
 import structlog
@@ -93,7 +94,7 @@ class SqliteStore(ExperienceStore):
 
     @classmethod
     def from_config(cls, config: BufferConfig, run_dir: str | Path,
-                    clock: Callable[[], float] = time.time) -> "SqliteStore":
+                    clock: Callable[[], float] = time.time) -> SqliteStore:
         """The store a run's `buffer` section describes; `buffer.db` is relative to `run_dir`."""
         return cls(Path(run_dir) / config.db, capacity=config.capacity,
                    retry_after=config.retry_after, policy=config.policy,
