@@ -12,7 +12,8 @@ from __future__ import annotations
 import asyncio
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Iterable, Literal, Sequence
+from typing import Any, Literal
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 import numpy as np
 

@@ -20,7 +20,8 @@ run_dir/eval.jsonl with the version they measured, as for an evaluating rollout 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Awaitable, Callable
+from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
 
 import structlog
 

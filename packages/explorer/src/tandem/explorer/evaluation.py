@@ -15,7 +15,8 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from tandem.common.config import EvalConfig, RunConfig
 from tandem.common.messages.experience import Task

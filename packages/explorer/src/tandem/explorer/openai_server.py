@@ -32,7 +32,8 @@ import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 import structlog
 import uvicorn
@@ -130,7 +131,7 @@ class EngineBatcher:
         rows = [p.prompt for p in pending for _ in range(p.n)]
         try:
             out = await self.engine.generate(rows, 1, sampling)
-        except Exception as exc:  # noqa: BLE001 - handed to each waiting request
+        except Exception as exc:
             for p in pending:
                 if not p.future.done():
                     p.future.set_exception(exc)
@@ -242,7 +243,7 @@ class OpenAIEndpoint:
             self._server.should_exit = True
             try:
                 await asyncio.wait_for(self._serve_task, 5.0)
-            except (asyncio.TimeoutError, asyncio.CancelledError):
+            except (TimeoutError, asyncio.CancelledError):
                 self._serve_task.cancel()
             self._server = None
         await self.batcher.close()
@@ -325,7 +326,7 @@ class OpenAIEndpoint:
                 payload, records = self._completion_payload(req, results, version, created)
         except APIError as exc:
             return exc.response()
-        except Exception as exc:  # noqa: BLE001 - an answer, never a traceback, to the client
+        except Exception as exc:
             log.error("openai.error", explorer=self.name, route=route, error=repr(exc))
             return APIError(500, f"the engine failed: {type(exc).__name__}: {exc}",
                             type="server_error", code="engine_error").response()
@@ -463,7 +464,7 @@ class OpenAIEndpoint:
         try:
             text = self.tokenizer.apply_chat_template(
                 rendered, tools=tools, tokenize=False, add_generation_prompt=True)
-        except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
+        except Exception as exc:
             raise APIError(400, f"the chat template cannot render these messages: {exc}",
                            param="messages") from None
         if splices and not all(s in text for s in splices):

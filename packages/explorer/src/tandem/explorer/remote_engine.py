@@ -27,7 +27,8 @@ import asyncio
 import itertools
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 import openai
@@ -56,7 +57,7 @@ class RemoteEngine(WorkerFetchEngine):
             raise RemoteEngineError(f"engine.reload {reload!r}: expected one of {RELOADS}")
         self.reload = reload
         self.url = url.rstrip("/")
-        self.root = self.url[:-3] if self.url.endswith("/v1") else self.url
+        self.root = self.url.removesuffix("/v1")
         self.model = model
         self.api_key = api_key
         self.timeout = timeout
@@ -78,7 +79,7 @@ class RemoteEngine(WorkerFetchEngine):
     def connect(cls, url: str, tokenizer_path: str, *, api_key: str | None = None,
                 served_model: str | None = None, timeout: float = 600.0,
                 max_concurrency: int = 64, seed: int = 0,
-                reload: str = "vllm") -> "RemoteEngine":
+                reload: str = "vllm") -> RemoteEngine:
         """Check the server (reachable, serving the model, returning token ids and logprobs)
         and return an engine over it; blocking, like the other engines' `from_pretrained`."""
         from tandem.weights.hf import load_tokenizer

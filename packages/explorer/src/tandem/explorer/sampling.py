@@ -45,7 +45,7 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
 
     @classmethod
-    def from_config(cls, section, **changes) -> "SamplingParams":
+    def from_config(cls, section, **changes) -> SamplingParams:
         """From a `SamplingConfig` (or anything with the same attributes), with overrides."""
         values = dict(temperature=section.temperature, top_p=section.top_p, top_k=section.top_k,
                       max_tokens=section.max_tokens, stop=tuple(section.stop),

@@ -317,7 +317,7 @@ class Explorer:
                     log.error("explorer.step_failed", explorer=self.name,
                               step=flight.barrier.step, error=repr(result))
 
-    async def _settled(self, flight: "_Flight") -> bool | None:
+    async def _settled(self, flight: _Flight) -> bool | None:
         """`flight`'s result once it ends: whether there is more to roll out; None when the
         drain after SIGTERM cancelled it (its leases are handed back)."""
         try:
@@ -329,11 +329,11 @@ class Explorer:
             await self._release_lease("explorer stopped mid-step")
             return None
 
-    def _abandoned(self, flight: "_Flight") -> None:
+    def _abandoned(self, flight: _Flight) -> None:
         log.warning("explorer.step_abandoned", explorer=self.name, step=flight.barrier.step,
                     why="drain_seconds passed after SIGTERM; its tasks go back to the master")
 
-    async def _ask_ahead(self, flight: "_Flight") -> None:
+    async def _ask_ahead(self, flight: _Flight) -> None:
         """Tell the master `flight`'s step drains, so it may grant the next one now."""
         b = flight.barrier
         try:
@@ -398,7 +398,7 @@ class Explorer:
 
     # -- one step ------------------------------------------------------------------------------
 
-    async def _next_barrier(self, busy: "_Flight | None" = None) -> Barrier | None:
+    async def _next_barrier(self, busy: _Flight | None = None) -> Barrier | None:
         """The barrier of this explorer's next step, or None when the run stops.
 
         The wait fails after `sync.timeout` without anything that moves the run forward: its
@@ -451,7 +451,7 @@ class Explorer:
                                    reason="barrier")
                 return msg
 
-    async def _run_step(self, flight: "_Flight", prev: "_Flight | None" = None) -> bool:
+    async def _run_step(self, flight: _Flight, prev: _Flight | None = None) -> bool:
         """Roll out `flight`'s step, after `prev` (still draining, or None) has reported;
         False when there is nothing left to roll out."""
         try:
@@ -468,7 +468,7 @@ class Explorer:
             await prev.task  # reported first (its error, if any, is this step's too)
         return more
 
-    async def _step(self, flight: "_Flight", prev: "_Flight | None") -> bool:
+    async def _step(self, flight: _Flight, prev: _Flight | None) -> bool:
         barrier = flight.barrier
         engine = self.engine
         lease: TaskLease | None = None

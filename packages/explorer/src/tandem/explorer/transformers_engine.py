@@ -20,7 +20,8 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import structlog
@@ -59,7 +60,7 @@ class TransformersEngine(TensorEngine):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str = "cpu", dtype: str = "float32",
-                        max_batch: int = 64, **options: Any) -> "TransformersEngine":
+                        max_batch: int = 64, **options: Any) -> TransformersEngine:
         """Load a model folder from disk (config, safetensors, tokenizer); never a hub."""
         from transformers import AutoModelForCausalLM
 

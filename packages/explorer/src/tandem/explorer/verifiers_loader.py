@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 import signal
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 from urllib.parse import unquote
 
 from tandem.common.errors import ConfigError

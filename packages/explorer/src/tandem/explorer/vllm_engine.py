@@ -41,7 +41,8 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Coroutine, Sequence
+from typing import Any
+from collections.abc import Coroutine, Sequence
 
 import numpy as np
 import structlog
@@ -93,7 +94,7 @@ class VLLMEngine(WorkerFetchEngine):
 
     def __init__(self, llm: Any, engine_loop: _EngineLoop, tokenizer: Any, *,
                  workers: int = 1, seed: int = 0, max_model_len: int | None = None,
-                 processes: "_VLLMProcesses | None" = None, lora_rank: int | None = None):
+                 processes: _VLLMProcesses | None = None, lora_rank: int | None = None):
         self.llm = llm
         self.lora_rank = lora_rank
         self._lora: Any = None  # the LoRARequest new requests use; None = the base model
@@ -117,7 +118,7 @@ class VLLMEngine(WorkerFetchEngine):
     @classmethod
     def from_pretrained(cls, path: str | Path, *, dtype: str = "bfloat16",
                         tensor_parallel_size: int = 1, max_batch: int | None = None,
-                        lora_rank: int | None = None, **options: Any) -> "VLLMEngine":
+                        lora_rank: int | None = None, **options: Any) -> VLLMEngine:
         """Start vLLM on a Hugging Face folder; `options` (`engine.options`) go to
         `AsyncEngineArgs` as they are (max_model_len, enforce_eager, gpu_memory_utilization...).
         `lora_rank` (model.lora.r, with weights.lora_transfer: adapter) enables vLLM's LoRA.
@@ -532,5 +533,5 @@ def _worker_error(exc: BaseException) -> str:
     """The worker's own message out of vLLM's "Call to collective_rpc method failed: Worker
     failed with error '...', please check the stack trace above" wrapping."""
     text = str(exc)
-    match = re.search(r"Worker failed with error '(.*)', please check", text, re.S)
+    match = re.search(r"Worker failed with error '(.*)', please check", text, re.DOTALL)
     return (match.group(1) if match else text).strip().splitlines()[0]

@@ -15,8 +15,8 @@ from typing import Any
 
 from .base import Environment, Outcome, Reply
 
-_CALC = re.compile(r"<calc>(.*?)</calc>\s*$", re.S)
-_ANSWER = re.compile(r"<answer>(.*?)</answer>\s*$", re.S)
+_CALC = re.compile(r"<calc>(.*?)</calc>\s*$", re.DOTALL)
+_ANSWER = re.compile(r"<answer>(.*?)</answer>\s*$", re.DOTALL)
 
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
            ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
@@ -57,7 +57,7 @@ def _eval(node: ast.AST) -> float | int:
     raise ValueError(f"{type(node).__name__} is not allowed")
 
 
-def format_number(value: float | int) -> str:
+def format_number(value: float) -> str:
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     return str(round(value, 6) if isinstance(value, float) else value)

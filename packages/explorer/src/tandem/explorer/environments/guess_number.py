@@ -13,7 +13,7 @@ from typing import Any
 
 from .base import Environment, Outcome, Reply
 
-_GUESS = re.compile(r"<guess>\s*(-?\d+)\s*</guess>\s*$", re.S)
+_GUESS = re.compile(r"<guess>\s*(-?\d+)\s*</guess>\s*$", re.DOTALL)
 
 
 class GuessNumber(Environment):

@@ -19,7 +19,8 @@ string, a `step` result that is not five values), is a `GymEpisodeError` naming 
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Literal
+from typing import Any, Literal
+from collections.abc import Callable
 
 from tandem.common.plugins import ENVIRONMENTS, registered_or_imported
 
@@ -105,7 +106,7 @@ class GymEpisode:
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         try:
             return getattr(self.env, method)(*args, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - the environment's code, named to the user
+        except Exception as exc:
             raise GymEpisodeError(f"{self.name}.{method} raised {type(exc).__name__}: "
                                   f"{str(exc)[:200]}") from exc
 

@@ -17,7 +17,8 @@ import inspect
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any
+from collections.abc import Awaitable, Callable
 
 import structlog
 from pydantic import Field
@@ -70,9 +71,9 @@ async def play_episode(episode: Episode, endpoint: Any, gate: asyncio.Semaphore,
         t0 = time.monotonic()
         try:
             return await asyncio.wait_for(play(client), args.timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             episode.reason = f"timeout: ran past workflow_args.timeout = {args.timeout:g}s"
-        except Exception as exc:  # noqa: BLE001 - the user's code: score 0, carry on
+        except Exception as exc:
             episode.reason = f"raised {type(exc).__name__}: {str(exc)[:200]}"
         finally:
             episode.seconds = time.monotonic() - t0

@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, ClassVar
+from typing import Any, ClassVar
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
