@@ -8,7 +8,7 @@ from position j. So `mask[b, j]` is 1 when tokens[b, j+1] is an action token and
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -45,7 +45,7 @@ class TrainBatch:
     def num_groups(self) -> int:
         return int(self.groups.unique().numel())
 
-    def select(self, rows: Sequence[int] | Tensor) -> "TrainBatch":
+    def select(self, rows: Sequence[int] | Tensor) -> TrainBatch:
         """These rows, with the padding trimmed to their longest."""
         index = torch.as_tensor(rows, dtype=torch.long)
         width = int(self.lengths[index].max()) if index.numel() else 1
@@ -59,7 +59,7 @@ class TrainBatch:
             out[f.name] = value
         return replace(self, **out)
 
-    def to(self, device: torch.device | str) -> "TrainBatch":
+    def to(self, device: torch.device | str) -> TrainBatch:
         return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
                                 if isinstance(getattr(self, f.name), Tensor)})
 

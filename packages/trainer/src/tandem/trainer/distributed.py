@@ -14,7 +14,7 @@ import os
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterator
+from collections.abc import Iterator
 
 import structlog
 import torch

@@ -14,7 +14,7 @@ import random
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import structlog

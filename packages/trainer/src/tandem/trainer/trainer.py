@@ -32,7 +32,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Sequence
+from collections.abc import Sequence
 
 import structlog
 import torch

@@ -7,7 +7,7 @@ registers tandem's own, with what each needs, and a plugin registers its own.
 
 from tandem.common.plugins import ADVANTAGES, POLICY_LOSSES, LossNeeds
 
-from .. import builtins  # noqa: F401  tandem's own names, even without the entry point
+from .. import builtins
 from .advantages import AdvantageInputs, Advantages
 from .aggregation import Aggregator
 from .filters import informative_rows
@@ -17,7 +17,17 @@ from .policy_losses import PolicyInputs
 from .value import ValueHead, value_loss
 
 __all__ = [
-    "ADVANTAGES", "AdvantageInputs", "Advantages", "Aggregator", "LossNeeds", "POLICY_LOSSES",
-    "PolicyInputs", "ValueHead", "behaviour_weights", "informative_rows", "kl_estimate",
-    "mismatch_metrics", "value_loss",
+    "ADVANTAGES",
+    "POLICY_LOSSES",
+    "AdvantageInputs",
+    "Advantages",
+    "Aggregator",
+    "LossNeeds",
+    "PolicyInputs",
+    "ValueHead",
+    "behaviour_weights",
+    "informative_rows",
+    "kl_estimate",
+    "mismatch_metrics",
+    "value_loss",
 ]

@@ -15,7 +15,7 @@ rounding noise, which `(r - mean) / (std + eps)` would amplify to ~0.1 on every 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor

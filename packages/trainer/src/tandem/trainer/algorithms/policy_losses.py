@@ -14,7 +14,7 @@ decoupled objective / truncated IS); it carries no gradient.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
