@@ -99,7 +99,7 @@ class WorkerPool:
             await worker.send({"reward": self.config.model_dump(mode="json"),
                                "plugins": loaded_plugins()})
             hello = await asyncio.wait_for(worker.recv(), STARTUP_TIMEOUT)
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
             await worker.kill()
             self._all.discard(worker)
             raise TandemError(f"reward worker (pid {proc.pid}) did not start within "
@@ -135,7 +135,7 @@ class WorkerPool:
         wait = STARTUP_TIMEOUT if deadline is None else max(0.0, deadline - time.monotonic())
         try:
             worker = await asyncio.wait_for(self._idle.get(), wait)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise EvaluationTimeout() from None
         if deadline is not None:
             timeout = min(timeout, deadline - time.monotonic())
@@ -146,7 +146,7 @@ class WorkerPool:
         try:
             await worker.send({"fn": fn, "item": item.model_dump(mode="json")})
             reply = await asyncio.wait_for(worker.recv(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.killed += 1
             log.warning("reward.evaluation_killed", fn=fn, limit=timeout, key="reward.timeout",
                         seconds=round(time.monotonic() - start, 3))

@@ -17,7 +17,8 @@ import asyncio
 import contextlib
 import time
 from collections import defaultdict
-from typing import Iterable, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
+from collections.abc import Iterable
 
 import structlog
 
@@ -157,7 +158,7 @@ class LocalScorer:
                                                       deadline=deadline)
                 else:
                     score = fn.score(item)
-        except (EvaluationTimeout, asyncio.TimeoutError):
+        except (TimeoutError, EvaluationTimeout):
             stats["timeouts"] += 1
             score = Score(score=0.0, reason="timeout")
         except Exception as exc:
@@ -195,7 +196,7 @@ class LocalScorer:
             await self._pool.close()
             self._pool = None
 
-    async def __aenter__(self) -> "LocalScorer":
+    async def __aenter__(self) -> LocalScorer:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

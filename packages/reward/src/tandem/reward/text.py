@@ -92,18 +92,18 @@ def last_tagged(text: str, tag: str) -> str | None:
     """Content of the last `<tag>...</tag>` (case-insensitive), found from the end in linear
     time (a regex over many unclosed tags is quadratic)."""
     close = None
-    for close in re.finditer(f"</{tag}>", text, re.I):
+    for close in re.finditer(f"</{tag}>", text, re.IGNORECASE):
         pass
     if close is None:
         return None
     opening = None
-    for opening in re.finditer(f"<{tag}>", text[:close.start()], re.I):
+    for opening in re.finditer(f"<{tag}>", text[:close.start()], re.IGNORECASE):
         pass
     return None if opening is None else text[opening.end():close.start()]
 
 
 _ANSWER_LINE = re.compile(
-    r"(?:final answer|answer)[ \t]*(?:is)?[ \t]*[:：]?[ \t]*(\S.*)", re.I)
+    r"(?:final answer|answer)[ \t]*(?:is)?[ \t]*[:：]?[ \t]*(\S.*)", re.IGNORECASE)
 
 
 def final_answer(text: str) -> str:

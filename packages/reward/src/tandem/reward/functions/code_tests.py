@@ -34,7 +34,7 @@ from tandem.common.messages.reward import Score, ScoreItem
 from ..base import AsyncReward, register, result
 from ..sandbox import Run, Sandbox
 
-_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.S)
+_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 _FATAL = {"timeout", "cpu"}
 STARTUP_SECONDS = 1.0  # per test, on top of its wall clock: building the sandbox, reaping it
 

@@ -23,7 +23,7 @@ from ..text import MAX_RESPONSE_CHARS, last_boxed, several_boxed
 @lru_cache(maxsize=64)
 def _compiled(pattern: str) -> re.Pattern:
     try:
-        return re.compile(pattern, re.S)
+        return re.compile(pattern, re.DOTALL)
     except re.error as exc:
         raise ValueError(f"format pattern {pattern!r} is not a valid regular expression: {exc}")
 

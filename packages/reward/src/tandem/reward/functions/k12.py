@@ -166,7 +166,7 @@ def _strip_choice_words(text: str) -> str:
     text = _unlatex(text)
     text = re.sub(r"^(?:(?:so|thus|therefore|hence)[, ]+)?(?:the\s+)?"
                   r"(?:correct\s+|final\s+|right\s+)?(?:answer|option|choice)\s*(?:is|would be|:|：)?\s*[:：]?\s*"
-                  r"|^答案\s*(?:是|为)?\s*[:：]?\s*|^选\s*", "", text.strip(), flags=re.I)
+                  r"|^答案\s*(?:是|为)?\s*[:：]?\s*|^选\s*", "", text.strip(), flags=re.IGNORECASE)
     return text.strip()
 
 
@@ -197,7 +197,7 @@ def read_choice(text: str) -> tuple[str | None, str]:
         # "B. because A is wrong" names B; "A, B" / "(B) or (C)" hedge
         nxt = found[1][0]
         between = text[_end_of_option(text):nxt]
-        if re.fullmatch(r"[\s,;/&]*(?:or|and|及|或|和)?[\s,;/&]*", between, re.I):
+        if re.fullmatch(r"[\s,;/&]*(?:or|and|及|或|和)?[\s,;/&]*", between, re.IGNORECASE):
             return None, "hedged: several options"
         return first, ""
     return None, "hedged: several options"

@@ -78,7 +78,7 @@ class RewardModelReward(AsyncReward):
                 wait = deadline - asyncio.get_running_loop().time()
                 try:
                     batch.append(await asyncio.wait_for(self._queue.get(), max(wait, 0)))
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     break
             batch = [(text, fut) for text, fut in batch if not fut.done()]
             if not batch:
