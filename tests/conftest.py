@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # shared test helpers, e.g. component_process
 
-from processes import become_subreaper, descendants, kill_and_reap  # noqa: E402
+from processes import become_subreaper, descendants, kill_and_reap
 
 
 def pytest_pyfunc_call(pyfuncitem):

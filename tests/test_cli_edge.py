@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
 
 import pytest
@@ -279,7 +279,7 @@ def test_sigterm_while_the_trainer_loads_its_model_is_a_clean_stop(tmp_path, tin
                 "the trainer never installed its SIGTERM handler"
             time.sleep(0.002)
         freeze(pid)
-        sent = datetime.now(timezone.utc)
+        sent = datetime.now(UTC)
         loading.proc.send_signal(signal.SIGTERM)
         os.kill(pid, signal.SIGCONT)
         assert loading.proc.wait(60) == 0  # not killed by the signal: built, then stopped

@@ -9,9 +9,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from buffer_helpers import Clock  # noqa: E402
+from buffer_helpers import Clock
 
-from tandem.buffer import SqliteStore  # noqa: E402
+from tandem.buffer import SqliteStore
 
 @pytest.fixture
 def clock() -> Clock:

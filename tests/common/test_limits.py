@@ -20,7 +20,7 @@ from structlog.testing import capture_logs
 
 from tandem.common import codec
 from tandem.common.config import TransportConfig
-from tandem.common.messages import GetBufferStats, Heartbeat, HeartbeatAck, Ok
+from tandem.common.messages import GetBufferStats, Heartbeat, HeartbeatAck
 from tandem.common.messages.reward import ScoreBatch, Scores
 from tandem.common.rpc import RpcClient, RpcServer
 

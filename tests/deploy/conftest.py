@@ -10,7 +10,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from deploy_config import run_config  # noqa: E402
+from deploy_config import run_config
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from tandem.master.quickstart import write_jsonl
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from agent_model import QUESTION, train_through_up  # noqa: E402
+from agent_model import QUESTION, train_through_up
 
 pytestmark = pytest.mark.slow
 STEPS = 2

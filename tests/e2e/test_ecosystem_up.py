@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
-from agent_model import train_through_up  # noqa: E402
+from agent_model import train_through_up
 
 
 pytestmark = pytest.mark.slow

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-import fuzz_wire  # noqa: E402
+import fuzz_wire
 
 pytestmark = pytest.mark.slow
 

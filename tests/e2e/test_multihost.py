@@ -74,7 +74,7 @@ class Hosts:
     def folder(self, host: str) -> Path:
         return self.root / "hosts" / host
 
-    def __enter__(self) -> "Hosts":
+    def __enter__(self) -> Hosts:
         try:
             _ip("netns", "add", self.switch)
             _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
@@ -206,7 +206,7 @@ def _run(tmp_path: Path, tiny_model_dir: Path, preset: str, tag: str):
         train, _ = reversal_tasks(0)
         write_jsonl(train[:64], hosts.folder("ctrl") / "train.jsonl")
         configs = {host: _config(hosts, host, preset, model) for host in ADDRESS}
-        cfg = lambda host: ["--config", str(configs[host])]  # noqa: E731
+        cfg = lambda host: ["--config", str(configs[host])]
         # servers bind every interface of their host, as `tandem deploy` renders them: the
         # address a client reaches them at is its own config's, never the bound wildcard
         bind = {"master": ["--set", "master.address=tcp://0.0.0.0:5550",

@@ -206,7 +206,7 @@ def test_committed_data_is_what_the_generator_writes(tmp_path, plugin):
 def test_extending_doc_quotes_the_example_as_it_is():
     """Each code block of docs/extending.md marked with `<!-- file: PATH -->` is that file."""
     text = (ROOT / "docs" / "extending.md").read_text()
-    quoted = re.findall(r"<!-- file: (\S+) -->\n```[a-z]*\n(.*?)```\n", text, re.S)
+    quoted = re.findall(r"<!-- file: (\S+) -->\n```[a-z]*\n(.*?)```\n", text, re.DOTALL)
     assert {path for path, _ in quoted} >= {
         f"examples/plugins/digit_retry/{p}" for p in (
             "pyproject.toml", "run.yaml", "src/digit_retry/plugin.py",

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_up_supervision import tandem_up, trained_steps, wait_for, write_config  # noqa: E402
+from test_up_supervision import tandem_up, trained_steps, wait_for, write_config
 
 pytestmark = pytest.mark.slow
 

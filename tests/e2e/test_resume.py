@@ -15,16 +15,16 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
-import resume_check  # noqa: E402
-from processes import alive, freeze  # noqa: E402
-from tandem.common.messages import (  # noqa: E402
+import resume_check
+from processes import alive, freeze
+from tandem.common.messages import (
     ExplorerStepDone,
     LeaseExpired,
     TrainerResumed,
     WeightsPublished,
 )
-from tandem.common.trace import JsonlTail  # noqa: E402
-from tandem.master.journal import JournalError, read_journal  # noqa: E402
+from tandem.common.trace import JsonlTail
+from tandem.master.journal import JournalError, read_journal
 
 pytestmark = pytest.mark.slow
 STEPS = 8
@@ -86,7 +86,7 @@ class Held:
     def __init__(self) -> None:
         self.pids: set[int] = set()
 
-    def __enter__(self) -> "Held":
+    def __enter__(self) -> Held:
         return self
 
     def hold(self, pid: int) -> None:

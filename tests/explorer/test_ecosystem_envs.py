@@ -19,7 +19,7 @@ import pytest
 # verifiers is the optional extra tandem-explorer[verifiers]: `make test` installs it, the vLLM
 # tier's venv cannot (its datasets pin clashes with vLLM's fsspec)
 vf = pytest.importorskip("verifiers")
-from datasets import Dataset  # noqa: E402
+from datasets import Dataset
 
 from tandem.common.config.explorer import OpenAIConfig
 from tandem.common.errors import ConfigError

@@ -46,7 +46,7 @@ from tandem.reward import RewardService, build_scorer
 from tandem.common.sockets import free_port
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_service import make_config, play_trainer  # noqa: E402
+from test_service import make_config, play_trainer
 
 
 async def declare_dead(master: Master, name: str) -> None:

@@ -25,7 +25,7 @@ from tandem.explorer.workflows.agent import score_of
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples" / "agents"))
 
-from agent_model import QUESTION, TOOLS  # noqa: E402
+from agent_model import QUESTION, TOOLS
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=96)
 

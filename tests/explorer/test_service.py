@@ -33,8 +33,7 @@ from tandem.master.service import Master
 
 def write_tasks(path: Path, n: int) -> Path:
     with open(path, "w") as f:
-        for i in range(n):
-            f.write(json.dumps({"id": f"g{i}", "secret": i % 10 + 1, "low": 1, "high": 10}) + "\n")
+        f.writelines(json.dumps({"id": f"g{i}", "secret": i % 10 + 1, "low": 1, "high": 10}) + "\n" for i in range(n))
     return path
 
 

@@ -24,8 +24,7 @@ from tandem.master.service import Master
 
 def write_tasks(path: Path, n: int) -> Path:
     with open(path, "w") as f:
-        for i in range(n):
-            f.write(json.dumps({"id": f"t{i}", "prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n")
+        f.writelines(json.dumps({"id": f"t{i}", "prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(n))
     return path
 
 

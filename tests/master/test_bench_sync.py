@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
-import bench_sync  # noqa: E402
+import bench_sync
 
 
 def rollout(step: int, version: int, end: float, reward: float | None = None) -> dict:

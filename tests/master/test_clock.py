@@ -20,7 +20,7 @@ from tandem.master.journal import read_journal
 from tandem.master.service import Master
 
 sys.path.insert(0, str(Path(__file__).parent))
-from master_peers import Peer, make_config  # noqa: E402
+from master_peers import Peer, make_config
 
 
 def barriers(decisions):

@@ -29,7 +29,7 @@ from tandem.master.journal import Journal, JournalError, read_journal
 from tandem.master.service import Master
 
 sys.path.insert(0, str(Path(__file__).parent))
-from master_peers import Peer, explorer_loop, make_config, trainer_loop  # noqa: E402
+from master_peers import Peer, explorer_loop, make_config, trainer_loop
 
 
 def frame(payload: bytes) -> bytes:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -14,7 +13,6 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from tandem.common.config import load_config
 from tandem.common.errors import ConfigError, RequestFailed, WaitTimeout
 from tandem.common.messages.base import Heartbeat
 from tandem.common.messages.master import (
@@ -37,7 +35,7 @@ from tandem.common.sockets import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).parent))
-from master_peers import Peer, explorer_loop, make_config, trainer_loop, write_tasks  # noqa: E402
+from master_peers import Peer, explorer_loop, make_config, trainer_loop, write_tasks
 
 
 async def test_one_step_off_policy_run_end_to_end(tmp_path, zmq_sockets_closed):
@@ -364,7 +362,7 @@ async def test_killed_master_process_restarts_and_the_run_finishes(tmp_path, zmq
         "explorers: [{name: explorer-0, batch_size: 4}]\n"
         "logging: {level: warning}\n")
     exe = Path(sys.executable).with_name("tandem-master")
-    start = lambda: subprocess.Popen([str(exe), "--config", str(cfg)],  # noqa: E731
+    start = lambda: subprocess.Popen([str(exe), "--config", str(cfg)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     procs = [start()]
     seen, trained, killed = [], [], asyncio.Event()

@@ -7,7 +7,6 @@ import asyncio
 import time
 from types import SimpleNamespace
 
-import pytest
 
 from tandem.common.errors import PeerDead
 from tandem.master.startup import StartupClock, process_age

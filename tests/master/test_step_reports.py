@@ -21,7 +21,7 @@ from tandem.common.rpc import RpcClient
 from tandem.master.service import Master
 
 sys.path.insert(0, str(Path(__file__).parent))
-from master_peers import make_config  # noqa: E402
+from master_peers import make_config
 
 
 async def test_step_reports_come_from_the_trainer_and_for_released_steps(

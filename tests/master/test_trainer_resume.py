@@ -19,7 +19,7 @@ from tandem.master.service import Master
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from master_peers import explorer_loop, make_config, trainer_loop  # noqa: E402
+from master_peers import explorer_loop, make_config, trainer_loop
 
 
 def gos(decisions):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
-import reward_hacks  # noqa: E402
+import reward_hacks
 
 
 async def test_every_hack_is_caught_and_every_honest_answer_passes(tmp_path):

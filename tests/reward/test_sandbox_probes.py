@@ -114,7 +114,7 @@ PROBES = [
      f"import socket\ntry:\n    socket.socket(socket.AF_INET, socket.SOCK_RAW, 1)\n"
      f"    print('{SECRET}')\nexcept OSError:\n    print('no')", STDIO, 0.0),
     ("looks at the host through /proc/1/root",
-     f"import os\nok = any(os.path.exists(f'/proc/{{p}}/root{str(REPO)}')"
+     f"import os\nok = any(os.path.exists(f'/proc/{{p}}/root{REPO!s}')"
      f" for p in os.listdir('/proc')"
      f" if p.isdigit())\nprint('{SECRET}' if ok else 'no')", STDIO, 0.0),
     ("traces the harness",

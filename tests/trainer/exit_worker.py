@@ -19,7 +19,7 @@ from tandem.common.config import RunConfig
 from tandem.trainer import distributed
 from tandem.trainer.trainer import Trainer
 
-from batch_json import read_batch  # noqa: E402  (this folder is sys.path[0] under torchrun)
+from batch_json import read_batch
 
 model_path, batch_file, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 batch = read_batch(batch_file)

@@ -16,7 +16,7 @@ from tandem.common.config import RunConfig
 from tandem.trainer import distributed
 from tandem.trainer.trainer import Trainer
 
-from batch_json import read_batch  # noqa: E402  (this folder is sys.path[0] under torchrun)
+from batch_json import read_batch
 
 LORA = {"r": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "up_proj"]}
 

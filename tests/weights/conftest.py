@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from weights_helpers import PEER  # noqa: E402
+from weights_helpers import PEER
 
 
 @pytest.fixture

@@ -194,7 +194,7 @@ def test_a_member_expecting_another_version_refuses_and_the_sender_names_it(broa
     def send() -> None:
         try:
             sender.broadcast(5, [("w", torch.ones(2**20))])
-        except BaseException as exc:  # noqa: BLE001 - inspected below
+        except BaseException as exc:
             outcome["error"] = exc
 
     sending = threading.Thread(target=send)
@@ -224,7 +224,7 @@ def test_close_releases_a_blocked_join_and_a_blocked_broadcast_at_once(broadcast
         def target() -> None:
             try:
                 fn()
-            except BaseException as exc:  # noqa: BLE001 - inspected below
+            except BaseException as exc:
                 errors[name] = exc
         thread = threading.Thread(target=target)
         thread.start()

@@ -99,8 +99,7 @@ for h in HOSTILE:
 rows.append({"response": R("\\boxed{", 20000, "", "7}"), "truth": "7", "score": 1,
              "kind": "hostile", "wrap": "plain"})
 with open(HERE / "k12.jsonl", "w", encoding="utf-8") as f:
-    for r in rows:
-        f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
 print("k12", len(rows))
 
 FORMAT = [
@@ -135,8 +134,7 @@ FORMAT = [
 ]
 rows = [{"response": r, "args": {"pattern": p}, "score": s} for r, p, s in FORMAT]
 with open(HERE / "format.jsonl", "w", encoding="utf-8") as f:
-    for r in rows:
-        f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
 print("format", len(rows))
 
 VISION = [
@@ -163,6 +161,5 @@ VISION = [
 ]
 rows = [{"response": r, "truth": t, "score": s} for r, t, s in VISION]
 with open(HERE / "vision.jsonl", "w", encoding="utf-8") as f:
-    for r in rows:
-        f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
 print("vision", len(rows))
