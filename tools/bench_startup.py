@@ -54,8 +54,8 @@ def write_config(workdir: Path, model_dir: Path, *, preset: str, steps: int) -> 
 
 def parse_summary(text: str) -> dict:
     """The summary rows `tandem up` prints at the end, as numbers."""
-    rows = dict(re.findall(r"^\s*([a-z][a-z /-]+?): (.*)$", text, flags=re.M))
-    seconds = lambda s: float(s.split()[0])  # noqa: E731
+    rows = dict(re.findall(r"^\s*([a-z][a-z /-]+?): (.*)$", text, flags=re.MULTILINE))
+    seconds = lambda s: float(s.split()[0])
     out = {"result": rows.get("result", "?")}
     for key in ("wall-clock", "end to end", "outside the run"):
         if key in rows:

@@ -130,7 +130,7 @@ def bench_one(model_path: Path, budget: int, experiences, steps: int, rounds: in
         bare_t += timed(lambda: bare_step(model, optimizer, batch, plan, dev,
                                           learner._autocast, config.trainer.max_grad_norm))
         trainer_t += timed(lambda: learner.step(experiences))
-    med = lambda xs, i: statistics.median(x[i] for x in xs)  # noqa: E731
+    med = lambda xs, i: statistics.median(x[i] for x in xs)
     return {"budget": budget, "micro_batches": len(plan), "tokens": tokens,
             "bare_tokens_per_s": tokens / med(bare_t, 0),
             "trainer_tokens_per_s": tokens / med(trainer_t, 0),

@@ -54,7 +54,8 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import msgpack
 import yaml
@@ -610,7 +611,7 @@ class Chaos:
             trainer, buffer, pid = pids.get("trainer"), pids.get("buffer"), pids.get(name)
             if trainer is None or buffer is None or pid is None:
                 return None
-            left = lambda: min(15.0, max(0.0, deadline - time.monotonic()))  # noqa: E731
+            left = lambda: min(15.0, max(0.0, deadline - time.monotonic()))
             mark = len(self.watch.records)
             if not self.wait(lambda: any(type(r).__name__ == "TrainerStepDone"
                                          for r in self.watch.records[mark:]), left()):

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import sqlite3
 import struct
@@ -32,7 +31,7 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import msgpack
 import yaml
