@@ -223,7 +223,7 @@ class SqliteStore(ExperienceStore):
                 "SELECT size, count, state, version, task_id FROM groups WHERE group_id = ?",
                 (group_id,)).fetchone()
             if group is not None:
-                g_size, g_count, g_state, g_version, g_task = group
+                g_size, _g_count, g_state, g_version, g_task = group
                 # a task rolled out again (its explorer died after the put) repeats the stored
                 # ids under newer weights: a duplicate, whatever version it names
                 repeat = g_state in ("consumed", "stale") or all(
