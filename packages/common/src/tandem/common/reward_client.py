@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from typing import Self
 
 from .config.reward import RewardConfig
 from .config.transport import TransportConfig
@@ -70,7 +71,7 @@ class RemoteScorer:
     async def close(self) -> None:
         await self._client.close()
 
-    async def __aenter__(self) -> RemoteScorer:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -22,7 +22,7 @@ import time
 import uuid
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 from collections.abc import Awaitable, Callable, Sequence
 
 import structlog
@@ -477,7 +477,7 @@ class RpcClient:
             self._sock.close(linger=0)
             self._sock = None
 
-    async def __aenter__(self) -> RpcClient:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import fcntl
 import os
 from pathlib import Path
+from typing import Self
 
 from .errors import TandemError
 
@@ -52,7 +53,7 @@ class RunDirLock:
             os.close(self._fd)  # closing drops the record lock
             self._fd = None
 
-    def __enter__(self) -> RunDirLock:
+    def __enter__(self) -> Self:
         self.acquire()
         return self
 

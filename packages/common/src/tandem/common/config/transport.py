@@ -64,12 +64,12 @@ def move_secrets_to_env(data: dict) -> dict[str, str]:
     for key in SECRET_KEYS if curve else ():
         var = f"TANDEM_CURVE_{key.upper()}"
         env[var] = curve[key]
-        curve[key] = "${env:%s}" % var
+        curve[key] = f"${{env:{var}}}"
     for i, explorer in enumerate(data.get("explorers") or ()):
         engine = explorer.get("engine") or {}
         if engine.get("api_key"):  # a remote engine's server key
             var = f"TANDEM_ENGINE_API_KEY_{i}"
             env[var] = engine["api_key"]
-            engine["api_key"] = "${env:%s}" % var
+            engine["api_key"] = f"${{env:{var}}}"
     return env
 

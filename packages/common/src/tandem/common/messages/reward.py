@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -54,7 +54,7 @@ class Scores(Message):
 class ScoreBatch(Request):
     """Explorer to reward service: score these items."""
 
-    LIMITS = {"items": "reward.max_batch"}
+    LIMITS: ClassVar[dict[str, str]] = {"items": "reward.max_batch"}
     items: list[ScoreItem]
 
 
