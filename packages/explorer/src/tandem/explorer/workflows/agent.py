@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -119,7 +120,7 @@ def trajectories(records: list[CallRecord]) -> tuple[list[Trajectory], str]:
     if not records:
         return [], "empty"
     chained = True
-    for prev, rec in zip(records, records[1:]):
+    for prev, rec in itertools.pairwise(records):
         done = prev.prompt_ids + prev.token_ids
         if rec.prompt_ids[:len(done)] != done:
             chained = False
