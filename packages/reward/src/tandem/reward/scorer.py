@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import time
 from collections import defaultdict
-from typing import Protocol, runtime_checkable
+from typing import Protocol, Self, runtime_checkable
 from collections.abc import Iterable
 
 import structlog
@@ -196,7 +196,7 @@ class LocalScorer:
             await self._pool.close()
             self._pool = None
 
-    async def __aenter__(self) -> LocalScorer:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -147,10 +147,10 @@ def _unit_of(rest: str) -> str | None:
     if not match:
         return None
     tail = rest[match.end():].strip()
-    if tail and not tail.startswith(("(", "[")):
-        # "12 cm (6 cm + 6 cm)" keeps its unit; "12 apples and 3 pears" is not one number
-        if re.search(r"\d", tail) or tail[:1] in "+*/=<>^":
-            return None
+    # "12 cm (6 cm + 6 cm)" keeps its unit; "12 apples and 3 pears" is not one number
+    if (tail and not tail.startswith(("(", "["))
+            and (re.search(r"\d", tail) or tail[:1] in "+*/=<>^")):
+        return None
     return _unit(match.group(1))
 
 
