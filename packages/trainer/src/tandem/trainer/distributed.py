@@ -43,8 +43,8 @@ class DistInfo:
 
 def from_env() -> DistInfo:
     """torchrun's RANK / WORLD_SIZE / LOCAL_RANK, or a single process."""
-    return DistInfo(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
-                    int(os.environ.get("LOCAL_RANK", 0)))
+    return DistInfo(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")),
+                    int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def init(info: DistInfo, device: torch.device, timeout: float) -> None:
