@@ -273,10 +273,7 @@ class WeightFetcher:
             done.touch()
         for marker in partial.glob("*.ok"):
             marker.unlink()
-        with open(partial / MANIFEST, "w") as f:
-            f.write(reply.manifest)
-            f.flush()
-            os.fsync(f.fileno())
+        await asyncio.to_thread(_write_synced, partial / MANIFEST, reply.manifest)
 
     async def _fetch_shard(self, version: int, file: str, size: int, path: Path,
                            deadline: float, *, last: bool) -> str:
@@ -288,7 +285,7 @@ class WeightFetcher:
         digest = xxhash.xxh3_64()
         if offset:
             await asyncio.to_thread(_hash_prefix, digest, path, offset)
-        with open(path, "ab" if offset else "wb") as f:
+        with await asyncio.to_thread(open, path, "ab" if offset else "wb") as f:
             f.truncate(offset)
             f.seek(offset)
             pending: list[asyncio.Task] = []
@@ -343,6 +340,13 @@ def _describe(exc: Exception | None) -> str:
 def _append(f, digest, data: memoryview) -> None:
     f.write(data)
     digest.update(data)
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _hash_prefix(digest, path: Path, length: int) -> None:
