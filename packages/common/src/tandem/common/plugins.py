@@ -1,5 +1,5 @@
 """Plugins: where a user's own task (reward, workflow, environment, agent, taskset reader or
-format, advantage, loss, engine) comes from, as first-class as tandem's own.
+format, advantage, loss, off-policy correction, engine) comes from, as first-class as tandem's own.
 
 Two sources, imported in this order by every process that reads a run config:
 1. installed packages, through the entry-point group `tandem.plugins` (tandem's own packages
@@ -67,12 +67,14 @@ TASKSET_READERS: Registry[Any] = Registry("taskset reader", "master.taskset.read
 TASKSET_FORMATS: Registry[Any] = Registry("taskset format", "master.taskset.format.name")
 ADVANTAGES: Registry[Any] = Registry("advantage estimator", "trainer.advantage")
 POLICY_LOSSES: Registry[Any] = Registry("policy loss", "trainer.loss")
+CORRECTIONS: Registry[Any] = Registry("off-policy correction", "trainer.corrections[*].name")
 ENGINES: Registry[Any] = Registry("inference engine", "explorers[*].engine.kind")
 
 REGISTRIES: dict[str, Registry[Any]] = {
     "rewards": REWARDS, "workflows": WORKFLOWS, "environments": ENVIRONMENTS, "agents": AGENTS,
     "taskset_readers": TASKSET_READERS, "taskset_formats": TASKSET_FORMATS,
-    "advantages": ADVANTAGES, "policy_losses": POLICY_LOSSES, "engines": ENGINES,
+    "advantages": ADVANTAGES, "policy_losses": POLICY_LOSSES, "corrections": CORRECTIONS,
+    "engines": ENGINES,
 }
 
 _installed_loaded = False
