@@ -134,6 +134,12 @@ class RunClock:
     # asynchronous: step -> (first, count) of the completed batches it trains on, fixed once
     # released (a resumed trainer is released on the same ones)
     windows: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # batch -> (explorer, step) of every batch counted done, and each explorer's newest: a
+    # step is reported once. A restarted explorer learns its newest at registration and skips
+    # barriers up to it (a snapshot can replay the barrier of a batch it reported); a report of
+    # a counted batch again is answered without counting it, whatever became of its slot since
+    reported: dict[int, tuple[str, int]] = field(default_factory=dict)
+    newest_reported: dict[str, int] = field(default_factory=dict)
 
     # -- inputs --------------------------------------------------------------------------------
 
@@ -195,6 +201,8 @@ class RunClock:
     def explorer_done(self, name: str, step: int, batch: int | None, version: int,
                       groups: int | None = None, informative: int | None = None
                       ) -> list[Decision]:
+        if self.is_reported(name, step, batch):
+            return []  # a repeat of a report already counted (even by an earlier slot)
         slot = self.explorers.get(name)
         if slot is None:
             raise StepMismatch(f"{name} is not registered with the master; register first")
@@ -212,6 +220,18 @@ class RunClock:
                                f"{granted}")
         self._finish(slot, version, groups, informative)
         return self._release()
+
+    def is_reported(self, name: str, step: int, batch: int | None) -> bool:
+        """`name` already reported `batch` of `step`: it was counted, and is never again."""
+        return batch is not None and self.reported.get(batch) == (name, step)
+
+    def holds(self, name: str) -> tuple[tuple[int, int, int] | None, int | None]:
+        """What `name` holds as the master counts it: the batch granted and not reported, as
+        (step, batch, version), and the newest batch it reported (a barrier up to it is
+        stale)."""
+        slot = self.explorers.get(name)
+        running = slot.running if slot is not None and slot.alive else None
+        return running, self.newest_reported.get(name)
 
     def explorer_draining(self, name: str, step: int, batch: int) -> list[Decision]:
         """Asynchronous plans: `name`'s running batch has all its tasks leased and a slot free.
@@ -235,6 +255,8 @@ class RunClock:
         """Count `slot`'s running batch as done (in the buffer, rolled out with `version`)."""
         step, batch, _ = slot.running
         slot.running, slot.last_done = None, (step, batch)
+        self.reported[batch] = (slot.name, step)
+        self.newest_reported[slot.name] = max(batch, self.newest_reported.get(slot.name, batch))
         slot.steps_done += 1
         slot.since_load += 1
         if slot.ahead is None:

@@ -328,6 +328,8 @@ class Master:
         return decisions
 
     def _apply_explorer_step(self, msg: ExplorerStepDone) -> list[Decision]:
+        if self.clock.is_reported(msg.explorer, msg.step, msg.batch):
+            return []  # (a journal written before repeats were answered unjournaled)
         groups = self._lease_sizes.get((msg.explorer, msg.step))
         decisions = self.clock.explorer_done(msg.explorer, msg.step, msg.batch, msg.version,
                                              groups, msg.informative)
@@ -446,11 +448,15 @@ class Master:
                 self._trainer_peer = ctx.peer
             await self._emit(decisions)
             log.info("component.registered", name=msg.name, role=msg.role, pid=msg.pid)
+            running, reported = self.clock.holds(msg.name)
         t = self.config.transport
         return Registered(run_id=self.run_id, liveness=t.liveness,
                           heartbeat_interval=t.heartbeat_interval,
                           publish_address=connectable(self.publish_address),
-                          trainer_steps=self.clock.trainer_done)
+                          trainer_steps=self.clock.trainer_done,
+                          granted_step=None if running is None else running[0],
+                          granted_batch=None if running is None else running[1],
+                          reported_batch=reported)
 
     def _refuse_dead_explorer(self, name: str) -> None:
         """An explorer declared dead learns it from its next request and registers again."""
@@ -468,6 +474,10 @@ class Master:
     async def _on_lease(self, msg: LeaseTasks, ctx: CallContext) -> TaskLease:
         self._touch(ctx, msg.explorer)
         self._refuse_dead_explorer(msg.explorer)
+        if self.clock.is_reported(msg.explorer, msg.step, msg.batch):
+            raise RequestFailed("step_reported", (
+                f"{msg.explorer} already reported step {msg.step} batch {msg.batch}: its barrier "
+                "is stale (a step is reported once); wait for the next one"))
         d = self._need_taskset()
         lease = d.open_lease(msg.explorer, msg.step)
         if lease is None:
@@ -516,6 +526,10 @@ class Master:
     async def _on_explorer_step(self, msg: ExplorerStepDone, ctx: CallContext) -> Ok:
         self._touch(ctx, msg.explorer)
         async with self._lock:
+            if self.clock.is_reported(msg.explorer, msg.step, msg.batch):
+                log.warning("explorer.step_repeated", explorer=msg.explorer, step=msg.step,
+                            batch=msg.batch, why="counted once already; answered, not counted")
+                return Ok()
             try:
                 decisions = self._commit(msg)
             except DeclaredDead as exc:

@@ -58,6 +58,13 @@ class Registered(Message):
     trainer_steps: int = Field(
         default=0, ge=0, description="trainer steps the master has counted (TrainerStepDone); a "
                                      "trainer resumes from a checkpoint at or below it")
+    granted_step: int | None = Field(
+        default=None, description="an explorer: the step of the batch it was granted and has not "
+                                  "reported, which a restarted explorer rolls out again")
+    granted_batch: int | None = Field(default=None, description="an explorer: that batch")
+    reported_batch: int | None = Field(
+        default=None, description="an explorer: the newest batch the master counted from it; a "
+                                  "barrier up to it is stale and is never rolled out again")
 
 
 @wire("master.register", reply=Registered)
@@ -93,6 +100,8 @@ class LeaseTasks(Request):
     explorer: str
     count: int = Field(ge=1)
     step: int = Field(ge=0)
+    batch: int | None = Field(default=None, description="the barrier's batch: a batch already "
+                                                        "reported is refused (`step_reported`)")
 
 
 @wire("master.tasks.complete", reply=Ok)
