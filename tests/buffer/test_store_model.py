@@ -250,6 +250,6 @@ class BufferModel(RuleBasedStateMachine):
 
 
 BufferModel.TestCase.settings = settings(
-    max_examples=int(os.environ.get("BUFFER_MODEL_EXAMPLES", 60)), stateful_step_count=25,
+    max_examples=int(os.environ.get("BUFFER_MODEL_EXAMPLES", "60")), stateful_step_count=25,
     deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
 test_buffer_matches_model = BufferModel.TestCase

@@ -49,7 +49,7 @@ async def test_late_joiner_gets_current_state_then_live_events(zmq_sockets_close
 
 
 async def test_gap_is_detected_and_wait_times_out_naming_the_knob(zmq_sockets_closed):
-    server, pub, address, pub_address = await _master()
+    server, pub, _address, pub_address = await _master()
     sub = Subscriber(pub_address, topics=["t"], transport=T)
     try:
         await sub.start()

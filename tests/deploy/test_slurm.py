@@ -65,7 +65,7 @@ def test_explorers_share_nodes_round_robin():
     script = render(SlurmOptions(run_dir="/r", explorer_nodes=1, trainer_nodes=2,
                                  gpus_per_node=4))
     assert "#SBATCH --nodes=4" in script and "#SBATCH --gpus-per-node=4" in script
-    trainer = [s for s in srun_lines(script) if "torchrun" in s][0]
+    trainer = next(s for s in srun_lines(script) if "torchrun" in s)
     assert "--nodes=2" in trainer and "--nproc-per-node=4" in trainer
     explorers = [s for s in srun_lines(script) if "tandem-explorer" in s]
     assert all('"${EXPLORER_HOSTS[0]}"' in s for s in explorers)

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Self
 
 import pytest
 import yaml
@@ -74,7 +75,7 @@ class Hosts:
     def folder(self, host: str) -> Path:
         return self.root / "hosts" / host
 
-    def __enter__(self) -> Hosts:
+    def __enter__(self) -> Self:
         try:
             _ip("netns", "add", self.switch)
             _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
@@ -262,7 +263,7 @@ def _log_events(log: Path, event: str) -> list[dict]:
 
 
 def test_fully_async_with_fetched_weights_across_namespaces(tmp_path, tiny_model_dir):
-    hosts, logs = _run(tmp_path, tiny_model_dir, "fully_async", "a")
+    hosts, _logs = _run(tmp_path, tiny_model_dir, "fully_async", "a")
     spans = _check_isolated_run(hosts)
     explorers = hosts.folder("explorers") / "run"
     fetched = sorted(p.name for p in (explorers / "weights").iterdir())
@@ -275,7 +276,7 @@ def test_fully_async_with_fetched_weights_across_namespaces(tmp_path, tiny_model
 
 
 def test_one_step_off_policy_broadcast_across_namespaces(tmp_path, tiny_model_dir):
-    hosts, logs = _run(tmp_path, tiny_model_dir, "one_step_off_policy", "b")
+    hosts, _logs = _run(tmp_path, tiny_model_dir, "one_step_off_policy", "b")
     spans = _check_isolated_run(hosts)
     syncs = [s for s in spans["explorers"] if s["kind"] == "sync"]
     assert {(s.get("attrs") or {}).get("method") for s in syncs} == {"nccl"}

@@ -56,14 +56,17 @@ def test_each_component_serves_its_metrics_during_a_run(tmp_path, tiny_model_dir
         got = {c: scrape((urls / f"{c}.url").read_text().strip()) for c in COMPONENTS}
         # the buffer reads its store's counts every 2 s: the first step may have come sooner
         buffer_url = (urls / "buffer.url").read_text().strip()
-        got["buffer"] = wait_for(lambda: (lambda b: b if value(
-            b, r'tandem_buffer_experiences\{state=".*"\}') >= 8 else None)(scrape(buffer_url)),
-            60, "the buffer's store counts")
+        def buffer_counts():
+            b = scrape(buffer_url)
+            return b if value(b, r'tandem_buffer_experiences\{state=".*"\}') >= 8 else None
+        got["buffer"] = wait_for(buffer_counts, 60, "the buffer's store counts")
         # the trace shows a step trained once it is written; its publication comes after
         trainer_url = (urls / "trainer.url").read_text().strip()
-        got["trainer"] = wait_for(lambda: (lambda t: t if value(
-            t, r'tandem_trainer_span_seconds_count\{kind="sync",.*\}') >= 1 else None)(
-            scrape(trainer_url)), 60, "the trainer's first publication")
+        def trainer_published():
+            t = scrape(trainer_url)
+            return t if value(t, r'tandem_trainer_span_seconds_count\{kind="sync",.*\}') >= 1 \
+                else None
+        got["trainer"] = wait_for(trainer_published, 60, "the trainer's first publication")
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=600)  # only against a hang
 

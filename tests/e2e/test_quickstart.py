@@ -27,7 +27,7 @@ def test_quickstart_raises_heldout_accuracy(tmp_path):
     # measured by the run's own evaluation: before the first step and at the end
     lines = (run_dir / "grpo" / "eval.jsonl").read_text().splitlines()
     rows = [json.loads(line) for line in lines]
-    assert [(r["version"], r["final"]) for r in rows][0] == (0, False) and rows[-1]["final"]
+    assert next((r["version"], r["final"]) for r in rows) == (0, False) and rows[-1]["final"]
     assert result["versions"] == [0, rows[-1]["version"]]
     assert "held-out accuracy" in proc.stdout
     assert (run_dir / "grpo" / "timeline.png").exists()

@@ -4,6 +4,7 @@ counted, every task consumed once in the final lineage, and no checkpoint overwr
 
 from __future__ import annotations
 
+from typing import Self
 import os
 import signal
 import sys
@@ -86,7 +87,7 @@ class Held:
     def __init__(self) -> None:
         self.pids: set[int] = set()
 
-    def __enter__(self) -> Held:
+    def __enter__(self) -> Self:
         return self
 
     def hold(self, pid: int) -> None:
@@ -160,7 +161,7 @@ def test_a_killed_trainer_restarted_by_up_resumes_from_its_checkpoint_and_retrai
                 if killed_at > 3 and killed_at % 3:  # between two checkpoints
                     break
                 held.release(explorer)
-                wait_for(lambda: batches_done(run_dir) == killed_at + 1, 150, "the next batch")
+                wait_for(lambda k=killed_at: batches_done(run_dir) == k + 1, 150, "the next batch")
                 held.hold(explorer)
             checkpoint = resume_check.newest_checkpoint_step(run_dir)
             held.kill(trainer)

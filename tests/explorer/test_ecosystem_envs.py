@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import signal
 import sys
+from typing import ClassVar
 
 import gymnasium as gym
 import numpy as np
@@ -94,7 +95,7 @@ class LetterGame(gym.Env):
     """Each round the player says a word; a word with the task's letter scores 1, else -0.25.
     The game ends after `rounds` rounds. Every instance is kept in GAMES for the tests."""
 
-    metadata = {"render_modes": []}
+    metadata: ClassVar[dict] = {"render_modes": []}
     observation_space = gym.spaces.Text(max_length=200)
     action_space = gym.spaces.Text(max_length=200)
 

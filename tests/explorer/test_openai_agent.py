@@ -194,9 +194,10 @@ async def test_bad_input_gets_openai_error_json(agent_engine):
         for route, field, value in [("chat/completions", "temperature", "NaN"),
                                     ("chat/completions", "top_p", "Infinity"),
                                     ("completions", "temperature", "-Infinity")]:
-            payload = ('{"model": "policy", "max_tokens": 4, "%s": %s, %s}' % (
-                field, value, '"messages": [{"role": "user", "content": "Hi"}]'
-                if route == "chat/completions" else '"prompt": "Hi"')).encode()
+            body_field = ('"messages": [{"role": "user", "content": "Hi"}]'
+                          if route == "chat/completions" else '"prompt": "Hi"')
+            payload = f'{{"model": "policy", "max_tokens": 4, "{field}": {value}, {body_field}}}'
+            payload = payload.encode()
             status, body = await asyncio.to_thread(_post, f"{ep.url}/{route}", payload)
             assert status == 400, (route, field, body)
             assert body["error"]["type"] == "invalid_request_error"
@@ -254,7 +255,7 @@ async def test_failing_agents_score_zero_with_the_reason(agent_engine):
             outcomes[fn] = await workflow.run(tasks, ctx(agent_engine, ep, repeat_times=2))
     finally:
         await ep.close()
-    [a, b] = outcomes["raises"]  # the call it made is still an experience, scored 0
+    [a, _b] = outcomes["raises"]  # the call it made is still an experience, scored 0
     assert a.reward == 0 and a.info["reward_reason"] == "raised RuntimeError: the tool broke"
     assert outcomes["hangs"] == []  # no calls: nothing to train on
     assert outcomes["garbage"] == []

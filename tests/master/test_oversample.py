@@ -86,7 +86,7 @@ def test_replaying_the_same_inputs_gives_the_same_decisions():
     assert first == run()
     assert [(m["step"], m["batch"]) for t, m in first if t.startswith("barrier.")] == [
         (0, 0), (0, 1), (0, 2), (1, 3)]
-    go = [m for t, m in first if t == "trainer"][0]
+    go = next(m for t, m in first if t == "trainer")
     assert go["step"] == 0 and go["groups"] == 6 and go["extra_batches"] == 2
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -137,7 +138,7 @@ def test_every_plan_terminates_and_keeps_its_promises(interval, offset, stalenes
             assert train_end[b.version - 1] <= b.start + 1e-9
     for lane in ["trainer"] + [f"explorer-{i}" for i in range(explorers)]:
         blocks = sorted(tl.lane(lane), key=lambda b: b.start)
-        assert all(a.end <= b.start + 1e-9 for a, b in zip(blocks, blocks[1:]))
+        assert all(a.end <= b.start + 1e-9 for a, b in itertools.pairwise(blocks))
 
 
 @pytest.mark.parametrize("preset", list(PRESETS))

@@ -163,7 +163,7 @@ async def test_restarted_master_resumes_cursor_clock_and_sequence(tmp_path, zmq_
     await master.start()
     peer = Peer(master, "explorer-0", "explorer", [barrier_topic("explorer-0"), "stop"])
     await peer.start()
-    b0 = await peer.next("barrier")
+    await peer.next("barrier")
     lease0 = await peer.rpc.call(LeaseTasks(explorer="explorer-0", count=4, step=0), timeout=2)
     await peer.rpc.call(CompleteTasks(lease_id=lease0.lease_id), timeout=2)
     await peer.rpc.call(ExplorerStepDone(explorer="explorer-0", step=0, batch=0, version=0),

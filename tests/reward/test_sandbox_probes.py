@@ -61,7 +61,7 @@ FOUND = search()
 def solve(x):
     return int(want) if FOUND else None
 print(want if FOUND else "nothing")
-''' % (str(SECRET)[:4], str(SECRET)[4:])
+''' % (str(SECRET)[:4], str(SECRET)[4:])  # noqa: UP031 (code: its braces stay literal)
 
 PROBES = [
     # (name, program, truth, score a fair grader gives)

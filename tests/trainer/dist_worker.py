@@ -37,7 +37,7 @@ for mode in ("ddp", "fsdp", "fsdp-resumed", "ddp-ppo"):
     if mode == "ddp":  # count gradient all-reduces: one per bucket per step, not per micro-batch
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-        def counting_hook(state, bucket):
+        def counting_hook(state, bucket, reduces=reduces):
             reduces.append(1)
             return allreduce_hook(state, bucket)
 

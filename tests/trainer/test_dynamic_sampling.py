@@ -192,6 +192,6 @@ def test_the_explorer_and_the_trainer_count_informative_groups_alike(make_group)
                    + make_group("c", "1+3=", ["4", "5"], [0.5, 0.0])
                    + make_group("d", "1+4=", ["5"], [1.0]))
     ids = {g: i for i, g in enumerate(dict.fromkeys(e.group_id for e in experiences))}
-    keep, dropped = informative_rows(torch.tensor([e.reward for e in experiences]),
+    _keep, dropped = informative_rows(torch.tensor([e.reward for e in experiences]),
                                      torch.tensor([ids[e.group_id] for e in experiences]))
     assert informative_groups(experiences) == len(ids) - dropped == 1

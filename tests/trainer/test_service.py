@@ -102,7 +102,7 @@ async def play_explorer(cfg, tokenizer, puts: list, received: dict) -> None:
                     receiver = WeightReceiver(rendezvous, engine_member(name), timeout=60)
                     await asyncio.to_thread(receiver.join)
                 received[msg.version] = await asyncio.to_thread(
-                    lambda: {n: t.clone() for n, t in receiver.receive(msg.version)})
+                    lambda r=receiver, v=msg.version: {n: t.clone() for n, t in r.receive(v)})
             lease = await rpc.call(LeaseTasks(explorer=name, count=2, step=msg.step), timeout=5)
             experiences = []
             for task in lease.tasks:

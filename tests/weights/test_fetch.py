@@ -90,7 +90,7 @@ async def test_resumes_after_a_restart_from_the_bytes_on_disk(published, tmp_pat
     partial = explorer / "weights" / ".partial-v2-fetcher"
     partial.mkdir(parents=True)
     shards = {n: b for n, b in shard_bytes(published, 2).items() if n.endswith(".safetensors")}
-    first = sorted(shards)[0]
+    first = min(shards)
     kept = 2 * CHUNK
     (partial / first).write_bytes(shards[first][:kept + 1000])
     server = await serve(published)
@@ -169,7 +169,7 @@ async def test_a_cut_connection_resumes_instead_of_starting_over(published, tmp_
 
 
 async def test_a_corrupt_shard_fails_within_the_timeout_naming_the_trainer(published, tmp_path):
-    shard = sorted(version_dir(published, 1).glob("*.safetensors"))[0]
+    shard = min(version_dir(published, 1).glob("*.safetensors"))
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF
     shard.write_bytes(bytes(data))
@@ -230,7 +230,7 @@ async def test_requests_outside_the_manifest_are_refused(published, tmp_path):
 
 
 def _first_shard(run_dir) -> str:
-    return sorted(version_dir(run_dir, 1).glob("*.safetensors"))[0].name
+    return min(version_dir(run_dir, 1).glob("*.safetensors")).name
 
 
 async def test_the_server_admits_at_most_fetch_streams_explorers(published, tmp_path):

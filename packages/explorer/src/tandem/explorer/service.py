@@ -117,6 +117,7 @@ class Explorer:
         self.stop_reason: str | None = None
         self._stopping = False
         self._taken_batches: set[int] = set()  # barriers started: a repeat is ignored
+        self._reported_through = -1  # the master counted batches up to it from this explorer
         self._latest_weights: WeightsPublished | None = None
         self._step_task: asyncio.Task | None = None
         self._leases: dict[int, str] = {}  # batch -> lease id: leased, not yet completed
@@ -203,6 +204,13 @@ class Explorer:
                      terms=self.config.terms(self.role, self.name)),
             timeout_key="transport.rpc_timeout")  # refused (config_mismatch) unless it agrees
         self.run_id = reply.run_id
+        if reply.reported_batch is not None:
+            # a restart: the barrier a snapshot replays may be one this explorer (an earlier
+            # incarnation) already reported; a step is reported once, so it is never rolled out
+            self._reported_through = max(self._reported_through, reply.reported_batch)
+        if reply.granted_batch is not None or reply.reported_batch is not None:
+            log.info("explorer.holds", explorer=self.name, granted_step=reply.granted_step,
+                     granted_batch=reply.granted_batch, reported_batch=reply.reported_batch)
         return reply
 
     async def _call_unless_dead(self, msg: Any) -> Any | None:
@@ -445,8 +453,8 @@ class Explorer:
                         self.loader.offer_group(msg.rendezvous)
                 continue
             if isinstance(msg, Barrier) and msg.explorer == self.name:
-                if msg.batch in self._taken_batches:
-                    continue  # a repeat (snapshot after a gap) of a step already started
+                if msg.batch in self._taken_batches or msg.batch <= self._reported_through:
+                    continue  # a repeat (snapshot after a gap or a restart) of a step started
                 self.tracer.record("wait", start, time.time(), step=msg.step, version=msg.version,
                                    reason="barrier")
                 return msg
@@ -576,9 +584,20 @@ class Explorer:
 
     async def _lease(self, barrier: Barrier) -> TaskLease | None:
         """The step's tasks (none: the taskset ran dry); None when the master declared this
-        explorer dead (the next barrier wait registers again)."""
-        lease = await self._call_unless_dead(
-            LeaseTasks(explorer=self.name, count=self.cfg.batch_size, step=barrier.step))
+        explorer dead (the next barrier wait registers again) or the barrier's batch was
+        reported already (the step is skipped)."""
+        try:
+            lease = await self._call_unless_dead(
+                LeaseTasks(explorer=self.name, count=self.cfg.batch_size, step=barrier.step,
+                           batch=barrier.batch))
+        except RequestFailed as exc:
+            if exc.code != "step_reported":
+                raise
+            # a stale barrier: rolled out and reported already; no new tasks, no report
+            self._reported_through = max(self._reported_through, barrier.batch)
+            log.warning("explorer.barrier_stale", explorer=self.name, step=barrier.step,
+                        batch=barrier.batch, error=str(exc))
+            return None
         if lease is None:
             return None
         if not lease.tasks:
