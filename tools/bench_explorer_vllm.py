@@ -125,7 +125,7 @@ def bench_vllm(args, make_prompts) -> None:
         update_ratio = statistics.median(t / b for t, b in zip(update["tandem"], update["bare"]))
     finally:
         engine.close()
-        del bare
+        bare = None  # frees the engine
 
     print(f"VLLMEngine vs vllm.LLM.generate — vLLM {vllm.__version__}, "
           f"{Path(model_path).name}, {max_tokens} tokens per response, "

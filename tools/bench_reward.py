@@ -125,10 +125,10 @@ async def bench(args) -> dict:
             await remote.score(warm)
             direct.score(warm[0])
             scorers = {"local": local, "service": remote}
-            for kind in paths:
+            for kind, kind_paths in paths.items():
                 size = -(-counts[kind] // args.rounds)
                 for r in range(args.rounds):
-                    for path in paths[kind]:
+                    for path in kind_paths:
                         chunk = items[kind][path][r * size:(r + 1) * size]
                         if path == "main":
                             start = time.perf_counter()

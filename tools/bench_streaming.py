@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import statistics
 import tempfile
@@ -79,7 +80,7 @@ def boundary_gaps(config) -> tuple[list[float], float]:
     rollouts = sorted((s for s in read_trace(config.run_dir) if s["kind"] == "rollout"),
                       key=lambda s: s["step"])
     return [max(0.0, b["start"] - a["attrs"]["generated"])
-            for a, b in zip(rollouts, rollouts[1:])], seconds
+            for a, b in itertools.pairwise(rollouts)], seconds
 
 
 def run_config(run_dir: Path, model: Path, taskset: Path, args, lease_ahead: bool):

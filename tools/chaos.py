@@ -40,6 +40,7 @@ run's result. Prints a table per run and writes JSON.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -844,7 +845,7 @@ def account(run_dir: Path, config: dict[str, Any], result: dict[str, Any]) -> di
     report["train_spans"] = len(trains)
     report["steps_trained_again"] = len(trains) - len({s["step"] for s in trains})
     pause, between = 0.0, None
-    for a, b in zip(trains, trains[1:]):
+    for a, b in itertools.pairwise(trains):
         if b["end"] - a["end"] > pause:
             pause, between = b["end"] - a["end"], (a["step"], b["step"])
     report["longest_pause_s"] = round(pause, 2)
@@ -891,9 +892,9 @@ def leftovers(run_dir: Path) -> list[int]:
     """Processes still running whose command line names this run (a component's children)."""
     found = []
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            if any(str(run_dir) in a for a in cmdline(int(entry.name))):
-                found.append(int(entry.name))
+        if (entry.name.isdigit() and int(entry.name) != os.getpid()
+                and any(str(run_dir) in a for a in cmdline(int(entry.name)))):
+            found.append(int(entry.name))
     return found
 
 

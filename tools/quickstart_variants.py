@@ -50,7 +50,7 @@ def run_variant(root: Path, name: str, steps: int, seed: int) -> dict:
     if code != 0:
         raise SystemExit(f"{name}: tandem up exited {code}; see {root / name}")
     first, last = before_after(root / name)
-    ckpt = sorted((root / name / "checkpoints").glob("step_*"))[-1]
+    ckpt = max((root / name / "checkpoints").glob("step_*"))
     spans = [s for s in read_trace(root / name) if s["kind"] == "train"]
     return {
         "variant": name, "steps": len(spans), "seconds": round(seconds, 1),
