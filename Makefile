@@ -37,6 +37,7 @@ bwrap:
 	  { echo "make: the code sandbox needs bubblewrap: apt-get install bubblewrap (as root)"; exit 1; }
 
 test: $(STAMP) bwrap
+	$(BIN)/ruff check
 	$(BIN)/python -m pytest
 
 # The vLLM tier (docs/explorer.md): real vLLM on CPU in its own venv, because vLLM pins versions
