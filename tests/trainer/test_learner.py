@@ -167,7 +167,7 @@ def test_lr_schedule_warms_up_then_decays():
 
 
 def test_bad_inputs_are_clear_errors(tiny_model_path, make_config, make_group, monkeypatch):
-    with pytest.raises(ValueError, match="unknown policy loss 'ppo2'; registered: dpo, "):
+    with pytest.raises(ValueError, match="unknown policy loss 'ppo2'; registered: cispo_clip, dpo, "):
         make_config(tiny_model_path, loss="ppo2")
     # validated where no loss is registered (the trainer not installed there), the config
     # passes; the learner checks the name and the parameters again when it starts

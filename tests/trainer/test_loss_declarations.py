@@ -48,7 +48,8 @@ def test_a_bad_loss_parameter_is_an_error_at_its_key():
         ({"name": "ppo_clip", "beta": 0.2},
          "trainer.loss.beta: policy loss ppo_clip takes no parameters"),
         ({"name": "dpo", "beta": 0}, "trainer.loss.beta: Input should be greater than 0"),
-        ("ppo2", "trainer.loss: unknown policy loss 'ppo2'; registered: dpo, gspo, pg, ppo_clip"),
+        ("ppo2", "trainer.loss: unknown policy loss 'ppo2'; registered: cispo_clip, dpo, gspo, "
+                 "pg, ppo_clip"),
     ]
     for loss, message in cases:
         with pytest.raises(ConfigError) as err:

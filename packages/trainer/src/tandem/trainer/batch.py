@@ -28,6 +28,9 @@ class TrainBatch:
     versions: Tensor        # [B] long, policy version that sampled the row
     lengths: Tensor         # [B] long, real tokens per row
     token_versions: Tensor  # [B, L-1] long, version that sampled each target (0 off the mask)
+    top_k: Tensor           # [B] long, the sampler's top-k (0: off)
+    top_p: Tensor           # [B] float, the sampler's top-p (1: off)
+    truncated: Tensor       # [B] bool, the response was cut at its token cap (finish: length)
     # filled in by the learner before the update, all [B, L-1]
     advantages: Tensor | None = None
     proximal: Tensor | None = None
@@ -64,8 +67,12 @@ class TrainBatch:
                                 if isinstance(getattr(self, f.name), Tensor)})
 
 
-def build_batch(experiences: Sequence[Experience], pad_id: int = 0) -> TrainBatch:
-    """Pad experiences into a `TrainBatch`; raises ValueError naming a malformed experience."""
+def build_batch(experiences: Sequence[Experience], pad_id: int = 0,
+                sampling: tuple[int, float] = (0, 1.0)) -> TrainBatch:
+    """Pad experiences into a `TrainBatch`; raises ValueError naming a malformed experience.
+
+    Each row's top-k / top-p are those its explorer recorded (`info.sampling`), else
+    `sampling`; a row is truncated when its `info.finish_reason` is `length`."""
     if not experiences:
         raise ValueError("build_batch: no experiences")
     lengths = [int(e.tokens.shape[0]) for e in experiences]
@@ -99,7 +106,13 @@ def build_batch(experiences: Sequence[Experience], pad_id: int = 0) -> TrainBatc
         groups=torch.from_numpy(groups),
         versions=torch.tensor([e.policy_version for e in experiences], dtype=torch.long),
         lengths=torch.tensor(lengths, dtype=torch.long),
-        token_versions=torch.from_numpy(token_versions))
+        token_versions=torch.from_numpy(token_versions),
+        top_k=torch.tensor([int(e.info.get("sampling", {}).get("top_k", sampling[0]))
+                            for e in experiences], dtype=torch.long),
+        top_p=torch.tensor([float(e.info.get("sampling", {}).get("top_p", sampling[1]))
+                            for e in experiences], dtype=torch.float32),
+        truncated=torch.tensor([e.info.get("finish_reason") == "length" for e in experiences],
+                               dtype=torch.bool))
 
 
 def staleness_metrics(batch: TrainBatch, version: int) -> dict[str, float]:

@@ -1,5 +1,6 @@
-"""tandem-trainer's own advantage estimators and policy losses, registered as a plugin like any
-user's (entry point `tandem.plugins: trainer`), each with what it needs.
+"""tandem-trainer's own advantage estimators, policy losses and off-policy corrections,
+registered as a plugin like any user's (entry point `tandem.plugins: trainer`), each with what
+it needs.
 
 Each is named by `module:attr` and imported only when a trainer uses it: the master and
 `tandem up` load this module to check a config, so it imports nothing but `tandem.common`.
@@ -8,11 +9,13 @@ reference model is loaded, whether rows come as (chosen, rejected) pairs, whethe
 are computed, which model checks its own parameters.
 """
 
-from tandem.common.config.trainer import DPOParams
-from tandem.common.plugins import ADVANTAGES, POLICY_LOSSES, LossNeeds
+from tandem.common.config.trainer import (
+    BandParams, CapParams, CISPOParams, DPOParams, IcePopParams, M2POParams)
+from tandem.common.plugins import ADVANTAGES, CORRECTIONS, POLICY_LOSSES, LossNeeds
 
 _A = "tandem.trainer.algorithms.advantages"
 _L = "tandem.trainer.algorithms.policy_losses"
+_C = "tandem.trainer.algorithms.corrections"
 
 ADVANTAGES.register("grpo", f"{_A}:grpo")
 ADVANTAGES.register("dr_grpo", f"{_A}:dr_grpo")
@@ -24,6 +27,15 @@ ADVANTAGES.register("gae", f"{_A}:gae", value_head=True)
 POLICY_LOSSES.register("ppo_clip", f"{_L}:ppo_clip", needs=LossNeeds())
 POLICY_LOSSES.register("gspo", f"{_L}:gspo", needs=LossNeeds())
 POLICY_LOSSES.register("pg", f"{_L}:policy_gradient", needs=LossNeeds())
+# `cispo` is the name the digit_retry example plugin registers for its own version
+POLICY_LOSSES.register("cispo_clip", f"{_L}:cispo_clip", needs=LossNeeds(params=CISPOParams))
 POLICY_LOSSES.register("sft", f"{_L}:sft", needs=LossNeeds(advantages=False))
 POLICY_LOSSES.register("dpo", f"{_L}:dpo", needs=LossNeeds(
     reference=True, pairs=True, advantages=False, params=DPOParams))
+
+CORRECTIONS.register("truncated_is", f"{_C}:truncated_is", params=CapParams)
+CORRECTIONS.register("masked_is", f"{_C}:masked_is", params=BandParams)
+CORRECTIONS.register("seq_is", f"{_C}:seq_is", params=CapParams)
+CORRECTIONS.register("seq_masked_is", f"{_C}:seq_masked_is", params=BandParams)
+CORRECTIONS.register("icepop", f"{_C}:icepop", params=IcePopParams)
+CORRECTIONS.register("m2po", f"{_C}:m2po", params=M2POParams)

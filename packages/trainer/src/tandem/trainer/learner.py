@@ -29,14 +29,16 @@ from tandem.weights.lora import adapter_state, merged_state
 
 from . import checkpoint as ckpt
 from .algorithms import (
-    ADVANTAGES, POLICY_LOSSES, AdvantageInputs, Aggregator, PolicyInputs, ValueHead,
+    ADVANTAGES, CORRECTIONS, POLICY_LOSSES, AdvantageInputs, Aggregator, PolicyInputs, ValueHead,
     behaviour_weights, informative_rows, kl_estimate, mismatch_metrics, value_loss)
+from .algorithms.corrections import CorrectionInputs, apply_corrections
+from .algorithms.length import length_shaping
 from .algorithms.masked import masked_mean
 from .batch import (
     TrainBatch, build_batch, mini_batch_rows, plan_micro_batches, preference_pairs, shard_rows,
     staleness_metrics)
 from .distributed import DistInfo, gradient_sync, resolve_device, wrap
-from .forward import Actor, token_logprobs
+from .forward import Actor, Truncation, token_logprobs
 from .lora import add_adapters
 from .metrics import MetricAccumulator, combine_updates
 
@@ -68,6 +70,7 @@ class Learner:
         tc.check_registered()  # a config validated where the trainer is not installed skipped it
         self.advantage_fn = ADVANTAGES.get(tc.advantage)
         self.loss_fn = POLICY_LOSSES.get(tc.loss.name)
+        self.corrections = [(c.name, CORRECTIONS.get(c.name), c.params) for c in tc.corrections]
         # what the loss declared, the only thing the step knows of it
         self.needs = tc.loss.needs
         if not config.model.path:
@@ -80,6 +83,10 @@ class Learner:
         if temperature is None:
             temperature = config.rollout_explorers[0].sampling.temperature
         self.temperature = temperature if temperature > 0 else 1.0
+        rollout = config.rollout_explorers[0].sampling
+        # what a row's own info.sampling does not say (an experience from elsewhere)
+        self.sampling = (rollout.top_k, rollout.top_p)
+        self.max_tokens = tc.length.max_tokens or rollout.max_tokens
         self.resume_from = Path(resume_from) if resume_from is not None else None
 
         lora = self.lora = config.model.lora
@@ -100,7 +107,7 @@ class Learner:
             value_head = ValueHead(model.config.hidden_size)
             if self.resume_from:
                 ckpt.load_value_head(value_head, self.resume_from)
-        self.actor = Actor(model, value_head).to(self.device)
+        self.actor = Actor(model, value_head, fp32_logits=tc.fp32_logits).to(self.device)
         self.wrapped, self.mode = wrap(self.actor, self.dist, self.device, tc.parallel)
 
         self.reference: nn.Module | None = None
@@ -136,7 +143,13 @@ class Learner:
             raise RuntimeError("Learner.step after release(): this learner has left training")
         tc = self.tc
         start = time.perf_counter()
-        batch = build_batch(experiences, self.pad_id)
+        batch = build_batch(experiences, self.pad_id, self.sampling)
+        if self.dist.enabled:  # experience info does not travel to the other ranks: rank 0's
+            rows = torch.stack([batch.top_k.double(), batch.top_p.double(),
+                                batch.truncated.double()])
+            dist.broadcast(rows, src=0)
+            batch.top_k, batch.top_p = rows[0].long(), rows[1].float()
+            batch.truncated = rows[2] > 0
         pairs = self.needs.pairs
         sampled = batch.num_groups if pairs else batch.size  # a pairs loss splits by pair
         if tc.mini_batches > sampled:
@@ -145,6 +158,9 @@ class Learner:
                 f"trainer.mini_batches: {tc.mini_batches} mini-batches, but step "
                 f"{self.step_count} has only {sampled} {what}; lower trainer.mini_batches"])
         metrics = self._batch_metrics(batch)
+        if tc.length.shapes_reward or tc.length.filter_truncated:
+            batch, shaped = length_shaping(batch, tc.length, self.max_tokens)
+            metrics.update(shaped)
         if tc.dynamic_sampling:
             keep, dropped = informative_rows(batch.rewards, batch.groups)
             metrics["dynamic_sampling/dropped_groups"] = float(dropped)
@@ -295,7 +311,8 @@ class Learner:
                         self._dummy_forward()
                         continue
                     mb = batch.select(mine[i]).to(self.device)
-                    out = self.wrapped(mb.tokens, mb.attention, self.temperature)
+                    out = self.wrapped(mb.tokens, mb.attention, self.temperature, None,
+                                       self._truncation(mb))
                 width = mb.mask.shape[1]
                 if prox is not None:
                     prox[mine[i], :width] = out.logprobs.float().cpu()
@@ -307,7 +324,8 @@ class Learner:
                 with self._autocast():
                     logits = self.reference(input_ids=mb.tokens, attention_mask=mb.attention,
                                             use_cache=False).logits
-                logp, _ = token_logprobs(logits[:, :-1], mb.tokens[:, 1:], self.temperature)
+                logp, _ = token_logprobs(logits[:, :-1], mb.tokens[:, 1:], self.temperature,
+                                         truncation=self._truncation(mb))
                 ref[rows, : mb.mask.shape[1]] = logp.float().cpu()
         if self.dist.enabled:
             for tensor in (prox, values, ref):
@@ -330,7 +348,11 @@ class Learner:
             adv_mean = {"advantage/mean": masked_mean(batch.advantages, mask)}
             acc.add(adv_mean if self.dist.is_main else {}, weight=float(mask.sum()))
         if prox is not None:
-            if tc.off_policy.behaviour_weight:
+            if self.corrections:
+                batch.weights, m = apply_corrections(
+                    self.corrections, CorrectionInputs(prox, batch.behaviour, mask))
+                acc.add(m if self.dist.is_main else {}, weight=float(mask.sum()))
+            elif tc.off_policy.behaviour_weight:
                 batch.weights = behaviour_weights(prox, batch.behaviour, mask,
                                                   tc.off_policy.is_cap)
             m = mismatch_metrics(prox, batch.behaviour, mask, tc.off_policy.is_cap)
@@ -341,7 +363,8 @@ class Learner:
                     ) -> tuple[Tensor, dict[str, Tensor]]:
         tc = self.tc
         entropy = "loss" if tc.entropy_coef > 0 else ("metric" if tc.entropy_metric else None)
-        out = self.wrapped(mb.tokens, mb.attention, self.temperature, entropy)
+        out = self.wrapped(mb.tokens, mb.attention, self.temperature, entropy,
+                           self._truncation(mb))
         anchor = mb.proximal if mb.proximal is not None else mb.behaviour
         needs = self.needs
         # the loss gets what it declared and nothing else (a KL term's reference is not its)
@@ -374,6 +397,9 @@ class Learner:
             metrics["value/clip_frac"] = masked_mean(clipped.float(), mb.mask)
         metrics["loss/total"] = loss.detach()
         return loss, metrics
+
+    def _truncation(self, mb: TrainBatch) -> Truncation | None:
+        return Truncation(mb.top_k, mb.top_p) if self.tc.sampler_truncation else None
 
     def _dummy_forward(self):
         tokens = torch.full((1, 2), self.pad_id, dtype=torch.long, device=self.device)

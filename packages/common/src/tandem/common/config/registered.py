@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..plugins import (
-    ADVANTAGES, AGENTS, ENGINES, ENVIRONMENTS, REWARDS, TASKSET_FORMATS, TASKSET_READERS,
-    WORKFLOWS, EngineCapabilities, load_installed)
+    ADVANTAGES, AGENTS, CORRECTIONS, ENGINES, ENVIRONMENTS, REWARDS, TASKSET_FORMATS,
+    TASKSET_READERS, WORKFLOWS, EngineCapabilities, load_installed)
 from ..registry import Registry
 
 if TYPE_CHECKING:
@@ -71,6 +71,8 @@ def check_names(config: RunConfig) -> list[str]:
     for name in config.reward.functions:
         _check(REWARDS, name, f"reward.functions.{name}", problems)
     _check(ADVANTAGES, config.trainer.advantage, "trainer.advantage", problems)
+    for i, correction in enumerate(config.trainer.corrections):
+        _check(CORRECTIONS, correction.name, f"trainer.corrections[{i}].name", problems)
     taskset = config.master.taskset
     if taskset.reader:
         _check(TASKSET_READERS, taskset.reader, "master.taskset.reader", problems)

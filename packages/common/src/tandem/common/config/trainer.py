@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from ..errors import ConfigError
-from ..plugins import ADVANTAGES, POLICY_LOSSES, LossNeeds, load_installed
+from ..plugins import ADVANTAGES, CORRECTIONS, POLICY_LOSSES, LossNeeds, load_installed
 from .base import Section
 
 Aggregation = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"]
@@ -69,17 +69,59 @@ class DPOParams(Section):
     beta: float = Field(default=0.1, gt=0, description="DPO inverse temperature")
 
 
-def _params_model(spec: Any, loss: str) -> type[BaseModel] | None:
-    """A loss's declared params model: the class, or imported from its `module:attr`."""
+class CISPOParams(Section):
+    """The `cispo_clip` loss's parameters: the IS weight is clip(r, 1 - eps_low, 1 + eps_high)."""
+
+    eps_low: float | None = Field(
+        default=None, ge=0, description="lower bound 1 - eps_low; null: none (MiniMax-M1)")
+    eps_high: float = Field(default=0.28, gt=0, description="upper bound 1 + eps_high")
+
+
+class CapParams(Section):
+    """`truncated_is` and `seq_is`: the importance weight truncated at `cap`."""
+
+    cap: float = Field(default=2.0, gt=0, description="largest importance weight kept")
+
+
+class BandParams(Section):
+    """`masked_is`, `seq_masked_is` and `icepop`: a ratio outside [lo, hi] is masked."""
+
+    lo: float = Field(default=0.5, ge=0, description="smallest ratio kept")
+    hi: float = Field(default=2.0, gt=0, description="largest ratio kept")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> BandParams:
+        if not self.lo < 1.0 < self.hi:
+            raise ValueError(f"lo ({self.lo:g}) < 1 < hi ({self.hi:g}) is needed, or an "
+                             "on-policy token would be masked")
+        return self
+
+
+class IcePopParams(BandParams):
+    """`icepop`'s band, with the paper's defaults (alpha 0.5, beta 5)."""
+
+    hi: float = Field(default=5.0, gt=0, description="largest ratio kept")
+
+
+class M2POParams(Section):
+    """`m2po`: the tokens with the largest squared log-ratio are masked until the mean squared
+    log-ratio of those left is at most `bound`."""
+
+    bound: float = Field(default=0.04, gt=0, description="second-moment bound tau (paper: 0.04)")
+
+
+def _params_model(spec: Any, name: str, where: str = "trainer.loss",
+                  kind: str = "policy loss") -> type[BaseModel] | None:
+    """A loss's (or correction's) declared params model: the class, or its `module:attr`."""
     if isinstance(spec, str):
         module, _, attr = spec.partition(":")
         try:
             spec = getattr(importlib.import_module(module), attr)
         except (ImportError, AttributeError) as exc:
-            raise ConfigError([f"trainer.loss: the params model {spec!r} of policy loss {loss!r} "
+            raise ConfigError([f"{where}: the params model {spec!r} of {kind} {name!r} "
                                f"cannot be loaded: {type(exc).__name__}: {exc}"]) from None
     if spec is not None and not (isinstance(spec, type) and issubclass(spec, BaseModel)):
-        raise ConfigError([f"trainer.loss: policy loss {loss!r} declares params {spec!r}, "
+        raise ConfigError([f"{where}: {kind} {name!r} declares params {spec!r}, "
                            "which is not a pydantic model"])
     return spec
 
@@ -132,18 +174,92 @@ class LossConfig(Section):
         """The loss's parameters validated by its declared model (None if it declares none).
         A bad or unknown parameter is a ValidationError located at the parameter's key."""
         model = _params_model(self.needs.params, self.name)
-        given = dict(self.model_extra or {})
-        known = set() if model is None else {
-            key for name, f in model.model_fields.items() for key in (name, f.alias) if key}
-        unknown = [k for k in given if k not in known]
-        if unknown:
-            message = ("not a parameter of policy loss {loss}; its parameters: {takes}" if known
-                       else "policy loss {loss} takes no parameters")
-            error = PydanticCustomError("loss_parameter", message,
-                                        {"loss": self.name, "takes": ", ".join(sorted(known))})
-            raise ValidationError.from_exception_data("LossConfig", [
-                InitErrorDetails(type=error, loc=(key,), input=given[key]) for key in unknown])
-        return None if model is None else model.model_validate(given)
+        return _declared_params(model, dict(self.model_extra or {}), "LossConfig",
+                                f"policy loss {self.name}")
+
+
+def _declared_params(model: type[BaseModel] | None, given: dict[str, Any], title: str,
+                     what: str) -> BaseModel | None:
+    """`given` validated by `model`; unknown keys a ValidationError located at each key."""
+    known = set() if model is None else {
+        key for name, f in model.model_fields.items() for key in (name, f.alias) if key}
+    unknown = [k for k in given if k not in known]
+    if unknown:
+        message = ("not a parameter of {what}; its parameters: {takes}" if known
+                   else "{what} takes no parameters")
+        error = PydanticCustomError("parameter", message,
+                                    {"what": what, "takes": ", ".join(sorted(known))})
+        raise ValidationError.from_exception_data(title, [
+            InitErrorDetails(type=error, loc=(key,), input=given[key]) for key in unknown])
+    return None if model is None else model.model_validate(given)
+
+
+class CorrectionConfig(Section):
+    """One entry of `trainer.corrections`: a registered off-policy correction and its own
+    parameters beside `name` (`{name: masked_is, lo: 0.5, hi: 2.0}`); a plain name is short
+    for `{name: ...}` with the defaults."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True, protected_namespaces=())
+
+    name: str = Field(description="truncated_is, masked_is, seq_is, seq_masked_is, icepop, m2po, "
+                                  "or a plugin's (docs/trainer.md \"Off-policy corrections\")")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_name(cls, data: Any) -> Any:
+        return {"name": data} if isinstance(data, str) else data
+
+    @model_validator(mode="after")
+    def _registered(self) -> CorrectionConfig:
+        load_installed()
+        if not len(CORRECTIONS):
+            return self  # the trainer is not installed here; it checks when it starts
+        if self.name not in CORRECTIONS:
+            raise ValueError(f"unknown off-policy correction {self.name!r}; registered: "
+                             f"{', '.join(CORRECTIONS.names())}")
+        self.params  # noqa: B018  (validates them; errors name the parameter)
+        return self
+
+    @property
+    def params(self) -> BaseModel | None:
+        """The parameters validated by the model the correction declares (`params=`)."""
+        model = _params_model(CORRECTIONS.declares(self.name).get("params"), self.name,
+                              "trainer.corrections", "off-policy correction")
+        return _declared_params(model, dict(self.model_extra or {}), "CorrectionConfig",
+                                f"off-policy correction {self.name}")
+
+
+class LengthShapingConfig(Section):
+    """Length shaping of each sequence's reward before the advantages (DAPO's overlong reward
+    shaping and a linear length penalty), and DAPO's overlong filtering. The length |y| is the
+    response's action tokens."""
+
+    max_tokens: int | None = Field(
+        default=None, ge=1,
+        description="the cap L_max; default the first rollout explorer's sampling.max_tokens")
+    overlong_buffer: int = Field(
+        default=0, ge=0,
+        description="L_cache: over the last this many tokens before the cap the penalty rises "
+                    "linearly from 0 to overlong_penalty; 0: off")
+    overlong_penalty: float = Field(
+        default=1.0, ge=0, description="the overlong penalty at and beyond the cap")
+    penalty: float = Field(
+        default=0.0, ge=0, description="length penalty: reward -= penalty * |y| / max_tokens")
+    filter_truncated: bool = Field(
+        default=False,
+        description="a response cut at the cap (finish_reason length) trains with its loss "
+                    "masked; its reward still counts in its group")
+
+    @model_validator(mode="after")
+    def _fits(self) -> LengthShapingConfig:
+        if self.max_tokens is not None and self.overlong_buffer > self.max_tokens:
+            raise ValueError(f"trainer.length.overlong_buffer ({self.overlong_buffer}) exceeds "
+                             f"trainer.length.max_tokens ({self.max_tokens}); lower it")
+        return self
+
+    @property
+    def shapes_reward(self) -> bool:
+        return self.overlong_buffer > 0 or self.penalty > 0
 
 
 class TrainerConfig(Section):
@@ -190,6 +306,18 @@ class TrainerConfig(Section):
                     "(0: only drop, never top up)")
     kl: KLConfig = Field(default_factory=KLConfig)
     off_policy: OffPolicyConfig = Field(default_factory=OffPolicyConfig)
+    corrections: list[CorrectionConfig] = Field(
+        default_factory=list,
+        description="off-policy corrections of the proximal/behaviour ratio, composed in order "
+                    "(weights multiply, masks add up): [masked_is, {name: icepop, hi: 5}]; "
+                    "needs off_policy.proximal")
+    sampler_truncation: bool = Field(
+        default=False,
+        description="apply the explorer's top-k / top-p (recorded with each experience) to the "
+                    "trainer's logits before its logprobs, so both policies share a support")
+    fp32_logits: bool = Field(
+        default=False, description="lm_head and the logits in fp32 under bf16 autocast")
+    length: LengthShapingConfig = Field(default_factory=LengthShapingConfig)
 
     # optimiser and schedule
     lr: float = Field(default=1e-5, gt=0)
@@ -232,6 +360,13 @@ class TrainerConfig(Section):
             raise ValueError("trainer.schedule: cosine needs trainer.total_steps (the horizon)")
         if self.total_steps is not None and self.warmup_steps > self.total_steps:
             raise ValueError("trainer.warmup_steps exceeds trainer.total_steps; lower warmup_steps")
+        if self.corrections and not self.off_policy.proximal:
+            raise ValueError("trainer.corrections weigh the ratio of the proximal and behaviour "
+                             "policies; set trainer.off_policy.proximal: true")
+        if self.corrections and self.off_policy.behaviour_weight:
+            raise ValueError("trainer.off_policy.behaviour_weight and trainer.corrections both "
+                             "weight tokens; write the weight as a correction instead: "
+                             "corrections: [{name: truncated_is, cap: ...}]")
         needs = self.loss.declared_needs
         if needs is None or needs.advantages:
             return self
@@ -269,6 +404,13 @@ class TrainerConfig(Section):
         load_installed()
         ADVANTAGES.check(self.advantage, "trainer.advantage")
         POLICY_LOSSES.check(self.loss.name)
+        for i, correction in enumerate(self.corrections):
+            CORRECTIONS.check(correction.name, f"trainer.corrections[{i}].name")
+            try:
+                correction.params  # noqa: B018
+            except ValidationError as exc:
+                raise ConfigError([f"trainer.corrections[{i}].{e}"
+                                   for e in format_validation_error(exc)]) from None
         try:
             self.loss.params  # noqa: B018
             self._consistent()

@@ -102,6 +102,27 @@ def policy_gradient(inp: PolicyInputs, cfg: TrainerConfig, agg: Aggregator):
     return agg(_weighted(token_loss, inp), inp.mask), {}
 
 
+def cispo_clip(inp: PolicyInputs, cfg: TrainerConfig, agg: Aggregator):
+    """CISPO (MiniMax-M1): REINFORCE with the importance weight clipped and stopped, so every
+    token keeps its gradient and only its weight is bounded.
+
+    loss_t = -sg(clip(r_t, 1 - eps_low, 1 + eps_high)) * A_t * logp_t,  r_t = exp(logp_t - old_t)
+
+    `eps_low` null (the paper's choice) leaves the weight unbounded below. PPO's clip drops the
+    gradient of a token whose ratio left its range; here such a token keeps it, weighted.
+    """
+    params = cfg.loss.params
+    ratio = torch.exp((inp.logprobs - inp.old_logprobs).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
+    ratio = ratio.detach()
+    low = None if params.eps_low is None else 1.0 - params.eps_low
+    weight = ratio.clamp(min=low, max=1.0 + params.eps_high)
+    token_loss = -weight * inp.advantages * inp.logprobs
+    metrics = {"policy/clip_frac": masked_mean((weight != ratio).float(), inp.mask),
+               "cispo/weight_mean": masked_mean(weight, inp.mask)}
+    metrics.update(_ratio_metrics(ratio, inp.mask))
+    return agg(_weighted(token_loss, inp), inp.mask), metrics
+
+
 def sft(inp: PolicyInputs, cfg: TrainerConfig, agg: Aggregator):
     """Supervised fine-tuning: cross-entropy (-logp) of the action tokens; advantages unused."""
     token_loss = -inp.logprobs
