@@ -483,6 +483,9 @@ async def test_an_explorer_process_with_another_sync_interval_exits_1_naming_it(
         run["master"]["address"] = master.address
         run["master"]["publish_address"] = master.publish_address
         run["sync"] = {"method": "nccl", "interval": 2, "offset": 0, "max_staleness": 0}
+        # its own run dir, as on another host: on the master's, the explorer's CLI would refuse
+        # the other config before it starts (tandem.common.runrecord)
+        run["run_dir"] = str(tmp_path / "explorer-run")
         path = tmp_path / "explorer.yaml"
         path.write_text(json.dumps(run))  # JSON is YAML
         exe = Path(sys.executable).with_name("tandem-explorer")
@@ -511,6 +514,7 @@ async def test_a_trainer_process_with_another_model_path_exits_1_naming_it(
         run["master"]["address"] = master.address
         run["master"]["publish_address"] = master.publish_address
         run["model"]["path"] = str(other)
+        run["run_dir"] = str(tmp_path / "trainer-run")  # as on another host (see above)
         path = tmp_path / "trainer.yaml"
         path.write_text(json.dumps(run))
         exe = Path(sys.executable).with_name("tandem-trainer")

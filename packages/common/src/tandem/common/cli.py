@@ -40,9 +40,13 @@ class Component(Protocol):
 
 
 def config_options(sections: str, example: str) -> Callable[[Callable], Callable]:
-    """Add `--config PATH` and repeatable `--set KEY=VALUE` to a click command."""
+    """Add `--config PATH`, repeatable `--set KEY=VALUE` and `--resume` to a component's
+    click command."""
 
     def decorate(fn: Callable) -> Callable:
+        fn = click.option("--resume", is_flag=True,
+                          help="continue the run in run_dir where the config changed a key "
+                               "that may change on resume (master.total_steps, upward)")(fn)
         fn = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
                           help=f"override a config value, e.g. --set {example}")(fn)
         return click.option("--config", "config_path", type=click.Path(dir_okay=False),
@@ -79,11 +83,18 @@ def fail(prog: str, exc: BaseException, code: int) -> int:
 
 
 def load_config_or_exit(prog: str, config_path: str | None, overrides: Iterable[str],
-                        check: Callable[[RunConfig], Any] | None = None) -> RunConfig:
+                        check: Callable[[RunConfig], Any] | None = None, *,
+                        resume: bool | None = None) -> RunConfig:
     """The validated run config, or one line `prog: invalid config ...` and exit code 2.
 
     `check(config)` may add a CLI's own rule (an explorer name that must exist); a ConfigError
     or KeyError it raises is a usage error too.
+
+    A CLI that joins the run in `run_dir` (each component, `tandem up`) passes `resume` (its
+    `--resume` flag): the config is then compared with the run the journal records
+    (`tandem.common.runrecord.join_run`) before anything starts. A config that may not join it
+    is one line and exit code 2; a finished run is one line and exit code 0; a run that goes on
+    is one line, "continuing run X in RUN_DIR at step N of M".
     """
     from .config import load_config
     from .errors import TandemError
@@ -92,12 +103,25 @@ def load_config_or_exit(prog: str, config_path: str | None, overrides: Iterable[
         config = load_config(config_path, overrides)
         if check is not None:
             check(config)
+        if resume is not None:
+            _join_run_or_exit(prog, config, resume)
         return config
     except TandemError as exc:
         sys.exit(fail(prog, exc, EXIT_USAGE))
     except KeyError as exc:
         click.echo(f"{prog}: {exc.args[0]}", err=True)
         sys.exit(EXIT_USAGE)
+
+
+def _join_run_or_exit(prog: str, config: RunConfig, resume: bool) -> None:
+    from .runrecord import join_run
+
+    joined = join_run(config, resume=resume)  # RunDirTaken is the caller's exit 2
+    if joined is None:
+        return
+    click.echo(f"{prog}: {joined.line(config.run_dir)}")
+    if joined.finished:
+        sys.exit(EXIT_DONE)
 
 
 def run_component(prog: str, config: RunConfig, name: str,

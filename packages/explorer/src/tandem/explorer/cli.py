@@ -18,10 +18,10 @@ from tandem.common.cli import config_options, load_config_or_exit, run_component
 @config_options("`explorers`, `model`, `sync`, `master`, `buffer`, `reward`",
                 "explorers.0.batch_size=4")
 @click.option("--name", required=True, help="which of `explorers` this process is")
-def main(config_path: str | None, overrides: tuple[str, ...], name: str) -> None:
+def main(config_path: str | None, overrides: tuple[str, ...], resume: bool, name: str) -> None:
     """Run one explorer: roll out tasks from the master into the buffer."""
     config = load_config_or_exit("tandem-explorer", config_path, overrides,
-                                 check=lambda c: c.explorer(name))
+                                 check=lambda c: c.explorer(name), resume=resume)
 
     def build():
         from .service import Explorer

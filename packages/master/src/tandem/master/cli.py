@@ -251,9 +251,10 @@ def status(address: str | None, config_path: str | None, timeout: float, as_json
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @config_options("`master`, `sync`, `explorers`, `transport`", "master.address=tcp://0.0.0.0:5550")
-def master_main_command(config_path: str | None, overrides: tuple[str, ...]) -> None:
+def master_main_command(config_path: str | None, overrides: tuple[str, ...],
+                        resume: bool) -> None:
     """Run the master: the run's clock (registry, task leases, barriers, journal)."""
-    config = load_config_or_exit("tandem-master", config_path, overrides)
+    config = load_config_or_exit("tandem-master", config_path, overrides, resume=resume)
 
     def build():
         from .service import Master

@@ -42,6 +42,7 @@ from tandem.common.messages.master import (
     ReleaseTasks,
     Role,
     RunCounters,
+    RunAmended,
     RunStarted,
     Status,
     TaskLease,
@@ -55,6 +56,7 @@ from tandem.common.messages.master import (
 from tandem.common.metrics import MetricsEndpoint
 from tandem.common.pubsub import Publisher
 from tandem.common.rpc import CallContext, RpcServer
+from tandem.common.runrecord import RunRecord, check_against, recorded_config
 from tandem.common.sync import SyncPlan
 
 from .clock import DeclaredDead, Decision, RunClock, StepMismatch
@@ -132,6 +134,7 @@ class Master:
         self.address: str | None = None
         self.publish_address: str | None = None
         self.resumed = False
+        self._run_record: RunRecord | None = None  # the run as the journal records it
         self._last_weights: WeightsPublished | None = None
         self._weights_events = 0
         self._peers: dict[str, str] = {}  # RPC identity -> component name
@@ -145,7 +148,8 @@ class Master:
         self._lock = asyncio.Lock()
         # The one way state changes: live (after the handler's checks) and on journal replay.
         self._appliers: dict[type[Message], Callable[[Any], list[Decision]]] = {
-            RunStarted: self._apply_started, Register: self._apply_register,
+            RunStarted: self._apply_started, RunAmended: self._apply_amended,
+            Register: self._apply_register,
             TasksLeased: self._apply_leased, TasksExhausted: self._apply_exhausted,
             CompleteTasks: self._apply_complete, ReleaseTasks: self._apply_release,
             LeaseExpired: self._apply_expired, ExplorerLeft: self._apply_left,
@@ -187,7 +191,10 @@ class Master:
         self.journal.open()
         if not self.resumed:
             self._commit(RunStarted(run_id=self.run_id, total_steps=self.total_steps,
-                                    plan=PlanKnobs(**self.plan.describe())))
+                                    plan=PlanKnobs(**self.plan.describe()),
+                                    config=recorded_config(self.config)))
+        else:
+            self._amend()
         self.publish_address = await self.publisher.start()
         self.address = await self.server.start()
         self.metrics.start()
@@ -262,11 +269,30 @@ class Master:
                 f"run_dir: {self.run_dir} holds the journal of run {msg.run_id} with sync "
                 f"plan {msg.plan.model_dump()}, not {plan.model_dump()}; resume it with the same "
                 "sync section and explorers, or give this run a new run_dir"])
-        if msg.total_steps != self.total_steps:
-            log.warning("master.total_steps_changed", journal=msg.total_steps,
-                        now=self.total_steps)
         self.run_id = msg.run_id
+        return self._run_goes_on(msg.total_steps, msg.config)
+
+    def _apply_amended(self, msg: RunAmended) -> list[Decision]:
+        return self._run_goes_on(msg.total_steps, msg.config)
+
+    def _run_goes_on(self, total_steps: int, config: dict[str, Any] | None) -> list[Decision]:
+        """The journal's length and config of the run (`RunStarted`, then each `RunAmended`)."""
+        if self.total_steps < total_steps:  # its explorers may have run past the new end
+            raise ConfigError([
+                f"master.total_steps: {self.total_steps} is below the {total_steps} steps of "
+                f"run {self.run_id} in {self.run_dir}; a run's length may only go up on "
+                "resume (give a new run a new run_dir)"])
+        self._run_record = RunRecord(self.run_id, total_steps, config)
         return []
+
+    def _amend(self) -> None:
+        """A resumed run goes on under the journal's config, or (`--resume`) under one that
+        changed only keys that may change on resume, which is then recorded (`RunAmended`)."""
+        joined = check_against(self._run_record, self.config, resume=True)
+        if joined.changed:
+            log.info("master.run_amended", changed=[str(d) for d in joined.changed])
+            self._commit(RunAmended(total_steps=self.total_steps,
+                                    config=recorded_config(self.config)))
 
     def _apply_register(self, msg: Register) -> list[Decision]:
         self.registry[msg.name] = Registration(

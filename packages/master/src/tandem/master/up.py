@@ -188,7 +188,9 @@ class Supervisor:
         os.fchmod(fd, 0o600)
         with os.fdopen(fd, "w") as out:
             out.write(yaml.safe_dump(data, sort_keys=False))
-        cfg = ["--config", str(path)]
+        # with --resume every child may join the run under a config whose resumable keys
+        # changed (tandem.common.runrecord), whichever of them reads the journal first
+        cfg = ["--config", str(path), *(["--resume"] if self.resume else [])]
         logs = self.run_dir / "logs"
 
         self.placement = resolve_placement(self.config)
@@ -207,7 +209,7 @@ class Supervisor:
         launcher = [script("torchrun"), "--standalone", f"--nproc-per-node={nproc}"] \
             if nproc > 1 else []
         self.children.append(child("trainer", "trainer", [
-            *launcher, script("tandem-trainer"), *cfg, *(["--resume"] if self.resume else [])]))
+            *launcher, script("tandem-trainer"), *cfg]))
         for explorer in self.config.explorers:
             self.children.append(child(explorer.name, "explorer", [
                 script("tandem-explorer"), *cfg, "--name", explorer.name]))
@@ -560,7 +562,10 @@ def run_up(config: RunConfig, *, resume: bool = False, live: bool | None = None,
 @click.argument("config_path", type=click.Path(exists=True, dir_okay=False))
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="override a config key, e.g. --set trainer.lr=1e-5 (repeatable)")
-@click.option("--resume", is_flag=True, help="continue from the run dir's last checkpoint")
+@click.option("--resume", is_flag=True,
+              help="continue the run in run_dir where the config changed a key that may change "
+                   "on resume (master.total_steps, upward); a run with an unchanged config "
+                   "continues without it")
 @click.option("--plain", is_flag=True, help="print progress lines instead of a live panel")
 def up(config_path: str, overrides: tuple[str, ...], resume: bool, plain: bool) -> None:
     """Start a whole run on this machine as separate processes."""
@@ -574,6 +579,9 @@ def up(config_path: str, overrides: tuple[str, ...], resume: bool, plain: bool) 
         if config.master.taskset.path:
             load_rows(config.master.taskset)
 
-    config = load_config_or_exit("tandem up", config_path, overrides, check=tasks_readable)
+    # the run dir's run is checked before anything starts: another config is exit 2, a
+    # finished run exit 0 (tandem.common.runrecord)
+    config = load_config_or_exit("tandem up", config_path, overrides, check=tasks_readable,
+                                 resume=resume)
     sys.exit(run_up(config, resume=resume, live=False if plain else None,
                     png_in_background=True))

@@ -16,12 +16,9 @@ from tandem.common.cli import config_options, load_config_or_exit, run_component
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @config_options("`model`, `trainer`, `sync`, `weights`, `master`, `buffer`", "trainer.lr=1e-6")
-@click.option("--resume", is_flag=True,
-              help="accepted for older command lines: the trainer always continues from the "
-                   "newest checkpoint in run_dir/checkpoints, at or below the master's count")
 def main(config_path: str | None, overrides: tuple[str, ...], resume: bool) -> None:
     """Train the policy on experiences from the buffer, on the master's schedule."""
-    config = load_config_or_exit("tandem-trainer", config_path, overrides)
+    config = load_config_or_exit("tandem-trainer", config_path, overrides, resume=resume)
 
     from . import distributed as dd
 

@@ -54,6 +54,7 @@ from .master import (
     Register,
     Registered,
     ReleaseTasks,
+    RunAmended,
     RunCounters,
     RunningStep,
     RunStarted,

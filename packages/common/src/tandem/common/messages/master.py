@@ -21,8 +21,8 @@ steps, batches and versions: `tandem.common.sync`.
 
 The master's journal (`run_dir/master/journal.bin`) is a sequence of these same messages: every
 accepted request that changes the run's state, plus the master's own decisions below
-(`RunStarted`, `TasksLeased`, `TasksExhausted`, `LeaseExpired`, `ExplorerLeft`), each encoded
-with `tandem.common.codec` and replayed through the handler that applied it live.
+(`RunStarted`, `RunAmended`, `TasksLeased`, `TasksExhausted`, `LeaseExpired`, `ExplorerLeft`),
+each encoded with `tandem.common.codec` and replayed through the handler that applied it live.
 """
 
 from __future__ import annotations
@@ -325,6 +325,18 @@ class RunStarted(Message):
     run_id: str
     total_steps: int = Field(ge=1)
     plan: PlanKnobs
+    config: dict[str, Any] | None = Field(
+        default=None, description="the run's config, resolved, secrets as ${env:...} "
+                                  "references (tandem.common.runrecord); None in older journals")
+
+
+@wire("master.journal.amended")
+class RunAmended(Message):
+    """Master to its journal: the run goes on, after a `--resume`, under this config and length
+    (only keys that may change on resume changed: tandem.common.runrecord.RESUMABLE)."""
+
+    total_steps: int = Field(ge=1)
+    config: dict[str, Any]
 
 
 @wire("master.journal.leased")
