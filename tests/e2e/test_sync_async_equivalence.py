@@ -1,0 +1,73 @@
+"""`fully_async` with `max_staleness: 0` and one explorer trains exactly what `synchronous`
+trains (issue 28 item 6; verl #6780 reports its users cannot get this): two short `tandem up`
+runs from the same seed, every off-policy correction, sampler truncation and length shaping
+on, the same loss and token count at every step to 1e-6.
+
+With staleness 0 the explorer may not roll out step e before it holds version e, so both runs
+sample every step with the same weights and the same seeded streams; anything that differs
+(a correction reading state it should not, a version off by one) shows in the losses.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tandem.common.config import RunConfig
+from tandem.common.trace import read_trace
+from tandem.master.quickstart import reversal_tasks, write_jsonl
+from tandem.master.up import run_up
+
+pytestmark = pytest.mark.slow
+STEPS = 3
+CORRECTIONS = [{"name": "truncated_is", "cap": 2.0}, {"name": "masked_is", "lo": 0.2, "hi": 5.0},
+               {"name": "seq_is", "cap": 2.0}, {"name": "seq_masked_is", "lo": 0.2, "hi": 5.0},
+               {"name": "icepop", "lo": 0.2, "hi": 5.0}, {"name": "m2po", "bound": 0.04}]
+
+
+def config(tmp_path: Path, model_dir: Path, preset: str) -> RunConfig:
+    train, _ = reversal_tasks(0)
+    taskset = write_jsonl(train[:64], tmp_path / "train.jsonl")
+    sync = {"preset": preset, "timeout": 60}
+    if preset == "fully_async":
+        sync["max_staleness"] = 0
+    return RunConfig.model_validate({
+        "name": preset, "run_dir": str(tmp_path / preset), "seed": 0,
+        "model": {"path": str(model_dir)},
+        "sync": sync,
+        "master": {"total_steps": STEPS, "taskset": {"path": str(taskset), "seed": 0,
+                                                     "epochs": 10}},
+        "explorers": [{"name": "explorer-0", "batch_size": 2, "repeat_times": 4,
+                       "workflow_args": {"reward_fn": "k12", "answer_key": "truth"},
+                       "sampling": {"max_tokens": 3, "top_p": 0.9}}],
+        "trainer": {"groups_per_step": 2, "lr": 1e-3, "loss": "cispo_clip",
+                    "off_policy": {"proximal": True}, "corrections": CORRECTIONS,
+                    "sampler_truncation": True,
+                    "length": {"overlong_buffer": 1, "penalty": 0.1, "filter_truncated": True}},
+        "reward": {"functions": {"k12": 1.0}},
+        "transport": {"liveness": 30.0},
+        "logging": {"level": "warning"},
+        "up": {"run_timeout": 150},
+    })
+
+
+def trained(run_dir: str) -> list[tuple[int, float, int]]:
+    spans = sorted((s for s in read_trace(run_dir) if s["kind"] == "train"),
+                   key=lambda s: s["step"])
+    return [(s["step"], s["attrs"]["loss"], s["attrs"]["tokens"]) for s in spans]
+
+
+def test_fully_async_at_staleness_0_trains_what_synchronous_trains(tmp_path, tiny_model_dir):
+    runs = {}
+    for preset in ("synchronous", "fully_async"):
+        c = config(tmp_path, tiny_model_dir, preset)
+        assert c.sync.asynchronous == (preset == "fully_async")
+        assert run_up(c, live=False) == 0, preset
+        runs[preset] = trained(c.run_dir)
+    sync, asyn = runs["synchronous"], runs["fully_async"]
+    assert [s for s, _, _ in sync] == list(range(STEPS)) == [s for s, _, _ in asyn]
+    for (step, loss_s, tokens_s), (_, loss_a, tokens_a) in zip(sync, asyn):
+        assert tokens_s == tokens_a, step
+        assert loss_s == pytest.approx(loss_a, abs=1e-6), step
+    assert len({loss for _, loss, _ in sync}) > 1, "the steps trained different batches"
