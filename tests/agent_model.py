@@ -119,3 +119,62 @@ def train_through_up(run_dir: Path, model_dir: Path, *, name: str, steps: int, t
     rollouts = [s for s in spans if s["kind"] == "rollout"]
     assert rollouts and all((s.get("attrs") or {}).get("experiences", 0) > 0 for s in rollouts)
     return config, rollouts
+
+
+# -- a streaming agent, for the token-true tests ------------------------------------------------
+
+SEEN: dict[str, list[dict]] = {}  # task id -> each call as the client saw it (the stream)
+
+
+async def streaming_calculator(task: dict, client) -> float:
+    """The calculator agent over `stream=True, logprobs=True`: each reply is assembled from its
+    chunks (content, tool call deltas, the token ids and logprobs each chunk carried) and sent
+    back as the next request's assistant message, as streaming agents do. Every call is kept in
+    `SEEN[task["id"]]`."""
+    import json
+
+    from tandem.explorer.environments.calculator import evaluate
+
+    messages = [{"role": "user", "content": task["prompt"]}]
+    for _ in range(task.get("max_turns", 3)):
+        stream = await client.chat.completions.create(
+            model="policy", messages=messages, tools=TOOLS, stream=True, logprobs=True,
+            max_tokens=task.get("max_tokens", 48), extra_body={"return_token_ids": True})
+        call = {"prompt_ids": None, "ids": [], "logprobs": [], "content": "", "tool_calls": {},
+                "finish_reason": None}
+        async for chunk in stream:
+            if not chunk.choices:
+                continue
+            choice = chunk.choices[0]
+            extra = choice.model_extra or {}
+            if extra.get("prompt_token_ids") is not None:
+                call["prompt_ids"] = list(extra["prompt_token_ids"])
+            call["ids"] += list(extra.get("token_ids") or [])
+            if choice.logprobs is not None and choice.logprobs.content:
+                call["logprobs"] += [e.logprob for e in choice.logprobs.content]
+            delta = choice.delta
+            call["content"] += delta.content or ""
+            for tc in delta.tool_calls or []:
+                slot = call["tool_calls"].setdefault(tc.index, {"id": None, "name": "",
+                                                                "arguments": ""})
+                slot["id"] = tc.id or slot["id"]
+                slot["name"] += (tc.function.name or "") if tc.function else ""
+                slot["arguments"] += (tc.function.arguments or "") if tc.function else ""
+            call["finish_reason"] = choice.finish_reason or call["finish_reason"]
+        SEEN.setdefault(task["id"], []).append(call)
+        calls = [call["tool_calls"][k] for k in sorted(call["tool_calls"])]
+        message = {"role": "assistant", "content": call["content"]}
+        if calls:
+            message["tool_calls"] = [{"id": c["id"], "type": "function",
+                                      "function": {"name": c["name"],
+                                                   "arguments": c["arguments"]}} for c in calls]
+        messages.append(message)
+        if not calls:
+            return 1.0 if call["content"].strip() == str(task.get("answer")) else 0.0
+        for c in calls:
+            try:
+                result = str(evaluate(json.loads(c["arguments"])["expression"]))
+            except (ValueError, KeyError, TypeError, ZeroDivisionError) as exc:
+                result = f"error: {exc}"
+            messages.append({"role": "tool", "tool_call_id": c["id"], "content": result})
+    return 0.0

@@ -21,6 +21,8 @@ from .sampling import SamplingParams
 
 FinishReason = Literal["eos", "stop", "length"]
 Prompt = str | Sequence[int]
+# `on_tokens(row, token_ids, logprobs, top_logprobs)`: a row's newly sampled tokens, on the loop
+TokenSink = Callable[[int, list[int], list[float], list[list[tuple[int, float]]] | None], Any]
 
 
 @dataclass
@@ -43,6 +45,9 @@ class Completion:
     # the version that sampled each token, from an engine whose weights may change under a
     # generation (interruptible); None: every token at the engine's version
     token_versions: np.ndarray | None = None
+    # per token, the `sampling.top_logprobs` most likely (token id, logprob) under the sampling
+    # policy, most likely first; None when not asked for
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])
@@ -125,6 +130,18 @@ class Engine(ABC):
             return completions
 
         return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+
+    async def generate_stream(self, prompts: Sequence[Prompt], sampling: SamplingParams,
+                              on_tokens: TokenSink) -> list[Completion]:
+        """One completion per prompt, calling `on_tokens(i, ids, logprobs, top)` on the event
+        loop with each batch of tokens prompt `i` gets as they are sampled (the OpenAI
+        endpoint's streaming). This default calls it once per prompt when the call is done, for
+        an engine that cannot do better; the transformers and vLLM engines override it.
+        """
+        out = await self.generate(prompts, 1, sampling)
+        for i, [c] in enumerate(out):
+            on_tokens(i, c.token_ids.tolist(), c.logprobs.tolist(), c.top_logprobs)
+        return [c for [c] in out]
 
     def close(self) -> None:
         """Release the model and any worker thread."""

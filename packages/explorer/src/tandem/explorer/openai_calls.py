@@ -32,6 +32,10 @@ class CallRecord:
     finish_reason: str
     content: str | None = None  # the text returned to the client
     tool_call_ids: tuple[str, ...] = ()
+    tool_calls: tuple[tuple[str, str], ...] = ()  # (name, canonical JSON arguments) of each
+    # every form of the response's text a client may send back, trimmed: the content as
+    # answered, the decoded tokens with special tokens' text and without
+    texts: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -45,6 +49,7 @@ class CallLog:
     def __init__(self) -> None:
         self._open: dict[str, _Episode] = {}
         self.unrecorded = 0  # calls served for no open episode
+        self.mismatches = 0  # experiences that failed `check`
 
     def open(self) -> str:
         episode = f"ep-{uuid.uuid4().hex}"
@@ -69,18 +74,66 @@ class CallLog:
                 ep.records.append(rec)
 
     def find_assistant(self, episode: str | None, content: str | None,
-                       tool_call_ids: tuple[str, ...]) -> CallRecord | None:
-        """The chat record an assistant message in a later request repeats: by its tool call
-        ids when it has some, else by its text (the newest such record)."""
-        for rec in reversed(self.records(episode)):
-            if rec.route != "chat":
-                continue
-            if tool_call_ids:
+                       tool_call_ids: tuple[str, ...],
+                       tool_calls: tuple[tuple[str, str], ...] = ()) -> CallRecord | None:
+        """The chat record an assistant message in a later request repeats (the newest such):
+        by its tool call ids when it has some, else by its tool calls' names and arguments,
+        else by its text in any form the endpoint answered it (streamed or whole, with special
+        tokens' text or without, whitespace-trimmed)."""
+        text = (content or "").strip()
+        records = [r for r in reversed(self.records(episode)) if r.route == "chat"]
+        if tool_call_ids:
+            for rec in records:
                 if rec.tool_call_ids == tool_call_ids:
                     return rec
-            elif not rec.tool_call_ids and (rec.content or "") == (content or ""):
+        if tool_calls:
+            for rec in records:
+                if rec.tool_calls == tool_calls:
+                    return rec
+            return None
+        for rec in records:
+            if text in rec.texts or (not rec.tool_call_ids and text == (rec.content or "")):
                 return rec
         return None
+
+    def check(self, tokens: list[int], prompt_len: int, action_mask: list[int],
+              logprobs: list[float], records: list[CallRecord]) -> str | None:
+        """Why an experience is not token for token what the engine was given and produced
+        for `records`, the calls it was built from; None when it is. Counted in
+        `mismatches`."""
+        why = token_mismatch(tokens, prompt_len, action_mask, logprobs, records)
+        if why is not None:
+            self.mismatches += 1
+        return why
+
+
+def token_mismatch(tokens: list[int], prompt_len: int, action_mask: list[int],
+                   logprobs: list[float], records: list[CallRecord]) -> str | None:
+    """The invariant an agent's experience keeps: each call's prompt is the experience's
+    tokens up to that call's response, its response follows as the engine's own tokens with
+    action mask 1 and the engine's logprobs, and no other token is an action."""
+    mask = [0] * prompt_len + list(action_mask)
+    lps = [0.0] * prompt_len + list(logprobs)
+    if len(mask) != len(tokens) or len(lps) != len(tokens):
+        return (f"{len(tokens)} tokens, but {len(mask)} mask entries and {len(lps)} logprobs "
+                f"(prompt_len {prompt_len})")
+    actions = 0
+    for k, rec in enumerate(records):
+        p, r = len(rec.prompt_ids), len(rec.token_ids)
+        if tokens[:p] != rec.prompt_ids:
+            at = next((i for i, (a, b) in enumerate(zip(tokens, rec.prompt_ids)) if a != b),
+                      min(p, len(tokens)))
+            return f"call {k}: the stored tokens leave the prompt the engine was given at {at}"
+        if tokens[p:p + r] != rec.token_ids:
+            return f"call {k}: the stored tokens after its prompt are not the engine's response"
+        if any(m != 1 for m in mask[p:p + r]):
+            return f"call {k}: a token of the engine's response is stored with action mask 0"
+        if any(abs(a - b) > 1e-6 for a, b in zip(lps[p:p + r], rec.logprobs)):
+            return f"call {k}: the stored logprobs are not the engine's"
+        actions += r
+    if sum(mask) != actions:
+        return f"{sum(mask) - actions} tokens have action mask 1 but no call produced them"
+    return None
 
 
 def versions_of(records: list[CallRecord]) -> list[int]:

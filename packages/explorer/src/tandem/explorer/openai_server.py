@@ -12,43 +12,47 @@ logprobs and the policy version.
   and not recorded.
 - **The model's own chat template.** Messages render through the tokenizer's template. An
   assistant message that repeats a response this episode received (matched by its tool call ids,
-  else its text) is spliced in as the token ids the model produced, never re-tokenized, so a
-  conversation the agent extends is the model's own tokens plus what was added in between.
+  else its tool calls' names and arguments, else its text in any form the endpoint gave it:
+  streamed or whole, with or without special tokens) is spliced in as the token ids the model
+  produced, never re-tokenized, so a conversation the agent extends is the model's own tokens
+  plus what was added in between.
 - **Batching.** Requests that arrive within `openai.batch_window` of each other and sample the
   same way share one engine call, so concurrent episodes batch as a workflow's rollouts do.
-- **Streaming** answers in server-sent events; the engine samples a whole batch at once, so the
-  chunks are sent when the completion is done, one per token.
+- **Streaming** answers in server-sent events as the engine samples (`Engine.generate_stream`):
+  each decode step's tokens leave as a chunk, with their logprobs, while the batch goes on.
+  Streamed and whole answers are cut into content and tool calls by the same
+  `openai_stream.AnswerText`, so joined chunks are the whole answer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import math
 import re
 import socket
 import time
 import uuid
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from collections.abc import Iterator
 
 import structlog
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
 
 from tandem.common.config.explorer import OpenAIConfig
 
-from .engine import Completion, Engine
+from .engine import Completion, Engine, TokenSink
 from .openai_calls import CallLog, CallRecord
+from .openai_requests import ChatBody, CompletionBody, error_of
+from .openai_stream import AnswerText, logprob_entries, tool_call_deltas
 from .sampling import SamplingParams
 
 log = structlog.get_logger(__name__)
-
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
 class APIError(Exception):
@@ -74,6 +78,8 @@ class _Pending:
     prompt: list[int]
     n: int
     future: asyncio.Future
+    # streaming: `sink(k, ids, logprobs, top)` with sample k's tokens as they are sampled
+    sink: TokenSink | None = None
 
 
 class EngineBatcher:
@@ -91,10 +97,11 @@ class EngineBatcher:
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop())
 
-    async def generate(self, prompt: list[int], n: int,
-                       sampling: SamplingParams) -> list[Completion]:
+    async def generate(self, prompt: list[int], n: int, sampling: SamplingParams,
+                       sink: TokenSink | None = None) -> list[Completion]:
+        """`n` completions of `prompt`; `sink` streams their tokens as they are sampled."""
         future = asyncio.get_running_loop().create_future()
-        self._queues.setdefault(sampling, []).append(_Pending(prompt, n, future))
+        self._queues.setdefault(sampling, []).append(_Pending(prompt, n, future, sink))
         self._wake.set()
         return await future
 
@@ -129,15 +136,24 @@ class EngineBatcher:
     async def _run(self, sampling: SamplingParams, pending: list[_Pending]) -> None:
         # each of a request's n samples is its own row: one call serves mixed n
         rows = [p.prompt for p in pending for _ in range(p.n)]
+        owners = [(p, k) for p in pending for k in range(p.n)]
+
+        def on_tokens(row: int, ids: list[int], logprobs: list[float], top: Any) -> None:
+            p, k = owners[row]
+            if p.sink is not None and not p.future.done():
+                p.sink(k, ids, logprobs, top)
+
         try:
-            out = await self.engine.generate(rows, 1, sampling)
+            if any(p.sink is not None for p in pending):
+                flat = await self.engine.generate_stream(rows, sampling, on_tokens)
+            else:
+                flat = [choices[0] for choices in await self.engine.generate(rows, 1, sampling)]
         except Exception as exc:
             for p in pending:
                 if not p.future.done():
                     p.future.set_exception(exc)
             return
         self.batches += 1
-        flat = [choices[0] for choices in out]
         start = 0
         for p in pending:
             if not p.future.done():
@@ -175,6 +191,36 @@ class _Request:
     # vLLM's extra fields, which a RemoteEngine sends: the ids, and the stop string kept
     token_ids: bool = False
     keep_stop: bool = False
+    skip_special: bool = True  # false: content keeps special tokens' text
+    usage: bool = True  # a streamed answer ends with a usage chunk
+
+
+@dataclass
+class _Call:
+    """One request being answered: each choice's text so far, then its completion."""
+
+    req: _Request
+    route: str  # "chat" or "completion"
+    model: str
+    answers: list[AnswerText]
+    completions: list[Completion] = field(default_factory=list)
+    created: int = field(default_factory=lambda: int(time.time()))
+    key: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    @property
+    def id(self) -> str:
+        return f"chatcmpl-{self.key}" if self.route == "chat" else f"cmpl-{self.key}"
+
+    def chunk(self, choices: list[dict[str, Any]], fingerprint: str | None = None,
+              usage: dict[str, int] | None = None) -> dict[str, Any]:
+        chat = self.route == "chat"
+        out = {"id": self.id, "object": "chat.completion.chunk" if chat else "text_completion",
+               "created": self.created, "model": self.model, "choices": choices}
+        if fingerprint is not None:
+            out["system_fingerprint"] = fingerprint
+        if usage is not None:
+            out["usage"] = usage
+        return out
 
 
 class OpenAIEndpoint:
@@ -310,33 +356,39 @@ class OpenAIEndpoint:
                             f"{self.config.max_concurrency} (explorers[].openai.max_concurrency); "
                             "retry", type="rate_limit_error", code="rate_limit_exceeded").response()
         self._in_flight += 1
+        streaming = False
         try:
             body = await self._json(request)
             episode = _api_key(request)
             req = (self._chat_request(body, episode) if route == "chat"
                    else self._completion_request(body, episode))
-            created = int(time.time())
+            call = _Call(req, route, self.config.model, [
+                AnswerText(self.tokenizer, stops=req.sampling.stop, tools=req.tools,
+                           keep_stop=req.keep_stop, skip_special=req.skip_special)
+                for _ in range(len(req.prompts) * req.n)])
+            if req.stream:
+                streaming = True
+                return StreamingResponse(self._stream(call, *self._start_stream(call)),
+                                         media_type="text/event-stream")
             results = await asyncio.gather(*(self.batcher.generate(p, req.n, req.sampling)
                                              for p in req.prompts))
-            version = self.engine.version
             self.served += 1
-            if route == "chat":
-                payload, records = self._chat_payload(req, results[0], version, created)
-            else:
-                payload, records = self._completion_payload(req, results, version, created)
+            call.completions = [c for choices in results for c in choices]
+            for answer, c in zip(call.answers, call.completions):
+                answer.push(c.token_ids.tolist())
+                answer.finish(c.finish_reason, c.stop)
+            payload = self._payload(call, self.engine.version)
         except APIError as exc:
+            streaming = False
             return exc.response()
         except Exception as exc:
+            streaming = False
             log.error("openai.error", explorer=self.name, route=route, error=repr(exc))
-            return APIError(500, f"the engine failed: {type(exc).__name__}: {exc}",
-                            type="server_error", code="engine_error").response()
+            return _engine_error(exc).response()
         finally:
-            self._in_flight -= 1
-        if req.stream:
-            chunks = (self._chat_chunks(payload, req) if route == "chat"
-                      else self._completion_chunks(payload))
-            return StreamingResponse(self._sse(chunks, records), media_type="text/event-stream")
-        self.calls.add(records)
+            if not streaming:  # a stream is in flight until its generation ends (`_stream`)
+                self._in_flight -= 1
+        self.calls.add(self._records(call, self.engine.version))
         return payload
 
     @staticmethod
@@ -353,37 +405,34 @@ class OpenAIEndpoint:
 
     # -- validation ----------------------------------------------------------------------------
 
-    def _common(self, body: dict[str, Any], episode: str | None) -> dict[str, Any]:
-        if body.get("model") != self.config.model:
-            raise self._unknown_model(body.get("model"))
-        n = _int(body, "n", 1, low=1)
-        if n > self.config.max_n:
-            raise APIError(400, f"n = {n} is over this endpoint's limit of {self.config.max_n} "
-                           "(explorers[].openai.max_n)", param="n", code="n_too_large")
-        key = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
-            else "max_tokens"
-        max_tokens = _int(body, key, self.default_sampling.max_tokens, low=1)
+    def _common(self, body: ChatBody | CompletionBody, episode: str | None) -> dict[str, Any]:
+        if body.model != self.config.model:
+            raise self._unknown_model(body.model)
+        if body.n > self.config.max_n:
+            raise APIError(400, f"n = {body.n} is over this endpoint's limit of "
+                           f"{self.config.max_n} (explorers[].openai.max_n)", param="n",
+                           code="n_too_large")
+        key = body.tokens_key
+        max_tokens = getattr(body, key) or self.default_sampling.max_tokens
         if max_tokens > self.config.max_tokens:
             raise APIError(400, f"{key} = {max_tokens} is over this endpoint's limit of "
                            f"{self.config.max_tokens} (explorers[].openai.max_tokens)",
                            param=key, code="max_tokens_too_large")
-        stop = body.get("stop")
-        stop = [stop] if isinstance(stop, str) else (stop or [])
-        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-            raise APIError(400, "stop must be a non-empty string or a list of them", param="stop")
         d = self.default_sampling
+        top = body.top_logprobs if isinstance(body, ChatBody) else body.logprobs
         try:
             sampling = SamplingParams(
-                temperature=_num(body, "temperature", d.temperature),
-                top_p=_num(body, "top_p", d.top_p),
-                top_k=max(0, _int(body, "top_k", d.top_k, low=-1)),  # -1 is vLLM's "off"
-                max_tokens=max_tokens, stop=tuple(stop), seed=_int(body, "seed", d.seed, low=None),
-                ignore_eos=bool(body.get("ignore_eos", d.ignore_eos)))
+                temperature=d.temperature if body.temperature is None else body.temperature,
+                top_p=d.top_p if body.top_p is None else body.top_p,
+                top_k=d.top_k if body.top_k is None else max(0, body.top_k),  # -1: vLLM's off
+                max_tokens=max_tokens, stop=tuple(body.stop or ()),
+                seed=d.seed if body.seed is None else body.seed,
+                ignore_eos=body.ignore_eos or d.ignore_eos, top_logprobs=top or 0)
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
-        return {"n": n, "sampling": sampling, "stream": bool(body.get("stream", False)),
-                "episode": episode, "token_ids": bool(body.get("return_token_ids")),
-                "keep_stop": bool(body.get("include_stop_str_in_output"))}
+        return {"n": body.n, "sampling": sampling, "stream": body.stream, "episode": episode,
+                "token_ids": body.return_token_ids, "keep_stop": body.include_stop_str_in_output,
+                "skip_special": body.skip_special_tokens, "usage": body.include_usage}
 
     def _check_context(self, prompt: list[int], sampling: SamplingParams, index: int = 0) -> None:
         if not prompt:
@@ -395,49 +444,37 @@ class OpenAIEndpoint:
                 "the prompt or lower max_tokens", param="messages",
                 code="context_length_exceeded")
 
-    def _chat_request(self, body: dict[str, Any], episode: str | None) -> _Request:
+    def _chat_request(self, raw: dict[str, Any], episode: str | None) -> _Request:
+        body = _validated(ChatBody, raw)
         common = self._common(body, episode)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise APIError(400, "messages must be a non-empty list", param="messages")
-        tools = body.get("tools") or None
-        if tools is not None and not isinstance(tools, list):
-            raise APIError(400, "tools must be a list", param="tools")
-        if body.get("top_logprobs"):
-            raise APIError(400, "top_logprobs is not served: the engine returns the sampled "
-                           "token's logprob only; ask for logprobs: true", param="top_logprobs")
-        prompt = self._render_chat(messages, tools, episode)
+        prompt = self._render_chat(body.messages, body.tools, episode)
         self._check_context(prompt, common["sampling"])
-        return _Request(prompts=[prompt], logprobs=bool(body.get("logprobs")),
-                        tools=tools is not None, **common)
+        return _Request(prompts=[prompt], logprobs=bool(body.logprobs),
+                        tools=body.tools is not None, **common)
 
-    def _completion_request(self, body: dict[str, Any], episode: str | None) -> _Request:
+    def _completion_request(self, raw: dict[str, Any], episode: str | None) -> _Request:
+        body = _validated(CompletionBody, raw)
         common = self._common(body, episode)
-        if body.get("echo"):
+        if body.echo:
             raise APIError(400, "echo is not served", param="echo")
-        raw = body.get("prompt")
-        if isinstance(raw, str) or (isinstance(raw, list) and raw
-                                    and all(isinstance(t, int) for t in raw)):
-            raw = [raw]
-        if not isinstance(raw, list) or not raw:
+        prompt = body.prompt
+        batch = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) \
+            else prompt
+        if not batch:
             raise APIError(400, "prompt must be a string, a list of strings, a list of token "
                            "ids or a list of those", param="prompt")
         prompts = []
         vocab = len(self.tokenizer)
-        for i, p in enumerate(raw):
+        for i, p in enumerate(batch):
             if isinstance(p, str):
                 prompts.append(list(self.tokenizer(p).input_ids))
-            elif isinstance(p, list) and all(isinstance(t, int) and 0 <= t < vocab for t in p):
+            elif all(0 <= t < vocab for t in p):
                 prompts.append(list(p))
             else:
-                raise APIError(400, f"prompt {i} is neither a string nor token ids below "
-                               f"{vocab}", param="prompt")
+                raise APIError(400, f"prompt {i} has token ids outside the vocabulary "
+                               f"(0..{vocab - 1})", param="prompt")
             self._check_context(prompts[-1], common["sampling"], i)
-        logprobs = body.get("logprobs")
-        if logprobs not in (None, 0, 1) and logprobs is not True:
-            raise APIError(400, "logprobs above 1 (top alternatives) is not served: the engine "
-                           "returns the sampled token's logprob only", param="logprobs")
-        return _Request(prompts=prompts, logprobs=logprobs is not None, **common)
+        return _Request(prompts=prompts, logprobs=body.logprobs is not None, **common)
 
     # -- the chat template ---------------------------------------------------------------------
 
@@ -453,8 +490,12 @@ class OpenAIEndpoint:
                                param="messages")
             m = _plain_message(m)
             if m["role"] == "assistant":
-                ids = tuple(c.get("id", "") for c in m.get("tool_calls") or ())
-                rec = self.calls.find_assistant(episode, m.get("content"), ids)
+                rec = self.calls.find_assistant(
+                    episode, m.get("content"),
+                    tuple(c.get("id", "") for c in m.get("tool_calls") or ()),
+                    tuple((str((c.get("function") or {}).get("name")),
+                           _canonical((c.get("function") or {}).get("arguments", {})))
+                          for c in m.get("tool_calls") or ()))
                 if rec is not None:
                     sentinel = f"\x00tandem-turn-{len(splices)}\x00"
                     splices[sentinel] = rec.token_ids
@@ -494,70 +535,56 @@ class OpenAIEndpoint:
 
     # -- answers -------------------------------------------------------------------------------
 
-    def _text_of(self, c: Completion, keep_stop: bool = False) -> str:
-        text = c.text
-        if c.finish_reason == "stop" and c.stop and c.stop in text and not keep_stop:
-            text = text[:text.rfind(c.stop)]  # OpenAI returns the text before the stop string
-        return text
-
-    def _finish(self, c: Completion) -> str:
+    @staticmethod
+    def _finish(answer: AnswerText, c: Completion) -> str:
+        if answer.calls:
+            return "tool_calls"
         return "length" if c.finish_reason == "length" else "stop"
 
-    def _token_logprobs(self, c: Completion) -> list[dict[str, Any]]:
-        out = []
-        for t, lp in zip(c.token_ids.tolist(), c.logprobs.tolist()):
-            s = self.tokenizer.decode([t])
-            out.append({"token": s, "logprob": lp, "bytes": list(s.encode()),
-                        "top_logprobs": []})
-        return out
+    def _payload(self, call: _Call, version: int) -> dict[str, Any]:
+        """The whole answer of a call that is not streamed."""
+        req, out = call.req, []
+        for i, (answer, c) in enumerate(zip(call.answers, call.completions)):
+            content, tool_calls = answer.message
+            if call.route == "chat":
+                message: dict[str, Any] = {"role": "assistant", "content": content}
+                if tool_calls:
+                    message["tool_calls"] = tool_calls
+                choice = {"index": i, "message": message,
+                          "logprobs": {"content": self._logprobs(req, c.token_ids.tolist(),
+                                                                 c.logprobs.tolist(),
+                                                                 c.top_logprobs)}
+                          if req.logprobs else None}
+            else:
+                choice = {"index": i, "text": content or "",
+                          "logprobs": self._completion_logprobs(
+                              req, c.token_ids.tolist(), c.logprobs.tolist(), c.top_logprobs, 0)
+                          if req.logprobs else None}
+            out.append({**choice, "finish_reason": self._finish(answer, c), "stop_reason": c.stop,
+                        **self._ids(req, c)})
+        return {"id": call.id, "object": "chat.completion" if call.route == "chat"
+                else "text_completion", "created": call.created, "model": self.config.model,
+                "choices": out, "usage": _usage(call.completions),
+                "system_fingerprint": f"policy-v{version}"}
 
-    def _chat_payload(self, req: _Request, choices: list[Completion], version: int,
-                      created: int) -> tuple[dict[str, Any], list[CallRecord]]:
-        out, records = [], []
-        for i, c in enumerate(choices):
-            text = self._text_of(c, req.keep_stop)
-            finish = self._finish(c)
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            calls = _parse_tool_calls(text) if req.tools else []
-            if calls:
-                message["tool_calls"] = calls
-                message["content"] = _TOOL_CALL.sub("", text).strip() or None
-                finish = "tool_calls"
-            out.append({"index": i, "message": message, "finish_reason": finish,
-                        "stop_reason": c.stop,
-                        "logprobs": {"content": self._token_logprobs(c)} if req.logprobs
-                        else None, **self._ids(req, c)})
-            records.append(self._record(req, "chat", c, version, finish, message["content"],
-                                        tuple(tc["id"] for tc in calls)))
-        payload = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
-                   "created": created, "model": self.config.model, "choices": out,
-                   "usage": _usage(choices), "system_fingerprint": f"policy-v{version}"}
-        return payload, records
+    def _logprobs(self, req: _Request, ids: list[int], logprobs: list[float],
+                  top: Any) -> list[dict[str, Any]]:
+        return logprob_entries(self.tokenizer, ids, logprobs, top, req.sampling.top_logprobs)
 
-    def _completion_payload(self, req: _Request, results: list[list[Completion]], version: int,
-                            created: int) -> tuple[dict[str, Any], list[CallRecord]]:
-        out, records, flat = [], [], []
-        for choices in results:
-            for c in choices:
-                text = self._text_of(c, req.keep_stop)
-                logprobs = None
-                if req.logprobs:
-                    tokens = [self.tokenizer.decode([t]) for t in c.token_ids.tolist()]
-                    offsets, pos = [], 0
-                    for s in tokens:
-                        offsets.append(pos)
-                        pos += len(s)
-                    logprobs = {"tokens": tokens, "token_logprobs": c.logprobs.tolist(),
-                                "top_logprobs": None, "text_offset": offsets}
-                out.append({"index": len(out), "text": text, "finish_reason": self._finish(c),
-                            "stop_reason": c.stop, "logprobs": logprobs, **self._ids(req, c)})
-                records.append(self._record(req, "completion", c, version, self._finish(c),
-                                            text, ()))
-                flat.append(c)
-        payload = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-                   "created": created, "model": self.config.model, "choices": out,
-                   "usage": _usage(flat), "system_fingerprint": f"policy-v{version}"}
-        return payload, records
+    def _completion_logprobs(self, req: _Request, ids: list[int], logprobs: list[float],
+                             top: Any, offset: int) -> dict[str, Any]:
+        """`/v1/completions`' logprobs: tokens, their logprobs, the top alternatives as maps,
+        and each token's offset in the text (`offset`: the text before these tokens)."""
+        entries = self._logprobs(req, ids, logprobs, top)
+        offsets = []
+        for e in entries:
+            offsets.append(offset)
+            offset += len(e["token"])
+        return {"tokens": [e["token"] for e in entries],
+                "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": ([{a["token"]: a["logprob"] for a in e["top_logprobs"]}
+                                  for e in entries] if req.sampling.top_logprobs else None),
+                "text_offset": offsets}
 
     @staticmethod
     def _ids(req: _Request, c: Completion) -> dict[str, Any]:
@@ -566,66 +593,135 @@ class OpenAIEndpoint:
             return {}
         return {"prompt_token_ids": c.prompt_ids.tolist(), "token_ids": c.token_ids.tolist()}
 
-    def _record(self, req: _Request, route: str, c: Completion, version: int, finish: str,
-                content: str | None, tool_call_ids: tuple[str, ...]) -> CallRecord:
-        return CallRecord(episode=req.episode or "", route=route,
-                          prompt_ids=c.prompt_ids.tolist(), token_ids=c.token_ids.tolist(),
-                          logprobs=c.logprobs.tolist(), version=version, finish_reason=finish,
-                          content=content, tool_call_ids=tool_call_ids)
+    def _records(self, call: _Call, version: int) -> list[CallRecord]:
+        out = []
+        for answer, c in zip(call.answers, call.completions):
+            content, tool_calls = answer.message
+            out.append(CallRecord(
+                episode=call.req.episode or "", route=call.route,
+                prompt_ids=c.prompt_ids.tolist(), token_ids=c.token_ids.tolist(),
+                logprobs=c.logprobs.tolist(), version=version,
+                finish_reason=self._finish(answer, c), content=content,
+                tool_call_ids=tuple(tc["id"] for tc in tool_calls),
+                tool_calls=tuple((tc["function"]["name"], _canonical(tc["function"]["arguments"]))
+                                 for tc in tool_calls),
+                # a tool call's leftover content is no form of it; its raw text is
+                texts=_forms(None if tool_calls else content,
+                             *(self.tokenizer.decode(c.token_ids.tolist(), skip_special_tokens=k)
+                               for k in (False, True)))))
+        return out
 
     # -- streaming -----------------------------------------------------------------------------
 
-    def _chat_chunks(self, payload: dict[str, Any], req: _Request) -> Iterator[dict[str, Any]]:
-        base = {"id": payload["id"], "object": "chat.completion.chunk",
-                "created": payload["created"], "model": payload["model"],
-                "system_fingerprint": payload["system_fingerprint"]}
-        for choice in payload["choices"]:
-            i, message = choice["index"], choice["message"]
-            yield {**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                        "finish_reason": None}]}
-            logprobs = (choice["logprobs"] or {}).get("content") or []
-            content = message["content"] or ""
-            if logprobs:  # one chunk per token: its text and its logprob
-                for lp in logprobs:
-                    yield {**base, "choices": [{"index": i, "delta": {"content": lp["token"]},
-                                                "logprobs": {"content": [lp]},
-                                                "finish_reason": None}]}
-            elif content:
-                yield {**base, "choices": [{"index": i, "delta": {"content": content},
-                                            "finish_reason": None}]}
-            if message.get("tool_calls"):
-                calls = [{"index": k, **tc} for k, tc in enumerate(message["tool_calls"])]
-                yield {**base, "choices": [{"index": i, "delta": {"tool_calls": calls},
-                                            "finish_reason": None}]}
-            yield {**base, "choices": [{"index": i, "delta": {},
-                                        "finish_reason": choice["finish_reason"]}]}
-        yield {**base, "choices": [], "usage": payload["usage"]}
+    def _start_stream(self, call: _Call) -> tuple[asyncio.Task, asyncio.Queue]:
+        """The call's generation, started now, and the queue its tokens arrive on (None when it
+        ended). The request is in flight until the generation ends, whether or not anyone
+        reads the stream."""
+        req, events = call.req, asyncio.Queue()
 
-    def _completion_chunks(self, payload: dict[str, Any]) -> Iterator[dict[str, Any]]:
-        base = {"id": payload["id"], "object": "text_completion", "created": payload["created"],
-                "model": payload["model"]}
-        for choice in payload["choices"]:
-            yield {**base, "choices": [{**choice, "finish_reason": None}]}
-            yield {**base, "choices": [{"index": choice["index"], "text": "", "logprobs": None,
-                                        "finish_reason": choice["finish_reason"]}]}
+        def sink(prompt: int) -> TokenSink:
+            return lambda k, ids, lps, top: events.put_nowait((prompt * req.n + k, ids, lps, top))
 
-    async def _sse(self, chunks: Iterator[dict[str, Any]], records: list[CallRecord]):
-        """The events, then `[DONE]`; the call is recorded only once the client has it all
-        (a client gone mid-stream never saw the response, so no later prompt extends it)."""
-        complete = False
+        async def generate() -> list[list[Completion]]:
+            return await asyncio.gather(*(self.batcher.generate(p, req.n, req.sampling, sink(i))
+                                          for i, p in enumerate(req.prompts)))
+
+        task = asyncio.create_task(generate())
+
+        def ended(t: asyncio.Task) -> None:
+            self._in_flight -= 1
+            events.put_nowait(None)
+            if not t.cancelled():
+                t.exception()  # retrieved here: a client gone mid-stream never reads it
+
+        task.add_done_callback(ended)
+        return task, events
+
+    async def _stream(self, call: _Call, task: asyncio.Task,
+                      events: asyncio.Queue) -> AsyncIterator[str]:
+        """Server-sent events as the engine samples: each step's tokens as a chunk per choice,
+        then each choice's rest and finish reason, the usage and `[DONE]`. The call is recorded
+        only once the client has it all (a client gone mid-stream never saw the response, so
+        no later prompt extends it); its generation is given up then."""
+        req, complete = call.req, False
         try:
-            for chunk in chunks:
-                yield f"data: {json.dumps(chunk)}\n\n"
-                await asyncio.sleep(0)  # lets a disconnect be noticed between chunks
+            if call.route == "chat":
+                for i in range(len(call.answers)):
+                    first = {"index": i, "delta": {"role": "assistant", "content": ""},
+                             "logprobs": None, "finish_reason": None}
+                    if req.token_ids:  # vLLM's form: the prompt's ids in the first chunk
+                        first["prompt_token_ids"] = req.prompts[i // req.n]
+                    yield _sse(call.chunk([first]))
+            while (event := await events.get()) is not None:
+                for chunk in self._step_chunks(call, *event):
+                    yield _sse(chunk)
+            try:
+                results = task.result()
+            except Exception as exc:
+                err = exc if isinstance(exc, APIError) else _engine_error(exc)
+                log.error("openai.error", explorer=self.name, route=call.route, error=repr(exc))
+                yield _sse({"error": {"message": err.message, "type": err.type,
+                                      "param": err.param, "code": err.code}})
+                return
+            version = self.engine.version
+            call.completions = [c for choices in results for c in choices]
+            self.served += 1
+            for i, (answer, c) in enumerate(zip(call.answers, call.completions)):
+                text, tool_calls = answer.finish(c.finish_reason, c.stop)
+                for chunk in self._delta_chunks(call, i, text, tool_calls, None):
+                    yield _sse(chunk)
+                last = {"index": i, "finish_reason": self._finish(answer, c),
+                        "stop_reason": c.stop}
+                last.update({"delta": {}, "logprobs": None} if call.route == "chat"
+                            else {"text": "", "logprobs": None})
+                yield _sse(call.chunk([last], f"policy-v{version}"))
+            if req.usage:
+                yield _sse(call.chunk([], f"policy-v{version}", usage=_usage(call.completions)))
             yield "data: [DONE]\n\n"
             complete = True
+            self.calls.add(self._records(call, version))
         finally:
-            if complete:
-                self.calls.add(records)
-            else:
-                log.warning("openai.client_gone", explorer=self.name, episode=records[0].episode
-                            if records else None, why="the client disconnected mid-stream; the "
-                            "call is not recorded")
+            if not task.done():
+                task.cancel()
+            if not complete:
+                log.warning("openai.client_gone", explorer=self.name, episode=req.episode,
+                            why="the stream ended before [DONE]; the call is not recorded")
+
+    def _step_chunks(self, call: _Call, i: int, ids: list[int], logprobs: list[float],
+                     top: Any) -> list[dict[str, Any]]:
+        """The chunks of choice `i`'s newly sampled tokens: the text they release (none while a
+        tool call or a possible stop string is being written), their logprobs."""
+        answer = call.answers[i]
+        offset = len("".join(answer.content))
+        text, tool_calls = answer.push(ids)
+        lp = None
+        if call.req.logprobs:
+            lp = ({"content": self._logprobs(call.req, ids, logprobs, top)}
+                  if call.route == "chat" else
+                  self._completion_logprobs(call.req, ids, logprobs, top, offset))
+        return self._delta_chunks(call, i, text, tool_calls, lp,
+                                  ids if call.req.token_ids else None)
+
+    def _delta_chunks(self, call: _Call, i: int, text: str, tool_calls: list[dict[str, Any]],
+                      logprobs: dict[str, Any] | None,
+                      ids: list[int] | None = None) -> list[dict[str, Any]]:
+        """Choice `i`'s chunks for newly released text, logprobs and token ids (`return_token_ids`:
+        each chunk carries its tokens' ids, as vLLM streams them), then its new tool calls."""
+        extra = {} if ids is None else {"token_ids": ids}
+        if call.route != "chat":
+            if not text and logprobs is None and ids is None:
+                return []
+            return [call.chunk([{"index": i, "text": text, "logprobs": logprobs,
+                                 "finish_reason": None, **extra}])]
+        out = []
+        if text or logprobs is not None or ids is not None:
+            out.append(call.chunk([{"index": i, "delta": {"content": text} if text else {},
+                                    "logprobs": logprobs, "finish_reason": None, **extra}]))
+        first = len(call.answers[i].calls) - len(tool_calls)
+        for delta in tool_call_deltas(tool_calls, first):
+            out.append(call.chunk([{"index": i, "delta": {"tool_calls": [delta]},
+                                    "logprobs": None, "finish_reason": None}]))
+        return out
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -641,28 +737,6 @@ def _api_key(request: Request) -> str | None:
     auth = request.headers.get("authorization", "")
     scheme, _, key = auth.partition(" ")
     return key.strip() or None if scheme.lower() == "bearer" else None
-
-
-def _int(body: dict[str, Any], key: str, default: Any, *, low: int | None) -> Any:
-    value = body.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int) or (low is not None and value < low):
-        raise APIError(400, f"{key} must be an integer" + (f" >= {low}" if low is not None
-                                                           else "") + f", got {value!r}",
-                       param=key)
-    return value
-
-
-def _num(body: dict[str, Any], key: str, default: float) -> float:
-    value = body.get(key)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise APIError(400, f"{key} must be a number, got {value!r}", param=key)
-    if not math.isfinite(value):  # JSON's NaN and Infinity parse as floats
-        raise APIError(400, f"{key} must be a finite number, got {value!r}", param=key)
-    return float(value)
 
 
 def _plain_message(m: dict[str, Any]) -> dict[str, Any]:
@@ -685,30 +759,44 @@ def _plain_message(m: dict[str, Any]) -> dict[str, Any]:
     return m
 
 
-def _parse_tool_calls(text: str) -> list[dict[str, Any]]:
-    """Tool calls written as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (the
-    convention of Qwen's and Hermes' templates); a block that does not parse stays text."""
-    calls = []
-    for block in _TOOL_CALL.findall(text):
-        try:
-            call = json.loads(block)
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            continue
-        args = call.get("arguments", {})
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": call["name"],
-                                   "arguments": args if isinstance(args, str)
-                                   else json.dumps(args)}})
-    return calls
-
-
 def _usage(choices: list[Completion]) -> dict[str, int]:
     prompt = len(choices[0].prompt_ids) if choices else 0
     completion = sum(len(c) for c in choices)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
+
+
+def _sse(chunk: dict[str, Any]) -> str:
+    return f"data: {json.dumps(chunk)}\n\n"
+
+
+def _engine_error(exc: BaseException) -> APIError:
+    return APIError(500, f"the engine failed: {type(exc).__name__}: {exc}", type="server_error",
+                    code="engine_error")
+
+
+def _validated(model: type[ChatBody | CompletionBody], raw: dict[str, Any]) -> Any:
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        param, message = error_of(exc)
+        raise APIError(400, message, param=param) from None
+
+
+def _canonical(arguments: Any) -> str:
+    """Tool call arguments in one spelling (parsed and dumped with sorted keys), for matching."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return arguments.strip()
+    return json.dumps(arguments, sort_keys=True)
+
+
+def _forms(*texts: str | None) -> frozenset[str]:
+    """The texts an assistant message repeating a response may carry, whitespace-trimmed: the
+    content as answered, and the decoded tokens with and without special tokens' text."""
+    return frozenset(t.strip() for t in texts if t is not None)
 
 
 def model_context(model_path: str | Path) -> int | None:

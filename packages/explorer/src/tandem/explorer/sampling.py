@@ -32,6 +32,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False  # generate max_tokens whatever comes (benchmarks)
+    top_logprobs: int = 0  # also return each token's most likely alternatives (the endpoint)
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -42,6 +43,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.top_logprobs < 0:
+            raise ValueError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
         object.__setattr__(self, "stop", tuple(self.stop))
 
     @classmethod
@@ -86,9 +89,22 @@ def policy_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 def sample_tokens(logits: torch.Tensor, params: SamplingParams,
                   generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of `logits` [B, V]; returns (tokens [B], their logprobs [B])."""
+    tokens, logprobs, _ = sample_with_top(logits, params, generator)
+    return tokens, logprobs
+
+
+def sample_with_top(logits: torch.Tensor, params: SamplingParams,
+                    generator: torch.Generator | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """`sample_tokens`, plus the `params.top_logprobs` most likely tokens of each row under the
+    same policy as (logprobs [B, k], ids [B, k]); None when not asked for."""
     logp = policy_logprobs(logits, params)
     if params.greedy:
         tokens = torch.argmax(logp, dim=-1)
     else:
         tokens = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
-    return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    top = None
+    if params.top_logprobs:
+        values, ids = torch.topk(logp, min(params.top_logprobs, logp.shape[-1]), dim=-1)
+        top = (values, ids)
+    return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), top

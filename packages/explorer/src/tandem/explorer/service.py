@@ -139,6 +139,10 @@ class Explorer:
             "seconds (running totals)",
             lambda: {(fn, stat): v for fn, stats in getattr(self.scorer, "stats", {}).items()
                      for stat, v in stats.items()}, labels=("function", "stat"))
+        self.metrics.gauge_fn(
+            "token_mismatches", "agent experiences that are not token for token what the engine "
+            "was given and produced (running total; anything but 0 is a bug)",
+            lambda: self.endpoint.calls.mismatches if self.endpoint is not None else 0)
 
     # -- lifecycle -----------------------------------------------------------------------------
 

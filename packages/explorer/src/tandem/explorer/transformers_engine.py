@@ -30,8 +30,8 @@ import torch
 from tandem.weights import model_dtype
 from tandem.weights.hf import load_tokenizer
 
-from .engine import Completion, Prompt, TensorEngine, encode_prompts
-from .sampling import SamplingParams, sample_tokens
+from .engine import Completion, Prompt, TensorEngine, TokenSink, encode_prompts
+from .sampling import SamplingParams, sample_with_top
 
 log = structlog.get_logger(__name__)
 
@@ -105,11 +105,27 @@ class TransformersEngine(TensorEngine):
         return await loop.run_in_executor(
             self._executor, lambda: self.generate_sync(prompts, n, sampling, on_prompt=done))
 
+    async def generate_stream(self, prompts: Sequence[Prompt], sampling: SamplingParams,
+                              on_tokens: TokenSink) -> list[Completion]:
+        # the decode loop hands each step's tokens to the event loop as one callback, so a
+        # step costs the loop one wake-up however many rows stream
+        loop = asyncio.get_running_loop()
+
+        def step(batch: list[tuple[int, int, float, list[tuple[int, float]] | None]]) -> None:
+            loop.call_soon_threadsafe(_deliver, on_tokens, batch)
+
+        out = await loop.run_in_executor(
+            self._executor, lambda: self.generate_sync(prompts, 1, sampling, on_step=step))
+        return [c for [c] in out]
+
     def generate_sync(self, prompts: Sequence[Prompt], n: int, sampling: SamplingParams, *,
-                      on_prompt: Callable[[int, list[Completion]], None] | None = None
+                      on_prompt: Callable[[int, list[Completion]], None] | None = None,
+                      on_step: Callable[[list[tuple[int, int, float, Any]]], None] | None = None
                       ) -> list[list[Completion]]:
         """The blocking body of `generate`, for callers without an event loop; `on_prompt(i,
-        completions)` is called (on this thread) as soon as prompt `i`'s rows are all done."""
+        completions)` is called (on this thread) as soon as prompt `i`'s rows are all done, and
+        `on_step([(row, token, logprob, top), ...])` after each decode step with the token each
+        running row got (row: prompt index * n + sample)."""
         encoded = encode_prompts(self._tokenizer, prompts, n)
         rows = [(p, s) for p in range(len(encoded)) for s in range(n)]
         out: list[list[Completion | None]] = [[None] * n for _ in encoded]
@@ -128,7 +144,9 @@ class TransformersEngine(TensorEngine):
 
                 self._take_loads()  # between chunks too: a load never waits for the whole call
                 self._generate_chunk([encoded[p] for p, _ in chunk], sampling, generator,
-                                     finished)
+                                     finished, None if on_step is None else
+                                     (lambda batch, start=start: on_step(
+                                         [(start + j, *rest) for j, *rest in batch])))
         return out  # type: ignore[return-value]
 
     def _generator(self, sampling: SamplingParams) -> torch.Generator:
@@ -167,7 +185,9 @@ class TransformersEngine(TensorEngine):
 
     def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingParams,
                         generator: torch.Generator,
-                        finished: Callable[[int, Completion], None]) -> None:
+                        finished: Callable[[int, Completion], None],
+                        on_step: Callable[[list[tuple[int, int, float, Any]]], None] | None
+                        ) -> None:
         t0 = time.perf_counter()
         cache, logits, mask, next_pos = self._prefill(prompts)
         t_prefill = time.perf_counter()
@@ -176,6 +196,7 @@ class TransformersEngine(TensorEngine):
         tokens: list[list[int]] = [[] for _ in prompts]
         logps: list[list[float]] = [[] for _ in prompts]
         versions: list[list[int]] = [[] for _ in prompts]
+        tops: list[list[list[tuple[int, float]]]] = [[] for _ in prompts]
 
         def complete(row: int, reason: str, stop: str | None = None) -> None:
             now = time.perf_counter()
@@ -188,18 +209,27 @@ class TransformersEngine(TensorEngine):
                 timings={"prefill_s": t_prefill - t0, "decode_s": now - t_prefill,
                          "generate_s": now - t0, "batch": float(len(prompts))},
                 token_versions=(np.asarray(versions[row], dtype=np.int32)
-                                if self.interruptible else None)))
+                                if self.interruptible else None),
+                top_logprobs=tops[row] if sampling.top_logprobs else None))
 
         active = list(range(len(prompts)))
         eos_ids = set() if sampling.ignore_eos else self.eos_ids
         for step in range(sampling.max_tokens):
-            tok, lp = sample_tokens(logits, sampling, generator)
+            tok, lp, top = sample_with_top(logits, sampling, generator)
             tok_list, lp_list = tok.tolist(), lp.tolist()
+            top_rows = ([list(zip(ids, values)) for values, ids in
+                         zip(top[0].tolist(), top[1].tolist())] if top is not None
+                        else [None] * len(active))
+            if on_step is not None:
+                on_step([(row, tok_list[j], lp_list[j], top_rows[j])
+                         for j, row in enumerate(active)])
             keep: list[int] = []
             for j, row in enumerate(active):
                 tokens[row].append(tok_list[j])
                 logps[row].append(lp_list[j])
                 versions[row].append(self.version)
+                if top is not None:
+                    tops[row].append(top_rows[j])
                 if tok_list[j] in eos_ids:
                     complete(row, "eos")
                 elif (hit := stops.match(tokens[row])) is not None:
@@ -269,6 +299,12 @@ class TransformersEngine(TensorEngine):
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _deliver(on_tokens: TokenSink,
+             batch: list[tuple[int, int, float, list[tuple[int, float]] | None]]) -> None:
+    for row, token, logprob, top in batch:
+        on_tokens(row, [token], [logprob], None if top is None else [top])
 
 
 def load_named_tensors(model: Any, weights: Iterable[tuple[str, Any]]) -> int:

@@ -114,6 +114,31 @@ def score_of(result: Any) -> tuple[float, dict[str, float], str]:
     return reward, {"reward": reward}, "ok"
 
 
+def checked(endpoint: Any, experience: Experience, records: list[CallRecord]) -> Experience:
+    """`experience`, after checking it is token for token what the engine was given and
+    produced for `records` (`openai_calls.token_mismatch`): a mismatch is counted
+    (`tandem_explorer_token_mismatches`), logged and marked in `info["token_mismatch"]`."""
+    why = endpoint.calls.check(experience.tokens.tolist(), experience.prompt_len,
+                               experience.action_mask.tolist(), experience.logprobs.tolist(),
+                               records)
+    if why is not None:
+        experience.info["token_mismatch"] = why
+        log.error("agent.token_mismatch", experience=experience.id, why=why)
+    return experience
+
+
+def episode_rows(episodes: list[Any]) -> list[tuple[Any, Trajectory, str, list[CallRecord]]]:
+    """(episode, trajectory, rule, the records it was built from) of each of `episodes`'
+    trajectories, in order."""
+    rows = []
+    for episode in episodes:
+        trajs, rule = trajectories(episode.records)
+        for k, traj in enumerate(trajs):
+            rows.append((episode, traj, rule,
+                         episode.records if rule == "chained" else [episode.records[k]]))
+    return rows
+
+
 def trajectories(records: list[CallRecord]) -> tuple[list[Trajectory], str]:
     """Trajectories of one episode by the rule above, and which way it went
     ("chained", "per_call" or "empty")."""
@@ -167,20 +192,19 @@ class Agent(Workflow):
         experiences: list[Experience] = []
         for task in tasks:
             mine = [o for o in outcomes if o.task is task]
-            rows = [(o, traj, rule) for o in mine
-                    for trajs, rule in [trajectories(o.records)] for traj in trajs]
+            rows = episode_rows(mine)
             if not rows:
                 log.warning("agent.task_without_calls", task=task.id,
                             reasons=sorted({o.reason for o in mine}))
-            for index, (o, traj, rule) in enumerate(rows):
-                experiences.append(make_experience(
+            for index, (o, traj, rule, records) in enumerate(rows):
+                experiences.append(checked(endpoint, make_experience(
                     task, index, traj, ctx, reward=o.reward,
                     rewards=o.components or {"reward": o.reward},
                     info={"group_size": len(rows), "episode": o.index, "rule": rule,
                           "reward_reason": o.reason, "calls": len(o.records),
                           "call_versions": versions_of(o.records),
                           "finish_reasons": [r.finish_reason for r in o.records],
-                          "episode_s": o.seconds, "rollout_s": wall}))
+                          "episode_s": o.seconds, "rollout_s": wall}), records))
         return experiences
 
     async def _episode(self, openai: Any, endpoint: Any, gate: asyncio.Semaphore, task: Task,

@@ -31,7 +31,7 @@ from tandem.common.messages.experience import Experience, Task
 
 from ..openai_calls import versions_of
 from ..verifiers_loader import import_verifiers, load_environment
-from .agent import Episode, play_episode, trajectories
+from .agent import Episode, checked, episode_rows, play_episode
 from .base import RolloutContext, Workflow, WorkflowArgs, make_experience
 
 log = structlog.get_logger(__name__)
@@ -85,15 +85,14 @@ class Verifiers(Workflow):
         wall = time.time() - start
         experiences: list[Experience] = []
         for task, rollouts in zip(tasks, groups):
-            rows = [(r, traj, rule) for r in rollouts
-                    for trajs, rule in [trajectories(r.records)] for traj in trajs]
+            rows = episode_rows(rollouts)
             if not rows:
                 log.warning("verifiers.task_without_calls", task=task.id,
                             reasons=sorted({r.reason for r in rollouts}))
-            for index, (r, traj, rule) in enumerate(rows):
+            for index, (r, traj, rule, records) in enumerate(rows):
                 reward, components = self._score(r)
                 state = r.state or {}
-                experiences.append(make_experience(
+                experiences.append(checked(endpoint, make_experience(
                     task, index, traj, ctx, reward=reward, rewards=components,
                     info={"group_size": len(rows), "env": self.args.env, "episode": r.index,
                           "rule": rule, "reward_reason": r.reason, "calls": len(r.records),
@@ -102,7 +101,7 @@ class Verifiers(Workflow):
                           "is_truncated": bool(state.get("is_truncated")),
                           "call_versions": versions_of(r.records),
                           "finish_reasons": [c.finish_reason for c in r.records],
-                          "episode_s": r.seconds, "rollout_s": wall}))
+                          "episode_s": r.seconds, "rollout_s": wall}), records))
         return experiences
 
     @staticmethod
