@@ -32,10 +32,14 @@ class RequestFailed(TandemError):
 
 
 class PeerDead(TandemError):
-    """The peer did not answer in time: that component is dead or unreachable."""
+    """The peer did not answer in time: that component is dead or unreachable. `bound`: the
+    seconds it was given, resends included; `key`: the config key that set that bound."""
 
-    def __init__(self, peer: str, message: str):
+    def __init__(self, peer: str, message: str, *, bound: float | None = None,
+                 key: str | None = None):
         self.peer = peer
+        self.bound = bound
+        self.key = key
         super().__init__(message)
 
 

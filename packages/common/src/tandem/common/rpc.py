@@ -389,15 +389,21 @@ class RpcClient:
 
     async def call(self, msg: Request, *, timeout: float | None = None, retries: int | None = None,
                    timeout_key: str = "transport.rpc_timeout",
-                   ttl: float | None = None) -> Message:
+                   ttl: float | None = None, deadline: float | None = None,
+                   deadline_key: str | None = None) -> Message:
         """Send `msg`, return its reply; RequestFailed on an error reply, PeerDead on silence.
 
         Each of the `retries` resends carries the same id, after `timeout` seconds of silence.
         `ttl` (default `timeout`) is the time the server may spend on it: a request resent so a
-        restarted server gets it gives the whole wait, `timeout * (retries + 1)`."""
+        restarted server gets it gives the whole wait, `timeout * (retries + 1)`.
+        `deadline` (`time.monotonic()`) bounds the whole call, resends included: an attempt is
+        cut short at it and none starts after it, so a caller that retries under a bound of its
+        own (`deadline_key`: a put the buffer refuses as full, a sample asked again) never waits
+        past that bound for one more call."""
         self._ensure()
         timeout = self.transport.rpc_timeout if timeout is None else timeout
         retries = self.transport.rpc_retries if retries is None else retries
+        waited, cut = 0.0, False  # the silence this call was given, and whether `deadline` cut it
         req_id = uuid.uuid4().hex
         frames = codec.encode_request(msg, req_id, ttl=timeout if ttl is None else ttl,
                                       inline_threshold=self.transport.inline_threshold)
@@ -405,7 +411,13 @@ class RpcClient:
         self._pending[req_id] = (future, getattr(type(msg), "REPLY", None))
         loop = asyncio.get_running_loop()
         try:
-            for attempt in range(retries + 1):
+            for _ in range(retries + 1):
+                limit = timeout
+                if deadline is not None and deadline - time.monotonic() < timeout:
+                    limit, cut = max(0.0, deadline - time.monotonic()), True
+                    if limit <= 0.0:
+                        break
+                waited += limit
                 began = loop.time()
                 # a DEALER with no peer to take the message (none connected yet, or the
                 # handshake failed: a port taken by another kind of socket) blocks its send for
@@ -414,7 +426,7 @@ class RpcClient:
                 # completes, and a component closing its client would then wait for ever
                 send = asyncio.ensure_future(self._sock.send_multipart(frames, copy=False))
                 try:
-                    sent, _ = await asyncio.wait((send,), timeout=timeout)
+                    sent, _ = await asyncio.wait((send,), timeout=limit)
                 finally:
                     if not send.done():
                         send.cancel()
@@ -424,7 +436,7 @@ class RpcClient:
                 # asyncio.wait leaves the future alone on timeout (the next attempt waits on it
                 # again) without the extra futures and callbacks of wait_for(shield(...))
                 done, _ = await asyncio.wait(
-                    (future,), timeout=max(0.0, timeout - (loop.time() - began)))
+                    (future,), timeout=max(0.0, limit - (loop.time() - began)))
                 if not done:
                     continue
                 env = future.result()
@@ -432,11 +444,16 @@ class RpcClient:
                     return env.body
                 err = env.error
                 raise RequestFailed(err.code, err.message, retry_after=err.retry_after)
+            if cut and deadline_key is not None:
+                raise PeerDead(self.peer, (
+                    f"{self.peer} at {self.address} did not answer {msg.TYPE} within "
+                    f"{round(waited, 3):g}s, when {deadline_key} ran out; is it running? If it is only "
+                    f"slow, raise {deadline_key}"), bound=waited, key=deadline_key)
             tries = f" ({retries + 1} attempts of {timeout:g}s)" if retries else ""
             raise PeerDead(self.peer, (
                 f"{self.peer} at {self.address} did not answer {msg.TYPE} within "
-                f"{timeout * (retries + 1):g}s{tries}; is it running? If it is only slow, raise "
-                f"{timeout_key}"))
+                f"{round(waited, 3):g}s{tries if not cut else ''}; is it running? If it is only slow, "
+                f"raise {timeout_key}"), bound=waited, key=timeout_key)
         finally:
             self._pending.pop(req_id, None)
             if not future.done():

@@ -678,7 +678,9 @@ class Explorer:
         deadline = time.monotonic() + self.cfg.put_timeout
         while True:
             try:
-                await self.buffer.call(msg, timeout_key="transport.rpc_timeout")
+                # a resend, or a put retried after `full`, never waits past put_timeout
+                await self.buffer.call(msg, timeout_key="transport.rpc_timeout",
+                                       deadline=deadline, deadline_key="explorers[].put_timeout")
                 return
             except RequestFailed as exc:
                 if exc.code != "full":

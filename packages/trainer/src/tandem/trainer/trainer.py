@@ -410,8 +410,14 @@ class Trainer:
             await self._checkpoint()
 
     async def _sample(self, groups: int, step: int) -> SampleResult:
-        """Lease `groups` whole groups, waiting up to `trainer.idle_timeout` for them."""
-        wait = self.tc.sample_wait
+        """Lease `groups` whole groups, waiting up to `trainer.idle_timeout` for them.
+
+        Every wait here counts against a bound: the buffer holds a request at most half of
+        `transport.rpc_timeout` (so its `not_enough` comes well inside that bound, and a stalled
+        buffer is silent for `rpc_timeout` per attempt, not `sample_wait` more), and no request
+        is sent, or waited for, past `idle_timeout`."""
+        rpc_timeout = self.config.transport.rpc_timeout
+        wait = min(self.tc.sample_wait, rpc_timeout / 2)
         deadline = time.monotonic() + self.tc.idle_timeout
         start = time.time()
         while True:
@@ -420,8 +426,8 @@ class Trainer:
                 result = await self._buffer.call(
                     SampleGroups(num_groups=groups, wait=wait, holder=self.name,
                                  min_version=None if lag is None else max(0, step - lag)),
-                    timeout=wait + self.config.transport.rpc_timeout,
-                    timeout_key="trainer.sample_wait")
+                    timeout=rpc_timeout, timeout_key="transport.rpc_timeout",
+                    deadline=deadline, deadline_key="trainer.idle_timeout")
                 break
             except RequestFailed as exc:
                 if exc.code != "not_enough" or time.monotonic() > deadline:

@@ -345,7 +345,9 @@ class TrainerConfig(Section):
         default=None, ge=0,
         description="sample only experiences at most this many versions older than the weights")
     sample_wait: float = Field(
-        default=5.0, gt=0, description="seconds one buffer.sample request waits for groups")
+        default=5.0, gt=0, description="seconds one buffer.sample request waits for groups "
+                                       "(at most half transport.rpc_timeout, so the wait counts "
+                                       "against that bound)")
     idle_timeout: float = Field(
         default=600.0, gt=0, description="seconds without a trainable batch before giving up")
 
