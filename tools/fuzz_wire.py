@@ -224,6 +224,9 @@ def fuzz_socket(address: str, target: str, frames: int, seed: int,
 # -- the live run ------------------------------------------------------------------------------
 
 
+SETTLE_TIMEOUT = 60.0  # a leak's bound: trimmed memory returns a second after the flood
+
+
 def rss_kib(pid: int) -> tuple[int, int]:
     """(VmRSS, VmHWM) of `pid` in KiB."""
     fields = {}
@@ -293,8 +296,14 @@ def _wait(predicate, timeout: float, what: str, proc: subprocess.Popen):
 
 def fuzz_run(workdir: Path, model_dir: Path, *, frames: int, steps: int, seed: int = 0,
              settle: float = 2.0, run_timeout: float = 900.0, then: str = "finish",
-             more_steps: int = 3) -> dict:
+             more_steps: int = 3, rss_growth_kib: int | None = None) -> dict:
     """Fuzz a live `tandem up` run in `workdir`; returns the report (see the module doc).
+
+    After the fuzzing each component's heap is trimmed a second after its last refusal, in
+    its own event loop: the report's "RSS after" is read `settle` seconds later, or, with
+    `rss_growth_kib`, once every component's growth is back under it (at most SETTLE_TIMEOUT
+    seconds, which only bounds a leak that never goes), so that a busy machine delaying the
+    trim cannot turn a verdict.
 
     `then="finish"` lets the run train all `steps` afterwards; `then="stop"` waits for
     `more_steps` trained after the fuzzing and stops the run with SIGTERM, which must end it
@@ -324,7 +333,18 @@ def fuzz_run(workdir: Path, model_dir: Path, *, frames: int, steps: int, seed: i
             results = list(pool.map(
                 lambda k: fuzz_socket(addresses[TARGETS[k]], TARGETS[k], frames, seed * 1000 + k,
                                       context), range(len(TARGETS))))
-        time.sleep(settle)  # refused messages' memory is trimmed a second after
+        if rss_growth_kib is None:
+            time.sleep(settle)  # refused messages' memory is trimmed a second after
+        else:
+            def trimmed(name: str) -> bool:
+                try:
+                    now = rss_kib(pids[name])[0]
+                except OSError:
+                    return True  # gone: a crash, counted below
+                return now - report["targets"][name]["rss_before_kib"] < rss_growth_kib
+            deadline = time.monotonic() + SETTLE_TIMEOUT
+            while not all(map(trimmed, TARGETS)) and time.monotonic() < deadline:
+                time.sleep(0.1)
         alive = component_pids(run_dir)
         if alive.keys() != set(TARGETS):
             # a component is gone: either the run finished meanwhile (its components exit on
