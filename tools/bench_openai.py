@@ -11,8 +11,14 @@ number of tokens. Rounds are paired and alternate which path goes first; the tab
 medians, and the ratio is the median of each round's endpoint/direct tokens/s ratio. The
 `outside` columns send the same load from a second process (clients elsewhere).
 
+Time to first token: `--concurrency` clients each send one chat request at once, streamed
+(`stream=True, logprobs=True`: the clock stops at the first chunk carrying a sampled token, not
+at the role chunk sent before generation) and not streamed (the clock stops at the whole
+answer, the first moment a client has any token); medians and 90th percentiles over
+`--repeats` rounds, the two alternating which goes first. `--only ttft` runs this part alone.
+
     .venv/bin/python tools/bench_openai.py [--size tiny|small] [--concurrency 1,8,32,64]
-                                           [--requests 3]
+                                           [--requests 3] [--only both|throughput|ttft]
                                            [--max-batch 32] [--max-tokens 64] [--repeats 5]
                                            [--threads 1] [--out .bench/openai.json]
 
@@ -102,6 +108,47 @@ async def serve_client(url: str) -> None:
     await client.close()
 
 
+async def first_token(client, prompt: str, max_tokens: int, stream: bool) -> float:
+    """Seconds until the client holds the answer's first sampled token."""
+    messages = [{"role": "user", "content": prompt}]
+    t0 = time.perf_counter()
+    if not stream:
+        await client.chat.completions.create(model="policy", max_tokens=max_tokens,
+                                             messages=messages)
+        return time.perf_counter() - t0
+    seconds = None
+    async for chunk in await client.chat.completions.create(
+            model="policy", max_tokens=max_tokens, messages=messages, stream=True,
+            logprobs=True):
+        if seconds is None and chunk.choices and chunk.choices[0].logprobs is not None:
+            seconds = time.perf_counter() - t0
+    assert seconds is not None, "the stream carried no token"
+    return seconds
+
+
+async def ttft_rows(client, levels: list[int], repeats: int, max_tokens: int) -> list[dict]:
+    rows = []
+    for n in levels:
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for r in range(repeats):
+            for stream in ((True, False) if r % 2 == 0 else (False, True)):
+                times[stream] += await asyncio.gather(*(
+                    first_token(client, p, max_tokens, stream) for p in questions(n)))
+
+        def pct(xs: list[float], q: float) -> float:
+            xs = sorted(xs)
+            return round(xs[min(len(xs) - 1, int(q * len(xs)))] * 1000, 1)
+
+        rows.append({"concurrency": n, "max_tokens": max_tokens, "requests": n * repeats,
+                     "streamed_ttft_ms_median": round(statistics.median(times[True]) * 1000, 1),
+                     "streamed_ttft_ms_p90": pct(times[True], 0.9),
+                     "whole_ttft_ms_median": round(statistics.median(times[False]) * 1000, 1),
+                     "whole_ttft_ms_p90": pct(times[False], 0.9),
+                     "speedup": round(statistics.median(times[False])
+                                      / statistics.median(times[True]), 2)})
+    return rows
+
+
 async def direct(engine, prompt_ids: list[list[list[int]]], sampling) -> tuple[int, float]:
     t0 = time.perf_counter()
     tokens = 0
@@ -111,7 +158,7 @@ async def direct(engine, prompt_ids: list[list[list[int]]], sampling) -> tuple[i
     return tokens, time.perf_counter() - t0
 
 
-async def run(args, engine, model_name: str) -> list[dict]:
+async def run(args, engine, model_name: str) -> tuple[list[dict], list[dict]]:
     import openai
 
     from tandem.common.config.explorer import OpenAIConfig
@@ -128,12 +175,16 @@ async def run(args, engine, model_name: str) -> list[dict]:
     outside = ClientProcess(endpoint.url, args.max_tokens)
     await outside.start()
     tok = engine.tokenizer
-    rows = []
+    rows: list[dict] = []
+    ttft: list[dict] = []
     try:
         await through_endpoint(client, [questions(2)], 4)  # warm every path
         await outside([questions(2)], 4)
         await direct(engine, [[[5, 6, 7]]], SamplingParams(max_tokens=4))
-        for n in levels:
+        await first_token(client, "warm", 4, True)
+        if args.only in ("both", "ttft"):
+            ttft = await ttft_rows(client, levels, args.repeats, args.max_tokens)
+        for n in levels if args.only in ("both", "throughput") else []:
             # prompts[r][i]: client i's r-th request
             flat = questions(n * args.requests)
             prompts = [flat[r * n:(r + 1) * n] for r in range(args.requests)]
@@ -171,7 +222,7 @@ async def run(args, engine, model_name: str) -> list[dict]:
         await client.close()
         await outside.close()
         await endpoint.close()
-    return rows
+    return rows, ttft
 
 
 def main() -> None:
@@ -188,6 +239,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (1 is steadiest on a shared box)")
+    parser.add_argument("--only", default="both", choices=["both", "throughput", "ttft"])
     parser.add_argument("--out", default=".bench/openai.json")
     parser.add_argument("--serve-client", metavar="URL", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -215,31 +267,41 @@ def main() -> None:
     if not getattr(engine.tokenizer, "chat_template", None):
         engine.tokenizer.chat_template = TEMPLATE
     try:
-        rows = asyncio.run(run(args, engine, Path(model_path).name))
+        rows, ttft = asyncio.run(run(args, engine, Path(model_path).name))
     finally:
         engine.close()
         if tmp is not None:
             tmp.cleanup()
 
-    print(f"OpenAI endpoint vs engine.generate — {args.size if args.model is None else model_path}, "
-          f"device {args.device}, {args.threads} thread(s), engine max_batch {args.max_batch}, "
-          f"{args.requests} requests per client, {args.max_tokens} tokens per response, "
-          f"median of {args.repeats} paired rounds")
-    print(f"{'concurrent':>10} {'endpoint req/s':>15} {'endpoint tok/s':>15} "
-          f"{'direct req/s':>13} {'direct tok/s':>13} {'ratio':>7} {'ratio range':>13} "
-          f"{'outside tok/s':>14} {'ratio':>7}")
-    for r in rows:
-        print(f"{r['concurrency']:>10} {r['endpoint_req_s']:>15.2f} {r['endpoint_tok_s']:>15.1f} "
-              f"{r['direct_req_s']:>13.2f} {r['direct_tok_s']:>13.1f} {r['ratio']:>7.3f} "
-              f"{r['ratio_min']:>6.2f}-{r['ratio_max']:<6.2f} {r['outside_tok_s']:>14.1f} "
-              f"{r['outside_ratio']:>7.3f}")
+    if ttft:
+        print(f"Time to first token, streamed (stream + logprobs) vs whole answers — "
+              f"{args.max_tokens} tokens per response, {args.repeats} rounds, ms")
+        print(f"{'concurrent':>10} {'streamed median':>16} {'streamed p90':>13} "
+              f"{'whole median':>13} {'whole p90':>10} {'whole/streamed':>15}")
+        for r in ttft:
+            print(f"{r['concurrency']:>10} {r['streamed_ttft_ms_median']:>16.1f} "
+                  f"{r['streamed_ttft_ms_p90']:>13.1f} {r['whole_ttft_ms_median']:>13.1f} "
+                  f"{r['whole_ttft_ms_p90']:>10.1f} {r['speedup']:>15.2f}")
+    if rows:
+        print(f"OpenAI endpoint vs engine.generate — {args.size if args.model is None else model_path}, "
+              f"device {args.device}, {args.threads} thread(s), engine max_batch {args.max_batch}, "
+              f"{args.requests} requests per client, {args.max_tokens} tokens per response, "
+              f"median of {args.repeats} paired rounds")
+        print(f"{'concurrent':>10} {'endpoint req/s':>15} {'endpoint tok/s':>15} "
+              f"{'direct req/s':>13} {'direct tok/s':>13} {'ratio':>7} {'ratio range':>13} "
+              f"{'outside tok/s':>14} {'ratio':>7}")
+        for r in rows:
+            print(f"{r['concurrency']:>10} {r['endpoint_req_s']:>15.2f} {r['endpoint_tok_s']:>15.1f} "
+                  f"{r['direct_req_s']:>13.2f} {r['direct_tok_s']:>13.1f} {r['ratio']:>7.3f} "
+                  f"{r['ratio_min']:>6.2f}-{r['ratio_max']:<6.2f} {r['outside_tok_s']:>14.1f} "
+                  f"{r['outside_ratio']:>7.3f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "benchmark": "openai", "device": args.device,
         "model": model_path if args.model else f"{args.size} (tandem.weights.tiny)",
         "torch": torch.__version__, "threads": args.threads, "machine": platform.machine(),
-        "rows": rows}, indent=2))
+        "rows": rows, "ttft": ttft}, indent=2))
     print(f"wrote {out}")
 
 

@@ -154,3 +154,38 @@ async def test_a_weight_load_sets_version_and_the_next_call_samples_the_new_weig
     assert engine.version == 2
     again = await engine.generate([LONG_PROMPT], 1, greedy)
     assert again[0][0].token_ids.tolist() == before[0][0].token_ids.tolist()
+
+
+async def test_generate_stream_hands_over_tokens_as_sampled_with_top_logprobs(engine,
+                                                                              contract_model):
+    # the OpenAI endpoint's streaming: every token reaches the sink, in order, on the caller's
+    # loop, in more than one batch (not once at the end), and equals the completion's; the top
+    # alternatives are the policy's most likely tokens, the sampled one first when greedy
+    _, model = contract_model
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, top_logprobs=3)
+    got: dict[int, list] = {0: [], 1: []}
+    calls = []
+
+    def sink(row, ids, logprobs, top):
+        calls.append(row)
+        got[row] += list(zip(ids, logprobs, top))
+
+    out = await engine.generate_stream(PROMPTS[:2], params, sink)
+    assert len(out) == 2 and len(calls) > 2
+    for row, c in enumerate(out):
+        assert [t for t, _, _ in got[row]] == c.token_ids.tolist()
+        assert [lp for _, lp, _ in got[row]] == pytest.approx(c.logprobs.tolist(), abs=1e-6)
+        assert [top for _, _, top in got[row]] == c.top_logprobs
+        expected = torch.topk(policy_logprobs(_step_logits(model, c), params), 3, dim=-1)
+        for k, top in enumerate(c.top_logprobs):
+            assert top[0][0] == c.token_ids[k]
+            assert [t for t, _ in top] == expected.indices[k].tolist()
+            assert [lp for _, lp in top] == pytest.approx(expected.values[k].tolist(),
+                                                          abs=TOLERANCE[engine.kind])
+
+
+def _step_logits(model, completion):
+    ids = torch.tensor(list(completion.prompt_ids) + list(completion.token_ids))[None]
+    with torch.no_grad():
+        logits = model(ids).logits[0]
+    return logits[len(completion.prompt_ids) - 1:-1]

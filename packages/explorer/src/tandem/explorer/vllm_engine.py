@@ -5,7 +5,8 @@ once: vLLM batches them continuously, so a long response never holds the others 
 callers (an OpenAI-style server) could share the engine. `AsyncLLM` lives on an event loop of its
 own, on a thread this engine starts, so it serves any caller's loop and survives it.
 
-Each sampled token's log-probability comes back with `SamplingParams(logprobs=0)`;
+Each sampled token's log-probability comes back with `SamplingParams(logprobs=0)` (`logprobs=k`
+when the caller asks for the top k alternatives);
 `logprobs_mode="processed_logprobs"` makes that the probability *after* temperature and
 top-k/top-p, which is tandem's definition (see `tandem.explorer.sampling`), so the trainer's
 importance ratios start at 1.
@@ -42,12 +43,13 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 
 import numpy as np
 import structlog
 
-from .engine import Completion, Prompt, WorkerFetchEngine, encode_prompts, in_requests
+from .engine import (Completion, Prompt, TokenSink, WorkerFetchEngine, encode_prompts,
+                     in_requests)
 from .sampling import SamplingParams
 
 log = structlog.get_logger(__name__)
@@ -195,6 +197,19 @@ class VLLMEngine(WorkerFetchEngine):
         encoded = self._encode(prompts, n)
         return await self._loop.run(self._generate(encoded, n, sampling))
 
+    async def generate_stream(self, prompts: Sequence[Prompt], sampling: SamplingParams,
+                              on_tokens: TokenSink) -> list[Completion]:
+        # vLLM's async generator yields each request's new tokens (RequestOutputKind.DELTA) on
+        # the engine's loop; they are handed to the caller's loop as they come
+        encoded = self._encode(prompts, 1)
+        loop = asyncio.get_running_loop()
+
+        def emit(index: int, ids: list[int], logprobs: list[float], top: Any) -> None:
+            loop.call_soon_threadsafe(on_tokens, index, ids, logprobs, top)
+
+        out = await self._loop.run(self._generate(encoded, 1, sampling, emit))
+        return [c for [c] in out]
+
     def generate_sync(self, prompts: Sequence[Prompt], n: int, sampling: SamplingParams,
                       timeout: float = 3600) -> list[list[Completion]]:
         """The blocking form of `generate`, for callers without an event loop."""
@@ -208,8 +223,10 @@ class VLLMEngine(WorkerFetchEngine):
                 f"engine.options.max_model_len: prompt {index} has {length} tokens, vLLM's "
                 f"max_model_len is {self.max_model_len}; raise it"))
 
-    async def _generate(self, prompts: list[list[int]], n: int,
-                        sampling: SamplingParams) -> list[list[Completion]]:
+    async def _generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams,
+                        emit: TokenSink | None = None) -> list[list[Completion]]:
+        """`n` completions of each prompt; `emit(i, ids, logprobs, top)` (n = 1) is called on
+        the engine's loop with prompt i's new tokens as vLLM yields them."""
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -225,10 +242,12 @@ class VLLMEngine(WorkerFetchEngine):
                 top_k=sampling.top_k,
                 max_tokens=min(sampling.max_tokens, self._room(ids)),
                 stop=list(sampling.stop) or None, include_stop_str_in_output=True,
-                ignore_eos=sampling.ignore_eos, logprobs=0, seed=seed,
-                output_kind=RequestOutputKind.FINAL_ONLY)
+                ignore_eos=sampling.ignore_eos, logprobs=sampling.top_logprobs, seed=seed,
+                output_kind=(RequestOutputKind.FINAL_ONLY if emit is None
+                             else RequestOutputKind.DELTA))
             request_id = f"tandem-{self._prefix}-{next(self._requests)}"
             final = None
+            streamed = _Streamed()
             while self._loading is not None:
                 await self._loading.wait()
             self._in_flight += 1
@@ -236,21 +255,32 @@ class VLLMEngine(WorkerFetchEngine):
                 async for out in self.llm.generate({"prompt_token_ids": ids}, params,
                                                    request_id, lora_request=self._lora):
                     final = out
+                    if emit is not None:
+                        emit(index, *streamed.add(out.outputs[0], sampling.top_logprobs))
             finally:
                 self._in_flight -= 1
             seconds = time.perf_counter() - start
-            return [self._completion(ids, sample, seconds) for sample in final.outputs]
+            if emit is not None:
+                return [self._completion(ids, streamed.whole(), seconds,
+                                         logprobs=np.asarray(streamed.logprobs, np.float32),
+                                         top=streamed.top if sampling.top_logprobs else None)]
+            return [self._completion(ids, sample, seconds, top_n=sampling.top_logprobs)
+                    for sample in final.outputs]
 
         if self.interruptible:
             requests = [self._resumable(ids, sampling, None if sampling.seed is None
-                                        else sampling.seed + i * n + k, start)
+                                        else sampling.seed + i * n + k, start,
+                                        None if emit is None else
+                                        (lambda *got, i=i: emit(i, *got)))
                         for i, ids in enumerate(prompts) for k in range(n)]
             done = await asyncio.gather(*requests)
             return [done[i * n:(i + 1) * n] for i in range(len(prompts))]
         return await in_requests(prompts, n, sampling, one)
 
     async def _resumable(self, ids: list[int], sampling: SamplingParams, seed: int | None,
-                         start: float) -> Completion:
+                         start: float,
+                         emit: Callable[[list[int], list[float], Any], None] | None = None
+                         ) -> Completion:
         """One sample, as requests of one sample each: a load that interrupts one ends it where
         it got to, and the next goes on from prompt + the tokens so far under the new weights.
         A request runs wholly under one version (a load waits until none runs)."""
@@ -258,16 +288,14 @@ class VLLMEngine(WorkerFetchEngine):
         from vllm.sampling_params import RequestOutputKind
 
         budget = min(sampling.max_tokens, self._room(ids))
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        versions: list[int] = []
-        texts: list[str] = []
+        streamed = _Streamed()
+        tokens, logprobs, versions = streamed.tokens, streamed.logprobs, []
         while True:
             params = VLLMSamplingParams(
                 n=1, temperature=sampling.temperature, top_p=sampling.top_p,
                 top_k=sampling.top_k, max_tokens=budget - len(tokens),
                 stop=list(sampling.stop) or None, include_stop_str_in_output=True,
-                ignore_eos=sampling.ignore_eos, logprobs=0, seed=seed,
+                ignore_eos=sampling.ignore_eos, logprobs=sampling.top_logprobs, seed=seed,
                 output_kind=RequestOutputKind.DELTA)
             request_id = f"tandem-{self._prefix}-{next(self._requests)}"
             while self._loading is not None:
@@ -280,14 +308,10 @@ class VLLMEngine(WorkerFetchEngine):
                 async for out in self.llm.generate({"prompt_token_ids": ids + tokens}, params,
                                                    request_id, lora_request=self._lora):
                     sample = out.outputs[0]
-                    new = [int(t) for t in sample.token_ids]
-                    if sample.logprobs is None or len(sample.logprobs) != len(new):
-                        raise VLLMError("vLLM returned no logprob for some sampled tokens; "
-                                        "SamplingParams(logprobs=0) must be honoured")
-                    tokens += new
-                    logprobs += [step[t].logprob for step, t in zip(sample.logprobs, new)]
-                    versions += [version] * len(new)
-                    texts.append(sample.text)
+                    got = streamed.add(sample, sampling.top_logprobs)
+                    versions += [version] * len(got[0])
+                    if emit is not None:
+                        emit(*got)
                     last = sample
             finally:
                 self._in_flight -= 1
@@ -297,16 +321,16 @@ class VLLMEngine(WorkerFetchEngine):
             if last is not None and last.finish_reason == "abort" and len(tokens) < budget:
                 continue  # interrupted by a load: go on from here under the new weights
             break
-        if last is None:
-            raise VLLMError("vLLM ended a request without any output")
-        if last.finish_reason == "abort":
-            last = dataclasses.replace(last, finish_reason="length", stop_reason=None)
+        final = streamed.whole()
+        if final.finish_reason == "abort":
+            final = dataclasses.replace(final, finish_reason="length", stop_reason=None)
         # one segment: vLLM's text; several: decoded whole (a seam can split a character)
-        text = (self._tokenizer.decode(tokens, skip_special_tokens=True)
-                if len(set(versions)) > 1 else "".join(texts))
-        final = dataclasses.replace(last, token_ids=tokens, text=text, logprobs=None)
+        if len(set(versions)) > 1:
+            final = dataclasses.replace(
+                final, text=self._tokenizer.decode(tokens, skip_special_tokens=True))
         completion = self._completion(ids, final, time.perf_counter() - start,
-                                      logprobs=np.asarray(logprobs, dtype=np.float32))
+                                      logprobs=np.asarray(logprobs, dtype=np.float32),
+                                      top=streamed.top if sampling.top_logprobs else None)
         completion.token_versions = np.asarray(versions, dtype=np.int32)
         return completion
 
@@ -315,14 +339,12 @@ class VLLMEngine(WorkerFetchEngine):
 
     @staticmethod
     def _completion(prompt_ids: list[int], sample: Any, seconds: float,
-                    logprobs: np.ndarray | None = None) -> Completion:
+                    logprobs: np.ndarray | None = None, top: Any = None,
+                    top_n: int = 0) -> Completion:
         tokens = np.asarray(sample.token_ids, dtype=np.int32)
         if logprobs is None:
-            if sample.logprobs is None or len(sample.logprobs) != len(tokens):
-                raise VLLMError("vLLM returned no logprob for some sampled tokens; "
-                                "SamplingParams(logprobs=0) must be honoured")
-            logprobs = np.asarray([step[int(t)].logprob
-                                   for step, t in zip(sample.logprobs, tokens)], dtype=np.float32)
+            _, lps, top = _logprobs_of(sample, top_n)
+            logprobs = np.asarray(lps, dtype=np.float32)
         if sample.finish_reason == "length":
             reason, stop = "length", None
         elif sample.finish_reason != "stop":
@@ -333,7 +355,7 @@ class VLLMEngine(WorkerFetchEngine):
             reason, stop = "eos", None  # an eos (or stop) token ended it
         return Completion(prompt_ids=np.asarray(prompt_ids, dtype=np.int32), token_ids=tokens,
                           logprobs=logprobs, text=sample.text, finish_reason=reason, stop=stop,
-                          timings={"generate_s": seconds})
+                          timings={"generate_s": seconds}, top_logprobs=top)
 
     async def _load(self, method: str, *args: Any, version: int) -> list[Any]:
         """Run a weight-loading method on every worker with generation paused, then drop every
@@ -513,6 +535,49 @@ class _VLLMProcesses:
         psutil.wait_procs(stuck, timeout=grace)
         if alive:
             log.info("vllm.processes_ended", count=len(alive), killed=len(stuck))
+
+
+def _logprobs_of(sample: Any, top_n: int) -> tuple[list[int], list[float], Any]:
+    """(token ids, their logprobs, each one's `top_n` most likely (id, logprob) or None) of a
+    vLLM CompletionOutput (all of it, or a DELTA's new part)."""
+    new = [int(t) for t in sample.token_ids]
+    if sample.logprobs is None or len(sample.logprobs) != len(new):
+        raise VLLMError("vLLM returned no logprob for some sampled tokens; "
+                        "SamplingParams(logprobs=k) must be honoured")
+    lps = [step[t].logprob for step, t in zip(sample.logprobs, new)]
+    top = None
+    if top_n:
+        top = [sorted(((int(t), float(lp.logprob)) for t, lp in step.items()
+                       if lp.rank is not None and lp.rank <= top_n),
+                      key=lambda x: -x[1])[:top_n] for step in sample.logprobs]
+    return new, lps, top
+
+
+@dataclasses.dataclass
+class _Streamed:
+    """One sample's DELTA outputs joined: tokens, logprobs, alternatives, text, the last one."""
+
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    top: list[Any] = dataclasses.field(default_factory=list)
+    texts: list[str] = dataclasses.field(default_factory=list)
+    last: Any = None
+
+    def add(self, sample: Any, top_n: int) -> tuple[list[int], list[float], Any]:
+        new, lps, top = _logprobs_of(sample, top_n)
+        self.tokens += new
+        self.logprobs += lps
+        self.top += top or []
+        self.texts.append(sample.text)
+        self.last = sample
+        return new, lps, top
+
+    def whole(self) -> Any:
+        """The last output with every token and the whole text (its logprobs are ours)."""
+        if self.last is None:
+            raise VLLMError("vLLM ended a request without any output")
+        return dataclasses.replace(self.last, token_ids=list(self.tokens),
+                                   text="".join(self.texts), logprobs=None)
 
 
 def _first_line(exc: BaseException) -> str:
