@@ -4,12 +4,12 @@ counted, every task consumed once in the final lineage, and no checkpoint overwr
 
 from __future__ import annotations
 
-from typing import Self
 import os
 import signal
 import sys
 import time
 from pathlib import Path
+from typing import Self
 
 import pytest
 import yaml
