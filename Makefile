@@ -10,7 +10,7 @@ EDITABLE := $(foreach p,$(PKGS),-e packages/$(p)[test])
 COMMA := ,
 MAIN_EDITABLE := $(subst packages/explorer[test],packages/explorer[test$(COMMA)verifiers],$(EDITABLE))
 
-.PHONY: run test test-vllm install clean bwrap
+.PHONY: run test test-vllm test-slurm install clean bwrap slurm
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -67,6 +67,20 @@ $(VLLM_STAMP): $(wildcard packages/*/pyproject.toml)
 # Only the tests marked `vllm`; `make test` runs them too but they skip there (no vLLM).
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_BIN)/python -m pytest -m vllm
+
+# The Slurm tier (docs/deployment.md): a one-node cluster (munged, slurmctld, slurmd) started by
+# the tests runs `tandem deploy slurm`'s script with sbatch. Debian packages, installed like
+# bubblewrap: as root when missing; elsewhere say how.
+slurm:
+	@{ command -v sbatch && command -v slurmd && command -v munged; } >/dev/null 2>&1 || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	    { apt-get install -y -q slurm-wlm munge >/dev/null 2>&1 || \
+	      { apt-get update -q >/dev/null && apt-get install -y -q slurm-wlm munge >/dev/null; }; }; } || \
+	  { echo "make: the Slurm tier needs slurm-wlm and munge: apt-get install slurm-wlm munge (as root)"; exit 1; }
+
+# Only the tests marked `slurm`; `make test` collects them but skips them.
+test-slurm: $(STAMP) slurm
+	$(BIN)/python -m pytest -m slurm
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache .hypothesis

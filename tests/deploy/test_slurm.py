@@ -82,12 +82,14 @@ done
 trap 'trap "" TERM; echo "TERM $1" >> "$SRUN_LOG"; kill $! 2>/dev/null; exit 143' TERM
 echo "$node $*" >> "$SRUN_LOG"
 if [[ "$*" == *"$FAIL_ON"* ]]; then sleep 0.5; exit 3; fi
+# a server (buffer, reward service) serves until it is told to stop
+if [[ "$*" == *tandem-buffer* || "$*" == *tandem-reward* ]]; then sleep "$SERVE_SECONDS" & wait $!; fi
 sleep "$STEP_SECONDS" & wait $!
 """
 
 
-def run_job(tmp_path: Path, script: str, fail_on: str = "never",
-            step_seconds: float = 0.2) -> tuple[subprocess.CompletedProcess, list[str]]:
+def run_job(tmp_path: Path, script: str, fail_on: str = "never", step_seconds: float = 0.2,
+            serve_seconds: float = 600) -> tuple[subprocess.CompletedProcess, list[str]]:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "scontrol").write_text("#!/bin/sh\nprintf '%s\\n' " + " ".join(HOSTS) + "\n")
@@ -99,7 +101,8 @@ def run_job(tmp_path: Path, script: str, fail_on: str = "never",
     log = tmp_path / "srun.log"
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SRUN_LOG": str(log),
            "SLURM_JOB_NODELIST": "node-[a-d]", "SLURM_JOB_ID": "77", "FAIL_ON": fail_on,
-           "STEP_SECONDS": str(step_seconds), "TANDEM_CURVE_SERVER_SECRET": "s",
+           "STEP_SECONDS": str(step_seconds), "SERVE_SECONDS": str(serve_seconds),
+           "TANDEM_CURVE_SERVER_SECRET": "s",
            "TANDEM_CURVE_CLIENT_SECRET": "c"}
     done = subprocess.run(["bash", str(job)], env=env, capture_output=True, text=True,
                           timeout=30, cwd=tmp_path)
@@ -109,7 +112,7 @@ def run_job(tmp_path: Path, script: str, fail_on: str = "never",
 def test_job_starts_every_step_wired_by_host_name(tmp_path):
     done, calls = run_job(tmp_path, render(SlurmOptions(run_dir=str(tmp_path / "run"))))
     assert done.returncode == 0, done.stderr
-    by_command = {shlex.split(c)[1]: c for c in calls}
+    by_command = {shlex.split(c)[1]: c for c in calls if not c.startswith("TERM ")}
     assert by_command["tandem-master"].startswith("node-a ")
     assert by_command["tandem-buffer"].startswith("node-a ")
     assert by_command["torchrun"].startswith("node-b ")
@@ -136,6 +139,33 @@ def test_a_failing_step_stops_the_others_and_fails_the_job(tmp_path):
                        "torchrun"]
 
 
+def test_job_ends_with_the_run_and_stops_the_servers(tmp_path):
+    """The buffer and the reward service serve until told: once the master, the trainer and
+    the explorers have ended, the job stops them and completes (it used to wait for them)."""
+    script = render(SlurmOptions(run_dir=str(tmp_path / "run")))
+    done, calls = run_job(tmp_path, script)
+    assert done.returncode == 0, done.stderr
+    stopped = sorted(c.split()[1] for c in calls if c.startswith("TERM"))
+    assert stopped == ["tandem-buffer", "tandem-reward"]
+
+
+def test_single_node_places_every_step_on_the_one_node(tmp_path):
+    script = render(SlurmOptions(run_dir=str(tmp_path / "run"), single_node=True))
+    assert "#SBATCH --nodes=1" in script
+    done, calls = run_job(tmp_path, script)
+    assert done.returncode == 0, done.stderr
+    assert {c.split()[0] for c in calls if not c.startswith("TERM ")} == {"node-a"}
+    assert all("--overlap" in s for s in srun_lines(script))
+    torchrun = next(c for c in calls if " torchrun " in f" {c}")
+    assert "--rdzv-endpoint=node-a:29500" in torchrun
+
+
+def test_job_runs_where_it_was_rendered_with_that_tandem(tmp_path):
+    script = render(SlurmOptions(run_dir="/r", workdir="/shared/work", bin_dir="/opt/venv/bin"))
+    assert "#SBATCH --chdir=/shared/work" in script
+    assert 'export PATH=/opt/venv/bin:"$PATH"' in script
+
+
 def test_job_refuses_to_start_without_the_secret(tmp_path):
     script = render(SlurmOptions(run_dir=str(tmp_path / "run")))
     job = tmp_path / "run.sbatch"
@@ -154,6 +184,13 @@ def test_cli_writes_the_script(tmp_path, write_config):
     assert result.exit_code == 0, result.output
     assert "#SBATCH --partition=gpu" in out.read_text()
     assert os.access(out, os.X_OK)
+
+
+def test_cli_single_node_refuses_node_counts(tmp_path, write_config):
+    result = CliRunner().invoke(tandem, ["deploy", "slurm", str(write_config()), "--single-node",
+                                         "--trainer-nodes=2"])
+    assert result.exit_code == 2
+    assert "--single-node runs every component on one node" in result.output
 
 
 @pytest.mark.parametrize("flag", ["--trainer-nodes=0", "--explorer-nodes=0"])

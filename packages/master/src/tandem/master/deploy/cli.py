@@ -77,6 +77,10 @@ def k8s(config_path: str, out: str, image: str, name: str | None, namespace: str
 @click.option("--gpus-per-node", type=int, default=0, show_default=True,
               help="GPUs per node (torchrun processes per trainer node)")
 @click.option("--explorer-nodes", type=int, help="nodes the explorers share (default: one each)")
+@click.option("--bin-dir", help="folder of tandem-* and torchrun on the nodes (default: this "
+                                "tandem's, which must then be on the shared filesystem)")
+@click.option("--single-node", is_flag=True,
+              help="run every component on one node (a small run, or a one-node cluster)")
 @click.option("--time", "time_limit", default="24:00:00", show_default=True,
               help="sbatch --time")
 @click.option("--partition", help="sbatch --partition")
@@ -84,9 +88,12 @@ def k8s(config_path: str, out: str, image: str, name: str | None, namespace: str
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="override a config value before rendering (repeatable)")
 def slurm(config_path: str, out: str | None, run_dir: str | None, trainer_nodes: int,
-          gpus_per_node: int, explorer_nodes: int | None, time_limit: str,
+          gpus_per_node: int, explorer_nodes: int | None, bin_dir: str | None,
+          single_node: bool, time_limit: str,
           partition: str | None, account: str | None, overrides: tuple[str, ...]) -> None:
-    """Write an sbatch script that runs the run in CONFIG as srun steps of one allocation."""
+    """Write an sbatch script that runs the run in CONFIG as srun steps of one allocation.
+
+    The job runs in the current folder: relative paths in CONFIG are read from there."""
     from tandem.common.errors import TandemError
 
     from .slurm import SlurmOptions, render_slurm
@@ -94,7 +101,8 @@ def slurm(config_path: str, out: str | None, run_dir: str | None, trainer_nodes:
     config = _config(config_path, overrides)
     options = SlurmOptions(run_dir=run_dir, trainer_nodes=trainer_nodes,
                            gpus_per_node=gpus_per_node, explorer_nodes=explorer_nodes,
-                           time=time_limit, partition=partition, account=account)
+                           bin_dir=bin_dir, single_node=single_node, time=time_limit,
+                           partition=partition, account=account)
     try:
         script = render_slurm(config, options)
     except (TandemError, ValueError) as exc:

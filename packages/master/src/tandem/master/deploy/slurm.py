@@ -3,21 +3,29 @@
 Node 0 of the allocation runs the master, the buffer and (when `reward.service`) the reward
 service; the next `trainer_nodes` nodes run the trainer under torchrun (c10d rendezvous on the
 first of them, so no node needs its rank); the remaining nodes run the explorers, round-robin.
-Each component is its own `srun` step, so Slurm accounts, signals and kills each one; addresses
-are wired by host name from `scontrol show hostnames`, passed as `--set` overrides, and every
-server binds all interfaces of its own node.
+With `single_node` every component runs on node 0 (a small run, or a one-node test cluster).
+Each component is its own `srun` step (`--overlap`: steps share the job's nodes), so Slurm
+accounts, signals and kills each one; addresses are wired by host name from `scontrol show
+hostnames`, passed as `--set` overrides, and every server binds all interfaces of its own node.
+The job runs in the folder it was rendered in (`--chdir`), so the config's relative paths
+(model, taskset) mean what they mean to `tandem up` there, and with the rendering environment's
+`bin` first on PATH (`bin_dir`), so every node runs the tandem that rendered it (the same path on
+a shared filesystem) whether or not a venv is activated in the submitting shell.
 
 The run config is written into the script verbatim (a quoted here-document: nothing in it is
 expanded), with Curve secret keys replaced by `${env:...}` references that the components read
-from the environment sbatch passes on: the script refuses to start without them. When one step
-fails the script stops the others with SIGTERM and exits with its status; on SIGTERM (scancel, or
-`--signal` before the time limit) it passes the signal on, so every component stops cleanly and
-a later submission continues with `--resume`.
+from the environment sbatch passes on: the script refuses to start without them. The run is
+over when the master, the trainer and the explorers have ended (the master ends them): the
+script then stops the servers that serve until told (buffer, reward service) with SIGTERM, as
+`tandem up` does. When one step fails the script stops the others and exits with status 1; on
+SIGTERM (scancel, or `--signal` before the time limit) it passes the signal on, so every
+component stops cleanly, and submitting the same script again continues the run.
 """
 
 from __future__ import annotations
 
 import shlex
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +49,9 @@ class SlurmOptions:
     partition: str | None = None
     account: str | None = None
     local_dir: str = "${TMPDIR:-/tmp}"
+    single_node: bool = False
+    workdir: str | None = None
+    bin_dir: str | None = None
 
 
 def render_slurm(config: RunConfig, options: SlurmOptions) -> str:
@@ -52,7 +63,12 @@ def render_slurm(config: RunConfig, options: SlurmOptions) -> str:
     if explorer_nodes < 1:
         raise ValueError("--explorer-nodes must be at least 1")
     explorer_nodes = min(explorer_nodes, len(config.explorers))
-    nodes = 1 + options.trainer_nodes + explorer_nodes
+    if options.single_node and (options.trainer_nodes > 1 or options.explorer_nodes):
+        raise ValueError("--single-node runs every component on one node: drop "
+                         "--trainer-nodes and --explorer-nodes")
+    nodes = 1 if options.single_node else 1 + options.trainer_nodes + explorer_nodes
+    workdir = options.workdir or str(Path.cwd())
+    bin_dir = options.bin_dir or str(Path(sys.executable).parent)
     run_dir = options.run_dir or str(Path(config.run_dir).absolute())
     fetch = config.weights.transport == "fetch"
     ports = server_ports(config)
@@ -69,6 +85,7 @@ def render_slurm(config: RunConfig, options: SlurmOptions) -> str:
     head = ["#!/bin/bash", f"#SBATCH --job-name={config.name}", f"#SBATCH --nodes={nodes}",
             "#SBATCH --ntasks-per-node=1", f"#SBATCH --time={options.time}",
             "#SBATCH --signal=B:TERM@120",
+            f"#SBATCH --chdir={workdir}",
             "#SBATCH --output=tandem-%x-%j.out"]
     if options.gpus_per_node:
         head.append(f"#SBATCH --gpus-per-node={options.gpus_per_node}")
@@ -77,8 +94,13 @@ def render_slurm(config: RunConfig, options: SlurmOptions) -> str:
     if options.account:
         head.append(f"#SBATCH --account={options.account}")
     lines = head + [
-        "# Rendered by `tandem deploy slurm`: submit with `sbatch THIS_FILE`.",
-        "set -euo pipefail", ""]
+        "# Rendered by `tandem deploy slurm`: submit with `sbatch THIS_FILE`. To continue a",
+        "# stopped run (scancel, the time limit, a failed node), submit it again: the master",
+        "# and the buffer continue from RUN_DIR, the trainer (always `--resume`) from its",
+        "# newest checkpoint.",
+        "set -euo pipefail",
+        "# tandem-*, torchrun: the environment that rendered this script",
+        f'export PATH={q(bin_dir)}:"$PATH"', ""]
     needed = outside_tandem(config.plugins)
     if needed:
         lines += ["# Every node's Python environment must also hold what the run's plugins need",
@@ -92,9 +114,15 @@ def render_slurm(config: RunConfig, options: SlurmOptions) -> str:
         f"if (( ${{#HOSTS[@]}} < {nodes} )); then",
         f'  echo "tandem: the allocation has ${{#HOSTS[@]}} nodes, this run needs {nodes}" >&2',
         "  exit 2", "fi",
-        'CTRL="${HOSTS[0]}"',
-        f'TRAINER_HOSTS=("${{HOSTS[@]:1:{options.trainer_nodes}}}")',
-        f'EXPLORER_HOSTS=("${{HOSTS[@]:{1 + options.trainer_nodes}:{explorer_nodes}}}")',
+        'CTRL="${HOSTS[0]}"']
+    if options.single_node:
+        lines += ['TRAINER_HOSTS=("$CTRL")', 'EXPLORER_HOSTS=("$CTRL")']
+        explorer_nodes = 1
+    else:
+        lines += [
+            f'TRAINER_HOSTS=("${{HOSTS[@]:1:{options.trainer_nodes}}}")',
+            f'EXPLORER_HOSTS=("${{HOSTS[@]:{1 + options.trainer_nodes}:{explorer_nodes}}}")']
+    lines += [
         f"RUN_DIR={q(run_dir)}",
         'mkdir -p "$RUN_DIR"',
         'CONFIG="$RUN_DIR/run.yaml"',
@@ -110,13 +138,14 @@ def render_slurm(config: RunConfig, options: SlurmOptions) -> str:
         '  --set "weights.rendezvous_host=${TRAINER_HOSTS[0]}"',
         f'  --set "weights.fetch_address=tcp://${{TRAINER_HOSTS[0]}}:{ports["fetch"]}"',
         ")", "",
-        "PIDS=()",
+        "PIDS=()  # every step",
+        "RUN=()   # the steps that end by themselves when the run is over",
         "stop() { kill -TERM \"${PIDS[@]}\" 2>/dev/null || true; }",
         "trap 'stop; wait; exit 143' TERM INT", ""]
 
-    def step(comment: str, srun: str, argv: list[str]) -> None:
+    def step(comment: str, srun: str, argv: list[str], *, serves: bool = False) -> None:
         lines.extend([f"# {comment}", f"{srun} \\", "  " + " ".join(argv) + " &",
-                      'PIDS+=("$!")', ""])
+                      'PIDS+=("$!")' if serves else 'PIDS+=("$!"); RUN+=("$!")', ""])
 
     one = 'srun --nodes=1 --ntasks=1 --overlap --kill-on-bad-exit=1'
     step("master", f'{one} --nodelist="$CTRL"',
@@ -124,11 +153,11 @@ def render_slurm(config: RunConfig, options: SlurmOptions) -> str:
           *[f"--set {q(s)}" for s in bind_overrides(config, "master")]])
     step("buffer", f'{one} --nodelist="$CTRL"',
          ["tandem-buffer", '--config "$CONFIG"', '"${CLIENT[@]}"',
-          *[f"--set {q(s)}" for s in bind_overrides(config, "buffer")]])
+          *[f"--set {q(s)}" for s in bind_overrides(config, "buffer")]], serves=True)
     if reward_service(config):
         step("reward service", f'{one} --nodelist="$CTRL"',
              ["tandem-reward", '--config "$CONFIG"', '"${CLIENT[@]}"',
-              *[f"--set {q(s)}" for s in bind_overrides(config, "reward")]])
+              *[f"--set {q(s)}" for s in bind_overrides(config, "reward")]], serves=True)
     per_node = max(options.gpus_per_node, 1)
     trainer_argv = ["torchrun", f"--nnodes={options.trainer_nodes}",
                     f"--nproc-per-node={per_node}", "--rdzv-backend=c10d",
@@ -139,7 +168,8 @@ def render_slurm(config: RunConfig, options: SlurmOptions) -> str:
     if options.gpus_per_node:
         trainer_argv.append("--set trainer.device=cuda")
     step("trainer: torchrun on every trainer node",
-         f'srun --nodes={options.trainer_nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 '
+         f'srun --nodes={options.trainer_nodes} --ntasks-per-node=1 --overlap '
+         '--kill-on-bad-exit=1 '
          '--nodelist="$(IFS=,; echo "${TRAINER_HOSTS[*]}")"', trainer_argv)
     for k, explorer in enumerate(config.explorers):
         argv = ["tandem-explorer", '--config "$CONFIG"', f"--name {q(explorer.name)}",
@@ -151,10 +181,13 @@ def render_slurm(config: RunConfig, options: SlurmOptions) -> str:
         step(f"explorer {explorer.name}",
              f'{one} --nodelist="${{EXPLORER_HOSTS[{k % explorer_nodes}]}}"', argv)
     lines += [
-        "# the run ends when every step has; the first failure stops the rest",
-        "status=0",
-        "for _ in \"${PIDS[@]}\"; do",
-        "  if ! wait -n; then status=1; stop; fi",
-        "done",
-        "exit \"$status\"", ""]
+        "# the first step that fails stops the rest; once the master, the trainer and the",
+        "# explorers have ended, the servers are stopped (`wait -n`: bash 4.3 or newer)",
+        "while :; do",
+        "  code=0; wait -n || code=$?",
+        "  if (( code != 0 )); then stop; wait; exit 1; fi",
+        "  running=0",
+        "  for pid in \"${RUN[@]}\"; do kill -0 \"$pid\" 2>/dev/null && running=1; done",
+        "  if (( ! running )); then stop; wait; exit 0; fi",
+        "done", ""]
     return "\n".join(lines)
