@@ -71,6 +71,11 @@ class Publisher:
         await self._sock.send_multipart([topic.encode(), *frames], copy=False)
         return seq
 
+    def withdraw(self, topic: str) -> None:
+        """`topic`'s newest event no longer stands (a grant taken back): snapshots leave it out
+        until the next one is published."""
+        self._latest.pop(topic, None)
+
     def snapshot(self, prefixes: list[str] | None = None) -> list[SnapshotEntry]:
         """The newest event of every topic matching one of `prefixes` (all when empty), in the
         order they were published: a late joiner acts on them as a live subscriber would have

@@ -140,6 +140,10 @@ class RunClock:
     # a counted batch again is answered without counting it, whatever became of its slot since
     reported: dict[int, tuple[str, int]] = field(default_factory=dict)
     newest_reported: dict[str, int] = field(default_factory=dict)
+    # a restarted master grants no barrier until the trainer shows which lineage goes on: a
+    # trainer resumed from an older checkpoint moves the newer versions aside, and a grant
+    # made from the journal's `newest` named a version that was gone (issue 32 item 5)
+    awaiting_trainer: bool = False
 
     # -- inputs --------------------------------------------------------------------------------
 
@@ -290,6 +294,14 @@ class RunClock:
 
     def trainer_step_done(self, step: int) -> list[Decision]:
         self.trainer_done = max(self.trainer_done, step + 1)
+        self.awaiting_trainer = False  # its lineage goes on
+        return self._release()
+
+    def await_trainer(self, awaiting: bool) -> list[Decision]:
+        """The master restarted (`awaiting`), or the trainer showed its lineage since (a
+        heartbeat once its resume is done). While awaiting, barriers wait: the versions in the
+        journal may belong to a lineage the trainer is about to set aside."""
+        self.awaiting_trainer = awaiting
         return self._release()
 
     def published(self, version: int, method: str | None = None) -> list[Decision]:
@@ -298,6 +310,7 @@ class RunClock:
         self.newest = max(self.newest, version)
         if version not in self.published_versions:
             self.published_versions.append(version)
+        self.awaiting_trainer = False  # published by the lineage that goes on
         return self._release()
 
     def trainer_resumed(self, step: int) -> list[Decision]:
@@ -486,6 +499,8 @@ class RunClock:
     def _grant_all(self) -> list[Decision]:
         """The plan's next batch to every explorer that can take one now."""
         out: list[Decision] = []
+        if self.awaiting_trainer:
+            return out
         for slot in self.producing:
             if slot.running is None:
                 barrier = self._grant(slot)
@@ -503,6 +518,7 @@ class RunClock:
         weights it holds (the step's own version, at offset 0)."""
         t = self.trainer_go
         if (self.top_up_target is None or self.plan.asynchronous or t >= self.total_steps
+                or self.awaiting_trainer
                 or t != self.trainer_done or not self._wants_top_up(t)
                 or self._top_up_running(t)):
             return None
@@ -537,7 +553,7 @@ class RunClock:
         plan's weights for each."""
         t = self.trainer_go
         if (self.top_up_target is None or t >= self.total_steps or t != self.trainer_done
-                or self._trainer_ready(t)):
+                or self.awaiting_trainer or self._trainer_ready(t)):
             return []
         if any(s.running is not None or s.redo is not None for s in self.alive):
             return []

@@ -27,6 +27,7 @@ from tandem.common.errors import ConfigError, RequestFailed
 from tandem.common.heartbeat import Liveness
 from tandem.common.messages.base import Heartbeat, HeartbeatAck, Message, Ok
 from tandem.common.messages.master import (
+    AwaitingTrainer,
     CompleteTasks,
     ComponentStatus,
     ExplorerDraining,
@@ -157,6 +158,7 @@ class Master:
             ExplorerDraining: self._apply_explorer_draining,
             TrainerResumed: self._apply_trainer_resumed,
             WeightsPublished: self._apply_weights,
+            AwaitingTrainer: self._apply_awaiting,
         }
         for msg_type, handler in ((Register, self._on_register), (Heartbeat, self._on_heartbeat),
                                   (LeaseTasks, self._on_lease), (CompleteTasks, self._on_complete),
@@ -195,6 +197,10 @@ class Master:
                                     config=recorded_config(self.config)))
         else:
             self._amend()
+        if self.resumed and self.clock.newest > 0 and not self.clock.stopped:
+            # the trainer may resume from an older checkpoint and set newer versions aside:
+            # no grant names one before it shows which lineage goes on
+            self._commit(AwaitingTrainer(awaiting=True))
         self.publish_address = await self.publisher.start()
         self.address = await self.server.start()
         self.metrics.start()
@@ -375,6 +381,9 @@ class Master:
             self._last_weights = None  # the lost lineage's version: never republished
         return decisions
 
+    def _apply_awaiting(self, msg: AwaitingTrainer) -> list[Decision]:
+        return self.clock.await_trainer(msg.awaiting)
+
     def _apply_weights(self, msg: WeightsPublished) -> list[Decision]:
         self._last_weights = msg
         self._weights_events += 1
@@ -475,6 +484,10 @@ class Master:
             await self._emit(decisions)
             log.info("component.registered", name=msg.name, role=msg.role, pid=msg.pid)
             running, reported = self.clock.holds(msg.name)
+            if msg.role == "explorer" and running is None:
+                # granted nothing now (its batch waits to be redone, or the trainer): the
+                # barrier its last incarnation took must not reach it by snapshot
+                self.publisher.withdraw(barrier_topic(msg.name))
         t = self.config.transport
         return Registered(run_id=self.run_id, liveness=t.liveness,
                           heartbeat_interval=t.heartbeat_interval,
@@ -495,6 +508,14 @@ class Master:
     async def _on_heartbeat(self, msg: Heartbeat, ctx: CallContext) -> HeartbeatAck:
         self._touch(ctx, msg.name)
         self._refuse_dead_explorer(msg.name)
+        reg = self.registry.get(msg.name)
+        if self.clock.awaiting_trainer and reg is not None and reg.role == "trainer":
+            # its heartbeats start once its resume is done: its lineage is the one going on
+            async with self._lock:
+                if self.clock.awaiting_trainer:
+                    log.info("master.trainer_lineage", step=self.clock.trainer_done,
+                             newest_version=self.clock.newest)
+                    await self._emit(self._commit(AwaitingTrainer(awaiting=False)))
         return HeartbeatAck(name="master")
 
     async def _on_lease(self, msg: LeaseTasks, ctx: CallContext) -> TaskLease:

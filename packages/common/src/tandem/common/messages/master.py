@@ -339,6 +339,15 @@ class RunAmended(Message):
     config: dict[str, Any]
 
 
+@wire("master.journal.awaiting_trainer")
+class AwaitingTrainer(Message):
+    """Master to its journal: `awaiting`: it restarted with versions published, and grants no
+    barrier until the trainer shows which lineage goes on (a resumed trainer moves the lost
+    one's versions aside); not `awaiting`: the trainer did (a heartbeat, a step, a version)."""
+
+    awaiting: bool
+
+
 @wire("master.journal.leased")
 class TasksLeased(Message):
     """Master to its journal: a `LeaseTasks` was answered with these tasks (taskset refs as
