@@ -2,7 +2,8 @@
 
     .venv/bin/python tools/chaos.py [--preset fully_async|one_step_off_policy|both]
         [--kills "trainer:mid-train,explorer:after-put,reward:mid-score:pause=5,..."
-         | --kills-per-component N [--pauses-per-component M --pause-seconds S]]
+         | --kills-per-component N [--pauses-per-component M --pause-seconds S]
+         | --stalls [--pause-seconds 50]]
         [--steps 40] [--seed 0] [--out .bench/chaos.json]
 
 Starts `tandem up` (restarts on: `up.restart: on-failure`) on the quickstart task (reverse the
@@ -24,13 +25,17 @@ strikes one component at a time at one moment:
 |               | from the explorer, then the target is struck                                  |
 | mid-broadcast | the master journaled a `WeightsPublished` (with nccl the broadcast follows)   |
 
-A strike is `kill` (SIGKILL, the default) or `pause=SECONDS` (SIGSTOP, then SIGCONT). Component
+A strike is `kill` (SIGKILL, the default) or `pause=SECONDS` (SIGSTOP, then SIGCONT). `--stalls`
+is the scenario of issue 32: the trainer, the buffer and the master each SIGSTOPped for
+`--pause-seconds` (50) in one run with `sync.timeout: 30` and `transport.liveness: 10`, so each
+pause outlasts the explorer's barrier wait (it exits and is restarted) and the master's
+liveness (it declares the silent ones dead). Component
 processes are the `tandem up` process's children (/proc), so a restarted component is found by
 its new PID; every strike waits until all components are up again and the trainer moved on.
 
 Afterwards it accounts, reading the run dir only (the buffer database opened read-only, the
 master's journal decoded with the project codec, the trace, the checkpoints and logs), for:
-acked vs stored experiences; tasks lost, rolled out twice (more than one group for one task in
+acked vs stored vs trained experiences; tasks dispatched vs consumed; tasks lost, rolled out twice (more than one group for one task in
 one epoch) and trained twice (consumed more than once in the final lineage); learner vs master
 steps and the trainer's step mismatches; the final checkpoint step and overwritten checkpoints;
 the longest pause between trainer steps; every component's RSS; processes left behind; and the
@@ -74,6 +79,9 @@ MOMENTS_FOR = {
     "master": ("after-put", "mid-train", "mid-broadcast", "mid-rollout"),
     "reward": ("mid-score", "mid-rollout", "after-put"),
 }
+# --stalls: each pause outlasts sync.timeout and transport.liveness (issue 32 items 2 and 3)
+STALLS = "trainer:mid-train:pause={s:g},buffer:mid-train:pause={s:g},master:mid-rollout:pause={s:g}"
+STALL_KNOBS = {"sync_timeout": 30.0, "liveness": 10.0}
 _HEAD = struct.Struct(">II")  # a journal record: payload length, crc32 (see journal.py)
 POLL = 0.02
 
@@ -137,7 +145,8 @@ def planned_strikes(per_component: int, seed: int, *, pauses: int = 0,
 
 
 def write_config(workdir: Path, model_dir: Path, *, preset: str, steps: int, seed: int,
-                 restarts: int, batch_size: int, repeat: int, run_timeout: float) -> Path:
+                 restarts: int, batch_size: int, repeat: int, run_timeout: float,
+                 sync_timeout: float = 60.0, liveness: float | None = None) -> Path:
     """The quickstart task through the full system, reward service on, restarts on."""
     from tandem.master.quickstart import reversal_tasks, write_jsonl
 
@@ -145,7 +154,7 @@ def write_config(workdir: Path, model_dir: Path, *, preset: str, steps: int, see
     config = {
         "name": f"chaos-{preset}", "run_dir": str(workdir / "run"), "seed": seed,
         "model": {"path": str(model_dir)},
-        "sync": {"preset": preset, "timeout": 60},
+        "sync": {"preset": preset, "timeout": sync_timeout},
         "master": {"total_steps": steps, "taskset": {
             "path": str(write_jsonl(train[:64], workdir / "train.jsonl")), "seed": seed,
             "epochs": 100}},
@@ -161,6 +170,8 @@ def write_config(workdir: Path, model_dir: Path, *, preset: str, steps: int, see
         "up": {"restart": "on-failure", "max_restarts": restarts, "run_timeout": run_timeout,
                "timeline": False},
     }
+    if liveness is not None:
+        config["transport"] = {"liveness": liveness}
     from tandem.common.config.logs import LoggingConfig
 
     if "metrics" in LoggingConfig.model_fields:  # other runs may share this machine: free ports
@@ -788,6 +799,9 @@ def account(run_dir: Path, config: dict[str, Any], result: dict[str, Any]) -> di
     for g in groups:
         epoch = epochs.get(g[0], -1)
         per_task[(epoch, g[1])].append(g)
+    # trained: experiences of the groups the final lineage consumed (acked by the trainer)
+    report["experiences_trained"] = sum(g[4] for g in groups if g[6])
+    report["experiences_acked_not_trained"] = max(0, acked - report["experiences_trained"])
     rolled_twice = {k: len(v) for k, v in per_task.items() if len(v) > 1}
     trained = {k: sum(g[6] for g in v) for k, v in per_task.items()}
     trained_twice = {k: n for k, n in trained.items() if n > 1}
@@ -804,6 +818,9 @@ def account(run_dir: Path, config: dict[str, Any], result: dict[str, Any]) -> di
     lost = sorted(set(lost) | set(stale_untrained))
     report["tasks_dispatched"] = len(dispatch)
     report["tasks_trained"] = sum(1 for n in trained.values() if n)
+    # dispatched = consumed: every task the master leased out was trained on (a step rolled
+    # out twice with new tasks leaves tasks dispatched and never consumed)
+    report["tasks_dispatched_not_consumed"] = sum(1 for k in dispatch if not trained.get(k))
     report["tasks_lost"] = len(lost)
     report["tasks_rolled_out_twice"] = len(rolled_twice)
     report["tasks_trained_twice"] = len(trained_twice)
@@ -898,7 +915,8 @@ def leftovers(run_dir: Path) -> list[int]:
     return found
 
 
-ZERO = ("experiences_lost", "experiences_stored_twice", "tasks_lost", "tasks_rolled_out_twice",
+ZERO = ("experiences_lost", "experiences_stored_twice", "experiences_acked_not_trained",
+        "tasks_lost", "tasks_dispatched_not_consumed", "tasks_rolled_out_twice",
         "tasks_trained_twice", "step_mismatches", "checkpoints_overwritten", "leftover_processes")
 
 
@@ -911,13 +929,18 @@ def clean(report: dict[str, Any]) -> bool:
 
 def run_one(workdir: Path, model_dir: Path, preset: str, strikes: list[Strike], *, steps: int,
             seed: int, batch_size: int = 2, repeat: int = 2, run_timeout: float = 600,
-            moment_timeout: float = 30.0, log: Callable[[str], None] = print) -> dict[str, Any]:
+            moment_timeout: float = 30.0, sync_timeout: float = 60.0,
+            liveness: float | None = None,
+            log: Callable[[str], None] = print) -> dict[str, Any]:
     """One preset under `strikes`; the report (also what tests assert on)."""
     workdir.mkdir(parents=True, exist_ok=True)
     per = Counter(s.component for s in strikes if s.pause is None)
+    # a pause longer than sync.timeout may end an explorer (or a trainer) that is restarted
+    pauses = sum(1 for s in strikes if s.pause is not None)
     config_path = write_config(workdir, model_dir, preset=preset, steps=steps, seed=seed,
-                               restarts=max(per.values(), default=0) + 2,
-                               batch_size=batch_size, repeat=repeat, run_timeout=run_timeout)
+                               restarts=max(per.values(), default=0) + pauses + 2,
+                               batch_size=batch_size, repeat=repeat, run_timeout=run_timeout,
+                               sync_timeout=sync_timeout, liveness=liveness)
     chaos = Chaos(workdir, config_path, strikes, seed=seed, moment_timeout=moment_timeout,
                   log=log)
     log(f"{preset}: {len(strikes)} strikes, {steps} steps, run dir {chaos.run_dir}")
@@ -964,8 +987,11 @@ def survived(reports: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
 
 def print_table(reports: list[dict[str, Any]]) -> None:
     rows = [("result", "result"), ("steps: master / learner / final ckpt", None),
-            ("experiences acked / stored", None), ("experiences lost", "experiences_lost"),
+            ("experiences acked / stored / trained", None),
+            ("experiences lost", "experiences_lost"),
+            ("experiences acked, not trained", "experiences_acked_not_trained"),
             ("tasks dispatched / trained", None), ("tasks lost", "tasks_lost"),
+            ("tasks dispatched, not consumed", "tasks_dispatched_not_consumed"),
             ("tasks rolled out twice", "tasks_rolled_out_twice"),
             ("tasks trained twice", "tasks_trained_twice"),
             ("step mismatches", "step_mismatches"),
@@ -985,7 +1011,8 @@ def print_table(reports: list[dict[str, Any]]) -> None:
                 cells.append(f"{r.get('master_steps')} / {r.get('learner_steps')} / "
                              f"{r.get('final_checkpoint_step')}")
             elif title.startswith("experiences"):
-                cells.append(f"{r.get('experiences_acked')} / {r.get('experiences_stored')}")
+                cells.append(f"{r.get('experiences_acked')} / {r.get('experiences_stored')} / "
+                             f"{r.get('experiences_trained')}")
             elif title.startswith("tasks dispatched"):
                 cells.append(f"{r.get('tasks_dispatched')} / {r.get('tasks_trained')}")
             elif title.startswith("strikes"):
@@ -1014,8 +1041,12 @@ def main(argv: list[str] | None = None) -> int:
                              "(default 3 when --kills is not given)")
     parser.add_argument("--pauses-per-component", type=int, default=0, metavar="N",
                         help="with --kills-per-component: also N pauses of every component")
-    parser.add_argument("--pause-seconds", type=float, default=15.0,
-                        help="how long a planned pause lasts (SIGSTOP to SIGCONT)")
+    parser.add_argument("--pause-seconds", type=float, default=None,
+                        help="how long a planned pause lasts (SIGSTOP to SIGCONT; default 15, "
+                             "50 with --stalls)")
+    parser.add_argument("--stalls", action="store_true",
+                        help="SIGSTOP the trainer, the buffer and the master in turn, each "
+                             "longer than sync.timeout (30) and transport.liveness (10)")
     parser.add_argument("--steps", type=int, default=40, help="trainer steps per run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=2, help="tasks per explorer step "
@@ -1029,8 +1060,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, help="where runs go (default: a temp dir)")
     parser.add_argument("--out", type=Path, default=Path(".bench/chaos.json"))
     args = parser.parse_args(argv)
-    if args.kills and args.kills_per_component is not None:
-        parser.error("give --kills or --kills-per-component, not both")
+    if sum((bool(args.kills), args.kills_per_component is not None, args.stalls)) > 1:
+        parser.error("give one of --kills, --kills-per-component, --stalls")
+    pause_seconds = args.pause_seconds or (50.0 if args.stalls else 15.0)
+    if args.stalls:
+        args.kills = STALLS.format(s=pause_seconds)
     if args.steps < 4:
         parser.error("--steps must be at least 4")
 
@@ -1049,10 +1083,12 @@ def main(argv: list[str] | None = None) -> int:
                    planned_strikes(3 if args.kills_per_component is None
                                    else args.kills_per_component, args.seed,
                                    pauses=args.pauses_per_component,
-                                   pause_seconds=args.pause_seconds))
+                                   pause_seconds=pause_seconds))
+        knobs = STALL_KNOBS if args.stalls else {}
         reports.append(run_one(workdir / preset, model, preset, strikes, steps=args.steps,
                                seed=args.seed, batch_size=args.batch_size, repeat=args.repeat,
-                               run_timeout=args.run_timeout, moment_timeout=args.moment_timeout))
+                               run_timeout=args.run_timeout, moment_timeout=args.moment_timeout,
+                               **knobs))
     print_table(reports)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"command": " ".join(sys.argv), "runs": reports,

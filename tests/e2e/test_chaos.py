@@ -51,3 +51,18 @@ def test_strike_specs_are_checked_and_every_component_gets_its_kills():
         f"{c}:{chaos.MOMENTS_FOR[c][0]}:kill" for c in chaos.COMPONENTS)
     assert sorted(s.label for s in mixed if s.pause is not None) == sorted(
         f"{c}:{chaos.MOMENTS_FOR[c][1]}:pause=12" for c in chaos.COMPONENTS)
+
+
+def test_the_stall_scenario_pauses_trainer_buffer_and_master_past_both_bounds(tmp_path):
+    strikes = chaos.parse_strikes(chaos.STALLS.format(s=50))
+    assert [s.label for s in strikes] == ["trainer:mid-train:pause=50",
+                                          "buffer:mid-train:pause=50",
+                                          "master:mid-rollout:pause=50"]
+    assert min(s.pause for s in strikes) > max(chaos.STALL_KNOBS.values())
+    path = chaos.write_config(tmp_path, tmp_path / "model", preset="fully_async", steps=40,
+                              seed=0, restarts=5, batch_size=2, repeat=2, run_timeout=900,
+                              **chaos.STALL_KNOBS)
+    config = chaos.yaml.safe_load(path.read_text())
+    assert config["sync"]["timeout"] == 30 and config["transport"]["liveness"] == 10
+    # acked = trained and dispatched = consumed are counts that must be zero
+    assert {"experiences_acked_not_trained", "tasks_dispatched_not_consumed"} <= set(chaos.ZERO)

@@ -129,3 +129,4 @@ async def test_a_restarted_explorer_never_rolls_out_a_reported_step_again(
     assert len(reports) == len(set(reports)) == STEPS, reports
     per_task, stored = groups_per_task(config)
     assert len(per_task) == STEPS * BATCH and set(per_task.values()) == {1}
+    assert stored == STEPS * BATCH * 2  # repeat_times 2: nothing stored twice
