@@ -1,4 +1,6 @@
-"""Every component of a `tandem up` run serves Prometheus metrics on /metrics while it runs."""
+"""Every component of a `tandem up` run serves Prometheus metrics on /metrics while it runs,
+and SIGTERM then stops every process by itself (one run for both: the stop is the end this run
+needs anyway)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import pytest
 import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_up_supervision import tandem_up, trained_steps, wait_for, write_config
+from test_up_supervision import run_processes, tandem_up, trained_steps, wait_for, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +45,8 @@ def value(samples: dict[str, float], pattern: str) -> float:
     return sum(v for k, v in samples.items() if re.fullmatch(pattern, k))
 
 
-def test_each_component_serves_its_metrics_during_a_run(tmp_path, tiny_model_dir):
+def test_each_component_serves_its_metrics_and_sigterm_stops_every_process_by_itself(
+        tmp_path, tiny_model_dir):
     cfg = write_config(tmp_path, tiny_model_dir, steps=10_000)
     data = yaml.safe_load(cfg.read_text())
     assert "metrics" not in data["logging"]  # `tandem up` serves them, on free ports
@@ -51,6 +54,7 @@ def test_each_component_serves_its_metrics_during_a_run(tmp_path, tiny_model_dir
     urls = run_dir / "metrics"
     with tandem_up(cfg) as proc:
         wait_for(lambda: trained_steps(run_dir) >= 1, 90, "a trained step")
+        assert len(run_processes(run_dir)) == 4
         wait_for(lambda: all((urls / f"{c}.url").exists() for c in COMPONENTS), 10,
                  "every component's metrics address")
         got = {c: scrape((urls / f"{c}.url").read_text().strip()) for c in COMPONENTS}
@@ -67,8 +71,17 @@ def test_each_component_serves_its_metrics_during_a_run(tmp_path, tiny_model_dir
             return t if value(t, r'tandem_trainer_span_seconds_count\{kind="sync",.*\}') >= 1 \
                 else None
         got["trainer"] = wait_for(trainer_published, 60, "the trainer's first publication")
+        # a run of 10000 steps is far from its end: SIGTERM stops it mid-run
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=600)  # only against a hang
+        # bounded only against a hang: past each stage's stop bound (up.stop_timeout,
+        # up.trainer_stop_timeout) `tandem up` SIGKILLs it and says so, which fails below
+        out, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 130, out[-3000:]  # stopped by the signal, steps unfinished
+        # every stage stopped on its SIGTERM: none had to be killed (the promptness of a stop
+        # is that no component waits out a timeout first, not the seconds this machine took)
+        assert "up.stopping" in out and "reason=SIGTERM" in out, out[-3000:]
+        assert "up.kill" not in out, out[-3000:]
+        assert not run_processes(run_dir)  # `tandem up` reaped each before it exited
 
     trainer, buffer, master, explorer = (got[c] for c in
                                          ("trainer", "buffer", "master", "explorer-0"))
