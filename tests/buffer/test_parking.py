@@ -29,6 +29,12 @@ async def replies(sock, want: int, within: float) -> list[str]:
     return codes
 
 
+async def parked(b, n: int = 1) -> None:
+    """Until the buffer holds `n` waiting samples (its own state, not a guess in seconds)."""
+    while sum(map(len, b.buffer._parked.values())) < n:
+        await asyncio.sleep(0.01)
+
+
 async def test_a_flood_of_waiting_samples_does_not_deny_another_client(
         tmp_path, zmq_sockets_closed):
     async with Running(config_for(tmp_path)) as b:
@@ -60,7 +66,7 @@ async def test_a_newer_sample_from_the_same_client_supersedes_the_oldest(
         tmp_path, zmq_sockets_closed):
     async with Running(config_for(tmp_path, "buffer.max_parked_per_client=1")) as b:
         first = asyncio.create_task(b.call(SampleGroups(num_groups=1, wait=30.0), timeout=40))
-        await asyncio.sleep(0.3)  # parked
+        await asyncio.wait_for(parked(b), 30)
         second = asyncio.create_task(b.call(SampleGroups(num_groups=1, wait=30.0), timeout=40))
         with pytest.raises(RequestFailed, match="superseded by a newer sample") as info:
             await asyncio.wait_for(first, 5.0)
@@ -124,7 +130,7 @@ async def test_releasing_a_holder_ends_its_dead_incarnations_waiting_sample(
         try:
             orphan = asyncio.create_task(dead.call(
                 SampleGroups(num_groups=1, wait=30.0, holder="trainer"), timeout=40, retries=0))
-            await asyncio.sleep(0.3)  # parked
+            await asyncio.wait_for(parked(b), 30)
             released = await b.call(ReleaseLeases(holder="trainer"))
             assert released.leases == 0
             with pytest.raises(RequestFailed, match="its holder 'trainer' released its leases"):
