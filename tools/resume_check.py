@@ -15,6 +15,9 @@ Per preset, with default settings (`trainer.checkpoint_every: 0`, `up.stop_timeo
 |               | `tandem up --resume` to the end                                                |
 | sigkill       | SIGKILL to `tandem up` and every component at that moment (no exit checkpoint: |
 |               | the trainer restarts from model.path and retrains), then `tandem up --resume`  |
+| sigkill-cycles| the same three times (at `--stop-at`, then 2 and 4 steps later, each once the  |
+|               | master counted that many), `--resume` after each: every resumed trainer moves  |
+|               | the lost lineage's versions aside while explorers register (issue 32 item 5)   |
 
 Each run is accounted from its run dir alone: the final learner step (the newest checkpoint's
 trainer_state.json), the steps the master counted (its journal), every group's uses and the
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -43,7 +47,9 @@ from typing import Any
 import yaml
 
 TANDEM = str(Path(sys.executable).parent / "tandem")
-SCENARIOS = ("uninterrupted", "sigterm", "sigkill")
+SCENARIOS = ("uninterrupted", "sigterm", "sigkill", "sigkill-cycles")
+# the explorer's error for a version that is not on disk
+NOT_FOUND = re.compile(r"weights version \d+ not found")
 
 
 def write_config(workdir: Path, model_dir: Path, *, preset: str, steps: int, seed: int,
@@ -158,6 +164,12 @@ def run_scenario(workdir: Path, model_dir: Path, preset: str, scenario: str, *, 
     run_dir = workdir / "run"
     report: dict[str, Any] = {"preset": preset, "scenario": scenario, "total_steps": steps}
     start = time.monotonic()
+    if scenario == "sigkill-cycles":
+        kills = [k for k in (stop_at, stop_at + 2, stop_at + 4) if k < steps]
+        report.update(kill_cycles(config, run_dir, kills, run_timeout=run_timeout))
+        report["seconds"] = round(time.monotonic() - start, 2)
+        report.update(account(run_dir, groups_per_step=2))
+        return report
     proc = up_process(config)
     outputs = []
     if scenario != "uninterrupted":
@@ -195,6 +207,42 @@ def run_scenario(workdir: Path, model_dir: Path, preset: str, scenario: str, *, 
                              if e.get("event") == "trainer.resume"]
     if code != 0:
         report["output_tail"] = "\n".join(outputs)[-3000:]
+    return report
+
+
+def kill_cycles(config: Path, run_dir: Path, kills: list[int], *,
+                run_timeout: float) -> dict[str, Any]:
+    """`tandem up`, SIGKILL of everything once the master counted each of `kills` steps, and
+    `tandem up --resume` after each; the last one runs to the end. Per incarnation: where it
+    was killed, and its exit code when it ended by itself."""
+    cycles, outputs = [], []
+    proc = up_process(config)
+    for k in kills:
+        deadline = time.monotonic() + run_timeout
+        while master_steps(run_dir) < k and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if proc.poll() is not None:  # it ended (failed) before the kill
+            code, out = finish(proc, 10)
+            cycles.append({"killed_at": None, "exit_code": code})
+            outputs.append(out)
+            break
+        counted = master_steps(run_dir)
+        kill_everything(proc)
+        outputs.append(proc.stdout.read())
+        cycles.append({"killed_at": counted, "checkpoint": newest_checkpoint_step(run_dir)})
+        proc = up_process(config, "--resume")
+    code, out = finish(proc, run_timeout)
+    outputs.append(out)
+    cycles.append({"exit_code": code})
+    text = "\n".join(outputs)
+    report = {"cycles": cycles, "exit_code": code,
+              "interrupted_at": [c.get("killed_at") for c in cycles[:-1]],
+              "versions_not_found": len(NOT_FOUND.findall(text)) + sum(
+                  bool(NOT_FOUND.search(json.dumps(e))) for e in log_events(run_dir)),
+              "retrain_log": [e.get("detail") for e in log_events(run_dir)
+                              if e.get("event") == "trainer.resume"]}
+    if code != 0 or report["versions_not_found"]:
+        report["output_tail"] = text[-3000:]
     return report
 
 
@@ -254,6 +302,9 @@ def verdict(report: dict[str, Any], reference: dict[str, Any] | None) -> list[st
                      f"could be interrupted at step {report['interrupted_at']}")
     if report["exit_code"] != 0:
         wrong.append(f"exit code {report['exit_code']}")
+    if report.get("versions_not_found"):
+        wrong.append(f"an explorer was told to load a version that was not on disk "
+                     f"{report['versions_not_found']} times")
     if report["learner_steps"] != steps:
         wrong.append(f"learner holds {report['learner_steps']} of {steps} steps")
     if report["master_steps"] != steps:

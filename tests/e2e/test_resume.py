@@ -269,3 +269,19 @@ def test_sigterm_then_resume_finishes_every_step_without_waiting_for_stale_lease
                if e.get("event") == "buffer.leases_expired"]
     assert expired == [], expired
     assert [r for r in journal(run_dir) if isinstance(r, LeaseExpired)] == []
+
+
+def test_kill_all_and_resume_three_times_never_names_a_version_set_aside(tmp_path,
+                                                                          tiny_model_dir):
+    """Issue 32 item 5: after a SIGKILL of everything the master replays versions of a lineage
+    the resumed trainer (from model.path: no checkpoint was written) moves aside. Each kill
+    lands once the master counted 2, 4 and 6 steps, each `--resume` with the default
+    `up.restart`; no explorer is told to load a version that is gone, and the run ends with
+    every step trained once."""
+    report = resume_check.run_scenario(tmp_path, tiny_model_dir, "fully_async",
+                                       "sigkill-cycles", steps=10, stop_at=2, seed=0,
+                                       run_timeout=240)
+    assert [c.get("killed_at") is not None for c in report["cycles"]] == [True] * 3 + [False]
+    assert report["versions_not_found"] == 0, report.get("output_tail")
+    assert resume_check.verdict(report, None) == [], (report, report.get("output_tail"))
+    assert len(report["retrain_log"]) == 4  # the first start and three resumes
