@@ -1,5 +1,9 @@
 """Streaming across step boundaries (`explorers[].lease_ahead`, asynchronous plans), through
-real processes: the explorer leases and rolls out its next step while this one drains."""
+real processes: the explorer leases and rolls out its next step while this one drains.
+
+The run is also the `fully_async` preset's end-to-end check (tests/e2e/test_presets.py runs
+the other presets): its trace obeys the preset's SyncPlan and the trainer publishes by the
+preset's method."""
 
 from __future__ import annotations
 
@@ -15,7 +19,9 @@ import pytest
 import yaml
 
 from processes import freeze
+from tandem.common.config import RunConfig
 from tandem.common.messages import ExplorerStepDone, TasksLeased
+from tandem.common.sync import SyncPlan
 from tandem.common.trace import read_trace
 from tandem.master.journal import JournalError, read_journal
 from tandem.master.quickstart import reversal_tasks, write_jsonl
@@ -125,10 +131,18 @@ def test_the_next_step_rolls_out_while_this_one_drains(tmp_path, tiny_model_dir)
     assert not any(isinstance(r, ExplorerStepDone) for r in records)
     spans = read_trace(run_dir)
     rollouts = sorted((s for s in spans if s["kind"] == "rollout"), key=lambda s: s["start"])
-    # every step rolled out once, in order, each with at most max_staleness old weights
+    # every step rolled out once, in order, each with at most the plan's staleness
+    plan = SyncPlan.from_config(RunConfig.model_validate(
+        yaml.safe_load(config.read_text())).sync, batches_per_step=1)
+    assert plan.asynchronous and plan.max_staleness == 4
     assert [s["step"] for s in rollouts] == list(range(STEPS))
-    assert all(s["step"] - s["version"] <= 4 for s in rollouts)
+    assert all(s["step"] - s["version"] <= plan.max_staleness for s in rollouts), rollouts
     trains = [s for s in spans if s["kind"] == "train"]
     assert sorted(s["step"] for s in trains) == list(range(STEPS))
     # step 1's rollout began before step 0's ended (its puts waited for the buffer)
     assert rollouts[1]["start"] < rollouts[0]["end"], rollouts[:2]
+    # the trainer published by the preset's method (the timeline drawing the other presets'
+    # runs check: `tandem up` draws it in the background, after it exits)
+    syncs = {(s["component"], (s.get("attrs") or {}).get("method")) for s in spans
+             if s["kind"] == "sync"}
+    assert ("trainer", "checkpoint") in syncs, syncs

@@ -119,7 +119,7 @@ class Explorer:
         self._taken_batches: set[int] = set()  # barriers started: a repeat is ignored
         self._reported_through = -1  # the master counted batches up to it from this explorer
         self._latest_weights: WeightsPublished | None = None
-        self._step_task: asyncio.Task | None = None
+        self._flight: _Flight | None = None  # the newest step started
         self._leases: dict[int, str] = {}  # batch -> lease id: leased, not yet completed
         self._declared_dead = asyncio.Event()  # the master refused us as dead: register again
         self.rejoins = 0
@@ -311,9 +311,9 @@ class Explorer:
                 if self._stopping:
                     break
                 self._taken_batches.add(barrier.batch)
-                prev, flight = flight, _Flight(barrier, self.rejoins)
+                prev, flight = flight, _Flight(barrier, self.rejoins, flight)
                 flight.task = asyncio.create_task(self._run_step(flight, prev))
-                self._step_task = flight.task
+                self._flight = flight
         finally:
             if self._wait_task is not None and not self._wait_task.done():
                 self._wait_task.cancel()
@@ -382,8 +382,15 @@ class Explorer:
         log.info("explorer.stopping", explorer=self.name, drain_seconds=self.cfg.drain_seconds)
         if self._wait_task is not None and not self._wait_task.done():
             self._wait_task.cancel()
-        if self._step_task is not None and not self._step_task.done():
-            asyncio.get_running_loop().call_later(self.cfg.drain_seconds, self._step_task.cancel)
+        flight = self._flight
+        if flight is not None and not flight.task.done():
+            if not flight.leased and (flight.prev is None or flight.prev.task.done()):
+                # it holds no tasks yet (it waits for weights, or its turn to lease), and no
+                # step before it drains: nothing to finish, so nothing waits on a trainer that
+                # is stopping too
+                flight.task.cancel()
+            else:
+                asyncio.get_running_loop().call_later(self.cfg.drain_seconds, flight.task.cancel)
 
     async def close(self) -> None:
         if self._closed:
@@ -485,6 +492,7 @@ class Explorer:
         engine = self.engine
         lease: TaskLease | None = None
         if prev is not None:  # ahead: lease now, while the step before still generates
+            flight.leased = True
             lease = await self._lease(barrier)
             if lease is None or not lease.tasks:
                 return lease is None
@@ -507,6 +515,7 @@ class Explorer:
                 await _first(prev.generated.wait(), prev.task)
             await self._evaluate(step=barrier.step)
         if lease is None:
+            flight.leased = True
             lease = await self._lease(barrier)
             if lease is None or not lease.tasks:
                 return lease is None
@@ -700,9 +709,11 @@ class Explorer:
 class _Flight:
     """One step in flight: its barrier, and how far its engine work has gone."""
 
-    def __init__(self, barrier: Barrier, rejoins: int):
+    def __init__(self, barrier: Barrier, rejoins: int, prev: _Flight | None = None):
         self.barrier = barrier
         self.rejoins = rejoins  # the explorer's registrations when it started
+        self.prev = prev  # the step before, still draining when this one started
+        self.leased = False  # it asked for its tasks: a stop lets it drain
         self.freed = asyncio.Event()  # a group is scored: a slot of the engine is free
         self.generated = asyncio.Event()  # every group is scored: the engine is done with it
         self.generated_at: float | None = None

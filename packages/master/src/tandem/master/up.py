@@ -4,10 +4,13 @@ The supervisor picks free loopback ports, writes the resolved config into the ru
 master, buffer, reward service (when configured), trainer and explorers through their own CLIs
 (never by importing them), shows live progress, and stops everything on Ctrl-C, SIGTERM, a
 component's death (unless `up.restart: on-failure`) or the end of the run. Each child runs in
-its own session so stopping it also stops whatever it started. Stopping goes explorers first,
-then the trainer (bounded by `up.trainer_stop_timeout`, so it can checkpoint), then the buffer,
-the reward service and the master. A restarted trainer gets the same argv: it always continues
-from its newest checkpoint.
+its own session so stopping it also stops whatever it started. Stopping goes in two stages: the
+explorers and the trainer together (neither waits for the other once it has its SIGTERM: an
+explorer drains its leased step, the trainer finishes its step and checkpoints, bounded by
+`up.trainer_stop_timeout`), then the buffer, the reward service and the master, which answered
+them until then. The stop is a `stop` span in `run_dir/trace/up.jsonl`, from the request to the
+last exit. A restarted trainer gets the same argv: it always continues from its newest
+checkpoint.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from tandem.common.config.transport import move_secrets_to_env
 from tandem.common.errors import PeerDead, RequestFailed, TandemError
 from tandem.common.messages.master import Status
 from tandem.common.sockets import free_port
-from tandem.common.trace import JsonlTail
+from tandem.common.trace import JsonlTail, Tracer
 
 from .startup import StartupClock
 
@@ -171,6 +174,7 @@ class Supervisor:
         self.startup = StartupClock()
         self.progress = Progress()
         self._stop_reason: str | None = None
+        self._stop_requested_at: float | None = None  # time.time() of the signal
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -220,6 +224,7 @@ class Supervisor:
     def request_stop(self, reason: str) -> None:
         if self._stop_reason is None:
             self._stop_reason = reason
+            self._stop_requested_at = time.time()
 
     async def run(self) -> int:
         from tandem.common.messages.master import GetStatus
@@ -381,18 +386,26 @@ class Supervisor:
         return up.trainer_stop_timeout if child.role == "trainer" else up.stop_timeout
 
     def _stop_all(self) -> None:
-        """A stop is never a loss: explorers first (they hand their leases back), then the
-        trainer, which finishes or abandons its step and checkpoints while the buffer and the
-        master still answer it, then the rest. Each stage is SIGKILLed after its bound."""
+        """A stop is never a loss, and never waits on a peer that is stopping too: first the
+        explorers and the trainer, together (an explorer hands back or finishes its leased
+        step, the trainer finishes or abandons its step, skips a broadcast to explorers that
+        are leaving and writes its exit checkpoint), while the buffer and the master still
+        answer them; then the rest. Each child is SIGKILLed after its bound
+        (`_stop_bound`). The stop is traced as one `stop` span: from the request (the signal,
+        or this call) to the last exit, with each child's exit code and seconds."""
+        started_at = self._stop_requested_at or time.time()
         started = [c for c in self.children if c.proc is not None]  # a failed start starts few
+        workers = [c for c in started if c.role in ("explorer", "trainer")]
         last = [c for c in reversed(started) if c.role not in ("explorer", "trainer")]
-        for stage in ([c for c in started if c.role == "explorer"],
-                      [c for c in started if c.role == "trainer"], last):
+        exits: dict[str, dict[str, float | int | None]] = {}
+        killed: list[str] = []
+        for stage in (workers, last):
             for child in stage:
                 child.signal(signal.SIGTERM)
             start = time.monotonic()
             while any(c.returncode is None and time.monotonic() - start < self._stop_bound(c)
                       for c in stage):
+                self._note_exits(stage, exits, started_at)
                 time.sleep(0.05)
             for child in stage:
                 if child.returncode is None:
@@ -400,6 +413,21 @@ class Supervisor:
                                 after=f"{self._stop_bound(child):g}s")
                     child.signal(signal.SIGKILL)
                     child.proc.wait(5)
+                    killed.append(child.name)
+            self._note_exits(stage, exits, started_at)
+        tracer = Tracer(self.run_dir if self.config.logging.trace else None, "up")
+        tracer.record("stop", started_at, max([started_at, *(e["at"] for e in exits.values())]),
+                      reason=self._stop_reason or "end of run", exits=exits, killed=killed)
+        tracer.close()
+
+    @staticmethod
+    def _note_exits(stage: list[Child], exits: dict, started_at: float) -> None:
+        """Each child's exit, the first time it is seen: its code and when (unix seconds)."""
+        for child in stage:
+            code = child.returncode
+            if code is not None and child.name not in exits:
+                exits[child.name] = {"code": code, "at": round(time.time(), 6),
+                                     "after": round(time.time() - started_at, 3)}
 
     # -- what the user sees ------------------------------------------------------------------
 

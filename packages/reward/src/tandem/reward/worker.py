@@ -40,7 +40,10 @@ def _die_with_parent() -> None:
 
 def main() -> None:
     _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the parent; it stops us
+    # Ctrl-C, and a supervisor's SIGTERM to the parent's process group, are the parent's: it
+    # may still drain a step that needs us, then stops us itself (or we die with it)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # a stray print in a function must not corrupt the protocol
     # math-verify logs every parse failure with the whole input; the reason says enough.

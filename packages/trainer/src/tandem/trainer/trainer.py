@@ -178,7 +178,9 @@ class Trainer:
 
     async def _checkpoint(self) -> None:
         """Save, then tell the buffer: groups consumed before this step can never be rewound."""
-        await asyncio.to_thread(self.save_checkpoint)
+        # traced: a stop's bound is `up.stop_timeout` plus this span (tests/e2e/test_stop.py)
+        with self.tracer.span("checkpoint", step=self.step, stopping=self._stopping):
+            await asyncio.to_thread(self.save_checkpoint)
         try:
             await self._buffer.call(CheckpointSaved(step=self.step), retries=0,
                                     timeout_key="transport.rpc_timeout")
@@ -451,6 +453,11 @@ class Trainer:
             await self._master.call(
                 WeightsPublished(version=version, method="checkpoint", path=str(path)),
                 timeout_key="transport.rpc_timeout")
+        elif self._stopping:
+            # the explorers are stopping too (`tandem up` stops them with the trainer): none
+            # would join, and a resume announces v{step} from disk (`_resume_run`)
+            log.info("weights.broadcast_skipped", version=version, why="stopping")
+            return
         else:
             from tandem.weights import WeightBroadcaster, engine_members
 
@@ -469,16 +476,40 @@ class Trainer:
                     WeightsPublished(version=version, method="nccl", rendezvous=rendezvous),
                     timeout_key="transport.rpc_timeout")
                 try:
-                    await asyncio.to_thread(self._broadcaster.broadcast, version, tensors)
+                    await self._broadcast_unless_stopped(version, tensors)
                     break
                 except PeerDead as exc:
                     # A member that restarted left the epoch; a fresh group (announced above on
-                    # the next pass) lets it rejoin. A member that stays away fails the step.
+                    # the next pass) lets it rejoin. A member that stays away fails the step,
+                    # and a stop does not wait for members that are leaving.
+                    if self._stopping:
+                        raise TrainerStopped(f"stop requested while broadcasting version "
+                                             f"{version}: {exc}") from None
                     if attempt == 2:
                         raise
                     log.warning("weights.broadcast_retry", version=version, error=str(exc))
         self.tracer.record("sync", start, time.time(), step=go.step, version=version, method=method,
                            bytes=moved)
+
+    async def _broadcast_unless_stopped(self, version: int, tensors) -> None:
+        """The broadcast, on a thread; a stop closes the broadcaster, which makes the thread's
+        collective or wait for members raise `GroupAbandoned` within half a second, instead of
+        waiting `sync.timeout` for explorers that are leaving."""
+        sending = asyncio.ensure_future(asyncio.to_thread(self._broadcaster.broadcast, version,
+                                                          tensors))
+        stopped = asyncio.ensure_future(self._stop_event.wait())
+        try:
+            await asyncio.wait({sending, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+        if sending.done():
+            sending.result()
+            return
+        broadcaster, self._broadcaster = self._broadcaster, None
+        broadcaster.close()
+        await asyncio.gather(sending, return_exceptions=True)  # GroupAbandoned, at once
+        raise TrainerStopped(f"stop requested while broadcasting version {version}; the "
+                             "explorers are leaving and a resume announces it from disk")
 
     def _publish_checkpoint(self, version: int) -> Path:
         from tandem.weights import WeightPublisher, version_dir

@@ -19,8 +19,8 @@ class UpConfig(Section):
     trainer_stop_timeout: float = Field(
         default=300.0, gt=0, description="seconds from SIGTERM to SIGKILL for the trainer, which "
                                          "first finishes or abandons its step and writes its "
-                                         "checkpoint (explorers are stopped before it, the "
-                                         "buffer and the master after it)")
+                                         "checkpoint (it is stopped with the explorers, "
+                                         "before the buffer and the master)")
     start_timeout: float = Field(default=120.0, gt=0, description="seconds for every component to register")
     run_timeout: float | None = Field(default=None, gt=0, description="seconds the whole run may last")
     timeline: bool = Field(
