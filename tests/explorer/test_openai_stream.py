@@ -6,6 +6,7 @@ the model's own token stream; every numeric field refuses NaN and infinities by 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import threading
 import urllib.error
@@ -104,7 +105,7 @@ async def test_streamed_tool_calling_conversations_are_the_models_own_tokens(age
                     assert tok.eos_token not in c["content"]
                     assert not c["tool_calls"] or "<tool_call>" not in c["content"]
                 assert sum(mask) == len(actions)
-                for prev, c in zip(mine, mine[1:]):
+                for prev, c in itertools.pairwise(mine):
                     end = len(prev["prompt_ids"]) + len(prev["ids"])
                     if prev["ids"][-1] == eos:  # the model closed its turn: not closed twice
                         assert tokens[end] != eos, tok.decode(tokens[end - 3:end + 3])
