@@ -93,10 +93,11 @@ async def fresh_conversations(task: dict, client) -> float:
 
 
 def train_through_up(run_dir: Path, model_dir: Path, *, name: str, steps: int, taskset: dict,
-                     explorer: dict) -> tuple[object, list[dict]]:
+                     explorer: dict, buffer: dict | None = None) -> tuple[object, list[dict]]:
     """A short synchronous `tandem up` run of one endpoint-driven explorer (`explorer`: its
-    workflow, workflow_args and sampling) on the agent model; asserts every step trained and
-    every rollout put experiences, and returns the config and the rollout spans."""
+    workflow, workflow_args and sampling; `buffer`: the buffer section) on the agent model;
+    asserts every step trained and every rollout put experiences, and returns the config and
+    the rollout spans."""
     from tandem.common.config import RunConfig
     from tandem.common.trace import read_trace
     from tandem.master.up import run_up
@@ -112,6 +113,7 @@ def train_through_up(run_dir: Path, model_dir: Path, *, name: str, steps: int, t
         "transport": {"liveness": 30.0},
         "logging": {"level": "warning", "metrics": {"enabled": False}},
         "up": {"run_timeout": 120, "timeline": False},
+        **({"buffer": buffer} if buffer else {}),
     })
     assert run_up(config, live=False) == 0
     spans = read_trace(config.run_dir)
