@@ -246,13 +246,21 @@ def test_tandem_up_whose_master_refuses_the_config_exits_2(tmp_path, tiny_model_
 def test_sigterm_while_waiting_for_an_absent_master_exits_0_at_once(cli, tmp_path,
                                                                     tiny_model_dir):
     run_dir = tmp_path / "run"
-    # the registration waits an hour for the absent master unless SIGTERM ends it
+    # the registration waits an hour for the absent master unless SIGTERM ends it; the same
+    # start shows the CLI applying its placement itself: torch, once loaded, runs the
+    # configured thread count (three, which no default gives on this machine)
+    share = "placement.explorers.threads=3" if cli == "explorer" else "placement.trainer.threads=3"
     waiting = ComponentProcess(cli, argv(cli, run_dir, tiny_model_dir,
                                          "transport.rpc_timeout=3600",
-                                         f"master.address={unused_address()}",
+                                         f"master.address={unused_address()}", share,
                                          "logging.json_console=true", "logging.level=info"))
     try:
         waiting.wait_for(f"{cli}.connecting", 90)
+        applied = [e for e in waiting.events if e.get("event") == "placement.applied"]
+        assert applied and applied[0]["threads"] == 3, applied
+        torch_threads = [e["torch_threads"] for e in waiting.events
+                         if e.get("event") == "placement.torch"]
+        assert torch_threads == [3], torch_threads
         time.sleep(0.5)  # most likely in the middle of the wait; just before it stops it too
         # exit code 0 long before the hour is up: the signal ended the wait (60 s only bound
         # the interpreter's exit with torch loaded on a busy machine)

@@ -1,15 +1,12 @@
-"""`placement`: what each process gets under auto and explicit placement, and that a started
-component really runs with it."""
+"""`placement`: what each process gets under auto and explicit placement, and that `tandem up`
+starts each child with its share. That a started component really runs with it (torch's thread
+count) is checked on the explorer and trainer starts of tests/test_cli_edge.py."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from tandem.common.config import RunConfig
 from tandem.common.config.placement import THREAD_ENV, resolve_placement
@@ -88,25 +85,3 @@ def test_tandem_up_starts_each_child_with_its_share(tmp_path):
     rows = dict(sup.placement_rows())
     assert rows["placement"] == "auto over 4 cores"
     assert rows["  explorer-0"] == "2 threads"
-
-
-def test_a_started_explorer_runs_torch_with_its_threads(tmp_path, tiny_model_dir):
-    """The CLI applies placement itself: torch in the child reports the configured count."""
-    run_dir = tmp_path / "run"
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump({
-        "run_dir": str(run_dir), "model": {"path": str(tiny_model_dir)},
-        "sync": {"preset": "fully_async"},
-        "master": {"address": "tcp://127.0.0.1:9"},  # nobody answers: it fails fast after
-        "transport": {"rpc_timeout": 1.0, "rpc_retries": 0},
-        "logging": {"level": "info"},
-        "placement": {"explorers": {"threads": 3}}}))
-    exe = Path(sys.executable).parent / "tandem-explorer"
-    proc = subprocess.run([str(exe), "--config", str(path), "--name", "explorer-0"],
-                          capture_output=True, timeout=90)
-    assert proc.returncode == 1, proc.stderr.decode()[-2000:]
-    events = [json.loads(line) for line in (run_dir / "logs" / "explorer-0.jsonl").read_text()
-              .splitlines()]
-    applied = [e for e in events if e["event"] == "placement.applied"]
-    assert applied and applied[0]["threads"] == 3
-    assert [e["torch_threads"] for e in events if e["event"] == "placement.torch"] == [3]
