@@ -14,9 +14,11 @@ While each run goes, a second load keeps the cores busy from start to end:
 - `none`: nothing (the quiet baseline).
 
 `--pytest-args` reaches pytest through PYTEST_ADDOPTS (`-k codec` runs a tiny selection);
-`--load-pytest-args` does the same for the load's `make test`. Prints one row per run and
-writes them as JSON: run, load kind, result, pytest's passed/failed/error/skipped counts,
-pytest's own seconds, the command's wall-clock seconds and the mean 1-minute load average.
+`--load-pytest-args` does the same for the load's `make test`; `--reuse-clones` keeps the
+clones (and their venvs) of an earlier call, moved to the repo's HEAD. Prints one row per run
+and writes them as JSON: run, load kind, result, pytest's passed/failed/error/skipped counts,
+pytest's own seconds, the command's wall-clock seconds, the mean 1-minute load average, and
+how many rounds of the load ran (and failed: a load failing at once is no heavy load).
 The exit code is 0 only when every run passed.
 """
 
@@ -40,7 +42,16 @@ SUMMARY = re.compile(r"^=*\s*(?P<counts>(?:\d+ \w+(?:, )?)+) in (?P<seconds>[\d.
 COUNT = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|deselected)")
 
 
-def clone(repo: Path, dest: Path) -> None:
+def clone(repo: Path, dest: Path, reuse: bool = False) -> None:
+    """A fresh clone of `repo`'s HEAD at `dest`; with `reuse`, an earlier clone there is moved
+    to that HEAD and cleaned instead, keeping its built .venv."""
+    git = ["git", "-C", str(dest)]
+    if reuse and (dest / ".git").exists():
+        subprocess.run([*git, "fetch", "-q", str(repo), "HEAD"], check=True, timeout=600)
+        subprocess.run([*git, "reset", "-q", "--hard", "FETCH_HEAD"], check=True, timeout=60)
+        subprocess.run([*git, "clean", "-q", "-f", "-d", "-x", "-e", ".venv"], check=True,
+                       timeout=60)
+        return
     if dest.exists():
         shutil.rmtree(dest)
     subprocess.run(["git", "clone", "-q", str(repo), str(dest)], check=True, timeout=600)
@@ -101,6 +112,7 @@ class Load:
         self.kind, self.clone_dir, self.env, self.log = kind, clone_dir, env, log
         self.proc: subprocess.Popen | None = None
         self.rounds = 0
+        self.failed_rounds = 0  # a load that fails at once (ruff, a collection error) is light
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -122,7 +134,8 @@ class Load:
                 self.proc = subprocess.Popen(["make", "test"], cwd=self.clone_dir, env=self.env,
                                              stdout=out, stderr=subprocess.STDOUT,
                                              start_new_session=True)
-                self.proc.wait()
+                if self.proc.wait() != 0 and not self._stopping.is_set():
+                    self.failed_rounds += 1
                 self.rounds += 1
 
     def stop(self) -> None:
@@ -172,7 +185,7 @@ def run_once(i: int, args, suite: Path, env: dict, load: Load, logs: Path) -> di
            "log": str(log)}
     row.update(parse_pytest(log.read_text(errors="replace")))
     if args.load == "make-test":
-        row["load_rounds_finished"] = load.rounds
+        row["load_rounds"], row["load_rounds_failed"] = load.rounds, load.failed_rounds
     return row
 
 
@@ -187,6 +200,9 @@ def main() -> int:
     parser.add_argument("--pytest-args", default="", help="PYTEST_ADDOPTS of the measured runs")
     parser.add_argument("--load-pytest-args", default="", help="PYTEST_ADDOPTS of the load")
     parser.add_argument("--run-timeout", type=float, default=3600.0)
+    parser.add_argument("--reuse-clones", action="store_true",
+                        help="move clones left in --workdir to the repo's HEAD and keep their "
+                             "venvs instead of cloning afresh")
     args = parser.parse_args()
     if args.load == "stress-ng" and shutil.which("stress-ng") is None:
         parser.error("--load stress-ng: stress-ng is not installed (apt-get install stress-ng)")
@@ -195,17 +211,18 @@ def main() -> int:
     logs = args.workdir / "logs"
     logs.mkdir(exist_ok=True)
     suite = args.workdir / "suite"
-    clone(args.repo, suite)
+    clone(args.repo, suite, args.reuse_clones)
     base_env = {k: v for k, v in os.environ.items()
                 if k not in ("VIRTUAL_ENV", "PYTEST_ADDOPTS", "PYTHONPATH")}
     env = dict(base_env, PYTEST_ADDOPTS=args.pytest_args)
     load_dir = None
     if args.load == "make-test":
         load_dir = args.workdir / "load"
-        clone(args.repo, load_dir)
+        clone(args.repo, load_dir, args.reuse_clones)
         print(f"building the load clone's venv in {load_dir} ...", file=sys.stderr, flush=True)
-        subprocess.run(["make", "install"], cwd=load_dir, env=base_env, check=True,
-                       stdout=subprocess.DEVNULL, timeout=1800)
+        with open(logs / "load-install.log", "wb") as out:
+            subprocess.run(["make", "install"], cwd=load_dir, env=base_env, check=True,
+                           stdout=out, stderr=subprocess.STDOUT, timeout=1800)
     load = Load(args.load, load_dir, dict(base_env, PYTEST_ADDOPTS=args.load_pytest_args),
                 logs / "load.log")
 
