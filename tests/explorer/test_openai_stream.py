@@ -252,6 +252,15 @@ async def test_every_numeric_field_refuses_nan_and_infinity_by_name(agent_engine
             b'{"model": "policy", "max_tokens": 2, "messages": [{"role": "user", '
             b'"content": "Hi"}], "presence_penalty": 0, "temperature": 0}')
         assert status == 200, body
+        # a client that sends every field, null where unset, is served with the defaults
+        nulls = ", ".join(f'"{f}": null' for f in NUMERIC["chat/completions"] + [
+            "stream", "stop", "logprobs", "tools", "ignore_eos", "skip_special_tokens"]
+            if "." not in f and f != "max_tokens")
+        status, body = await asyncio.to_thread(
+            _post, f"{ep.url}/chat/completions",
+            ('{"model": "policy", "max_tokens": 2, "messages": [{"role": "user", "content": '
+             f'"Hi"}}], {nulls}}}').encode())
+        assert status == 200 and body["choices"][0]["finish_reason"] in ("stop", "length"), body
     finally:
         await ep.close()
 
@@ -279,6 +288,19 @@ def test_answer_text_releases_only_what_cannot_change(agent_engine):
     assert shown == "a <tool_call>oops</tool_call> b"
     answer.push(encode(agent_engine, "OP"))
     assert answer.finish("stop", "STOP") == ("", [])
+    # token by token, the text is the whole answer's, whatever the tokens (a few at a time
+    # decoded, half characters held): random ids from the whole vocabulary
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        ids = rng.integers(0, len(tok), size=40).tolist()
+        whole, streamed = AnswerText(tok), AnswerText(tok)
+        whole.push(ids)
+        whole.finish("length", None)
+        for t in ids:
+            streamed.push([t])
+        streamed.finish("length", None)
+        assert "".join(streamed.content) == "".join(whole.content) == tok.decode(
+            ids, skip_special_tokens=True)
     keep = AnswerText(tok, skip_special=False)
     keep.push(encode(agent_engine, "84") + [tok.eos_token_id])
     keep.finish("eos", None)

@@ -40,12 +40,13 @@ def _non_finite(value: Any, path: str) -> tuple[str, float] | None:
 
 
 class _Body(BaseModel):
-    """What both routes take: the model, how many samples, how to sample, how to answer."""
+    """What both routes take: the model, how many samples, how to sample, how to answer.
+    A field sent as null is left out (some clients send every field)."""
 
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     model: Any = None
-    n: int = Field(default=1, ge=1, description="samples of each prompt")
+    n: int | None = Field(default=None, ge=1, description="samples of each prompt (1)")
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0)
@@ -53,7 +54,7 @@ class _Body(BaseModel):
     top_k: int | None = Field(default=None, ge=-1, description="-1 (vLLM) or 0: off")
     seed: int | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: bool | None = None
     stream_options: dict[str, Any] | None = None
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
@@ -61,11 +62,11 @@ class _Body(BaseModel):
     logit_bias: dict[str, float] | None = None
     best_of: int | None = Field(default=None, ge=1)
     # vLLM's extras, which a RemoteEngine sends
-    ignore_eos: bool = False
-    return_token_ids: bool = False
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = Field(
-        default=True, description="false: content keeps special tokens' text (an eos)")
+    ignore_eos: bool | None = None
+    return_token_ids: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = Field(
+        default=None, description="false: content keeps special tokens' text (an eos)")
 
     @model_validator(mode="before")
     @classmethod
@@ -92,7 +93,7 @@ class _Body(BaseModel):
             raise PydanticCustomError("not_served", "{field} is not served: the engine samples "
                                       "without biases; leave it out", {"field": "logit_bias",
                                                                        "value": "..."})
-        if self.best_of not in (None, self.n):
+        if self.best_of not in (None, self.n or 1):
             raise PydanticCustomError("not_served", "{field} is not served: ask for n samples",
                                       {"field": "best_of", "value": repr(self.best_of)})
         if isinstance(self.stop, str):
@@ -136,7 +137,7 @@ class CompletionBody(_Body):
 
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: bool = False
+    echo: bool | None = None
     suffix: str | None = None
 
 

@@ -408,8 +408,9 @@ class OpenAIEndpoint:
     def _common(self, body: ChatBody | CompletionBody, episode: str | None) -> dict[str, Any]:
         if body.model != self.config.model:
             raise self._unknown_model(body.model)
-        if body.n > self.config.max_n:
-            raise APIError(400, f"n = {body.n} is over this endpoint's limit of "
+        n = body.n or 1
+        if n > self.config.max_n:
+            raise APIError(400, f"n = {n} is over this endpoint's limit of "
                            f"{self.config.max_n} (explorers[].openai.max_n)", param="n",
                            code="n_too_large")
         key = body.tokens_key
@@ -427,12 +428,14 @@ class OpenAIEndpoint:
                 top_k=d.top_k if body.top_k is None else max(0, body.top_k),  # -1: vLLM's off
                 max_tokens=max_tokens, stop=tuple(body.stop or ()),
                 seed=d.seed if body.seed is None else body.seed,
-                ignore_eos=body.ignore_eos or d.ignore_eos, top_logprobs=top or 0)
+                ignore_eos=bool(body.ignore_eos) or d.ignore_eos, top_logprobs=top or 0)
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
-        return {"n": body.n, "sampling": sampling, "stream": body.stream, "episode": episode,
-                "token_ids": body.return_token_ids, "keep_stop": body.include_stop_str_in_output,
-                "skip_special": body.skip_special_tokens, "usage": body.include_usage}
+        return {"n": n, "sampling": sampling, "stream": bool(body.stream), "episode": episode,
+                "token_ids": bool(body.return_token_ids),
+                "keep_stop": bool(body.include_stop_str_in_output),
+                "skip_special": body.skip_special_tokens is not False,
+                "usage": body.include_usage}
 
     def _check_context(self, prompt: list[int], sampling: SamplingParams, index: int = 0) -> None:
         if not prompt:

@@ -65,22 +65,35 @@ class AnswerText:
     content: list[str] = field(default_factory=list)
     calls: list[dict[str, Any]] = field(default_factory=list)
     _pos: int = 0  # characters of the decoded text already released or parsed
+    _text: str = ""  # the decoded text of whole characters so far
+    _prefix: int = 0  # tokens[_prefix:_read] decode to the end of `_text` (context for the next)
+    _read: int = 0
 
     def push(self, ids: Sequence[int]) -> tuple[str, list[dict[str, Any]]]:
         self.tokens += [int(t) for t in ids]
-        text = self._decode()
-        end = len(text)
-        while end > self._pos and text[end - 1] == "\ufffd":
-            end -= 1  # half a character: its other bytes are in the next token
-        return self._release(text[:end], final=False)
+        self._decode(final=False)
+        return self._release(self._text, final=False)
 
     def finish(self, finish_reason: str, stop: str | None) -> tuple[str, list[dict[str, Any]]]:
-        text = self._decode()
+        self._decode(final=True)
+        text = self._text
         if finish_reason == "stop" and stop and not self.keep_stop:
             cut = text.rfind(stop)
             if cut >= self._pos:  # OpenAI answers the text before the stop string
                 text = text[:cut]
         return self._release(text, final=True)
+
+    def _decode(self, *, final: bool) -> None:
+        """Extend `_text` by the new tokens' text, decoding only a few tokens each step (a
+        token's text can depend on the one before it, hence the window from `_prefix`). Half a
+        UTF-8 character waits for the token that completes it, unless the answer is over."""
+        decode = lambda ids: self.tokenizer.decode(
+            ids, skip_special_tokens=self.skip_special)
+        before = decode(self.tokens[self._prefix:self._read])
+        now = decode(self.tokens[self._prefix:])
+        if len(now) > len(before) and (final or not now.endswith("\ufffd")):
+            self._text += now[len(before):]
+            self._prefix, self._read = self._read, len(self.tokens)
 
     @property
     def message(self) -> tuple[str | None, list[dict[str, Any]]]:
@@ -89,9 +102,6 @@ class AnswerText:
         if self.calls:
             return text.strip() or None, self.calls
         return text, []
-
-    def _decode(self) -> str:
-        return self.tokenizer.decode(self.tokens, skip_special_tokens=self.skip_special)
 
     def _release(self, text: str, *, final: bool) -> tuple[str, list[dict[str, Any]]]:
         out, calls = [], []
