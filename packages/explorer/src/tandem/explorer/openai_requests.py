@@ -16,8 +16,24 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
+
+class APIError(Exception):
+    """An OpenAI-style error answer: HTTP status, message, type, code and the offending param."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = (
+            status, message, type, code, param)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.type,
+                                       "param": self.param, "code": self.code}},
+                            status_code=self.status)
+
 
 # top alternatives per token, as OpenAI caps them
 MAX_TOP_LOGPROBS = 20
