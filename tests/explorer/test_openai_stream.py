@@ -320,3 +320,37 @@ def test_a_stored_experience_that_is_not_the_engines_is_caught():
     assert "action mask 0" in token_mismatch(tokens, plen, [1, 0, 0, 1], lps, rec)
     assert "logprobs" in token_mismatch(tokens, plen, mask, [-0.5, -0.2, 0.0, -1.0], rec)
     assert "no call produced" in token_mismatch(tokens, plen, [1, 1, 1, 1], lps, rec)
+
+
+async def test_special_tokens_text_on_request_still_splices_the_models_ids(agent_engine):
+    # skip_special_tokens: false puts the eos's text in content; sent back, the message is
+    # still the model's own ids, its turn closed once
+    ep = endpoint(agent_engine)
+    await ep.start()
+    tok = agent_engine.tokenizer
+    client = openai.AsyncOpenAI(base_url=ep.url, api_key=ep.calls.open(), max_retries=0)
+    extra = {"skip_special_tokens": False, "return_token_ids": True}
+    messages = [{"role": "user", "content": QUESTION}]
+    try:
+        first = (await client.chat.completions.create(
+            model="policy", messages=messages, tools=TOOLS, max_tokens=90,
+            extra_body=extra)).choices[0]
+        [call] = first.message.tool_calls
+        messages += [first.message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": "84"}]
+        second = (await client.chat.completions.create(
+            model="policy", messages=messages, tools=TOOLS, max_tokens=90,
+            extra_body=extra)).choices[0]
+        assert second.message.content == "84" + tok.eos_token
+        messages += [{"role": "assistant", "content": second.message.content},
+                     {"role": "user", "content": "Thanks"}]
+        third = (await client.chat.completions.create(
+            model="policy", messages=messages, tools=TOOLS, max_tokens=4,
+            extra_body=extra)).choices[0]
+    finally:
+        await client.close()
+        await ep.close()
+    done = second.model_extra["prompt_token_ids"] + second.model_extra["token_ids"]
+    assert done[-1] == tok.eos_token_id
+    prompt = third.model_extra["prompt_token_ids"]
+    assert prompt[:len(done)] == done and prompt[len(done)] != tok.eos_token_id
