@@ -135,8 +135,9 @@ class LossConfig(Section):
 
     name: str = Field(
         default="ppo_clip",
-        description="ppo_clip, gspo, pg, sft, dpo (its parameter: beta, default 0.1), or a "
-                    "plugin's; the loss's own parameters are keys beside name")
+        description="ppo_clip, gspo, pg, sft, dpo (its parameter: beta, default 0.1), "
+                    "cispo_clip (eps_low, eps_high), or a plugin's; the loss's own parameters "
+                    "are keys beside name")
 
     @model_validator(mode="before")
     @classmethod
