@@ -5,7 +5,6 @@ step started with host-name addresses, a failing step stops the others and fails
 from __future__ import annotations
 
 import os
-import shlex
 import subprocess
 from pathlib import Path
 
@@ -24,6 +23,11 @@ HOSTS = ["node-a", "node-b", "node-c", "node-d"]
 def render(options: SlurmOptions | None = None, **sections) -> str:
     config = validate(RunConfig, run_config(**sections))
     return render_slurm(config, options or SlurmOptions(run_dir="/shared/run"))
+
+
+def component(call: str) -> str:
+    """The tandem program a recorded srun call runs."""
+    return next(word for word in call.split() if word.startswith("tandem-"))
 
 
 def srun_lines(script: str) -> list[str]:
@@ -53,6 +57,9 @@ def test_one_srun_step_per_component():
     assert "--name explorer-0" in e0 and '"${EXPLORER_HOSTS[0]}"' in e0
     assert "--name explorer-1" in e1 and '"${EXPLORER_HOSTS[1]}"' in e1
     assert 'scontrol show hostnames "$SLURM_JOB_NODELIST"' in script
+    # whole nodes, and each step all of its node's CPUs (a step's default is one CPU)
+    assert "#SBATCH --exclusive" in script and "#SBATCH --mem=0" in script
+    assert all('--cpus-per-task="$SLURM_CPUS_ON_NODE"' in s for s in steps)
 
 
 def test_secrets_never_in_the_script():
@@ -71,6 +78,13 @@ def test_explorers_share_nodes_round_robin():
     assert all('"${EXPLORER_HOSTS[0]}"' in s for s in explorers)
 
 
+FAKE_SCANCEL = """#!/bin/bash
+# stands in for `scancel --signal=TERM JOB`: SIGTERM to the tasks of every step still running
+echo "$*" >> "$SRUN_LOG.scancel"
+while read -r pid; do kill -TERM "$pid" 2>/dev/null; done < "$SRUN_LOG.pids"
+exit 0
+"""
+
 FAKE_SRUN = """#!/bin/bash
 # stands in for srun: records the node and the command, then plays the component
 node=""
@@ -78,8 +92,10 @@ while [[ "$1" == --* ]]; do
   case "$1" in --nodelist=*) node="${1#--nodelist=}";; esac
   shift
 done
-# the job may signal a step twice (its process and its group): record it once
-trap 'trap "" TERM; echo "TERM $1" >> "$SRUN_LOG"; kill $! 2>/dev/null; exit 143' TERM
+# a SIGTERM here stands for one that reaches the step's tasks (a real srun would SIGKILL
+# them instead: the job must signal steps through scancel); recorded once
+trap 'trap "" TERM; echo "TERM $*" >> "$SRUN_LOG"; kill $! 2>/dev/null; exit 143' TERM
+echo $$ >> "$SRUN_LOG.pids"
 echo "$node $*" >> "$SRUN_LOG"
 if [[ "$*" == *"$FAIL_ON"* ]]; then sleep 0.5; exit 3; fi
 # a server (buffer, reward service) serves until it is told to stop
@@ -94,13 +110,15 @@ def run_job(tmp_path: Path, script: str, fail_on: str = "never", step_seconds: f
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "scontrol").write_text("#!/bin/sh\nprintf '%s\\n' " + " ".join(HOSTS) + "\n")
     (bin_dir / "srun").write_text(FAKE_SRUN)
-    for tool in ("scontrol", "srun"):
+    (bin_dir / "scancel").write_text(FAKE_SCANCEL)
+    for tool in ("scontrol", "srun", "scancel"):
         (bin_dir / tool).chmod(0o755)
     job = tmp_path / "run.sbatch"
     job.write_text(script)
     log = tmp_path / "srun.log"
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SRUN_LOG": str(log),
-           "SLURM_JOB_NODELIST": "node-[a-d]", "SLURM_JOB_ID": "77", "FAIL_ON": fail_on,
+           "SLURM_JOB_NODELIST": "node-[a-d]", "SLURM_JOB_ID": "77", "SLURM_CPUS_ON_NODE": "8",
+           "FAIL_ON": fail_on,
            "STEP_SECONDS": str(step_seconds), "SERVE_SECONDS": str(serve_seconds),
            "TANDEM_CURVE_SERVER_SECRET": "s",
            "TANDEM_CURVE_CLIENT_SECRET": "c"}
@@ -112,11 +130,11 @@ def run_job(tmp_path: Path, script: str, fail_on: str = "never", step_seconds: f
 def test_job_starts_every_step_wired_by_host_name(tmp_path):
     done, calls = run_job(tmp_path, render(SlurmOptions(run_dir=str(tmp_path / "run"))))
     assert done.returncode == 0, done.stderr
-    by_command = {shlex.split(c)[1]: c for c in calls if not c.startswith("TERM ")}
+    by_command = {component(c): c for c in calls if not c.startswith("TERM ")}
     assert by_command["tandem-master"].startswith("node-a ")
     assert by_command["tandem-buffer"].startswith("node-a ")
-    assert by_command["torchrun"].startswith("node-b ")
-    assert "--rdzv-endpoint=node-b:29500" in by_command["torchrun"]
+    assert by_command["tandem-trainer"].startswith("node-b ")
+    assert "--rdzv-endpoint=node-b:29500" in by_command["tandem-trainer"]
     explorers = sorted(c for c in calls if "tandem-explorer" in c)
     assert [c.split()[0] for c in explorers] == ["node-c", "node-d"]
     for call in explorers:
@@ -133,10 +151,10 @@ def test_a_failing_step_stops_the_others_and_fails_the_job(tmp_path):
     script = render(SlurmOptions(run_dir=str(tmp_path / "run")))
     done, calls = run_job(tmp_path, script, fail_on="tandem-buffer", step_seconds=20)
     assert done.returncode == 1
-    stopped = sorted(c.split()[1] for c in calls if c.startswith("TERM"))
+    stopped = sorted(component(c) for c in calls if c.startswith("TERM"))
     # every other step got SIGTERM (and the job did not wait out their 20 s)
     assert stopped == ["tandem-explorer", "tandem-explorer", "tandem-master", "tandem-reward",
-                       "torchrun"]
+                       "tandem-trainer"]
 
 
 def test_job_ends_with_the_run_and_stops_the_servers(tmp_path):
@@ -145,8 +163,10 @@ def test_job_ends_with_the_run_and_stops_the_servers(tmp_path):
     script = render(SlurmOptions(run_dir=str(tmp_path / "run")))
     done, calls = run_job(tmp_path, script)
     assert done.returncode == 0, done.stderr
-    stopped = sorted(c.split()[1] for c in calls if c.startswith("TERM"))
+    stopped = sorted(component(c) for c in calls if c.startswith("TERM"))
     assert stopped == ["tandem-buffer", "tandem-reward"]
+    # through Slurm, never by signalling srun (which would SIGKILL them)
+    assert (tmp_path / "srun.log.scancel").read_text() == "--signal=TERM 77\n"
 
 
 def test_single_node_places_every_step_on_the_one_node(tmp_path):
@@ -156,8 +176,8 @@ def test_single_node_places_every_step_on_the_one_node(tmp_path):
     assert done.returncode == 0, done.stderr
     assert {c.split()[0] for c in calls if not c.startswith("TERM ")} == {"node-a"}
     assert all("--overlap" in s for s in srun_lines(script))
-    torchrun = next(c for c in calls if " torchrun " in f" {c}")
-    assert "--rdzv-endpoint=node-a:29500" in torchrun
+    trainer = next(c for c in calls if component(c) == "tandem-trainer")
+    assert "--rdzv-endpoint=node-a:29500" in trainer
 
 
 def test_job_runs_where_it_was_rendered_with_that_tandem(tmp_path):

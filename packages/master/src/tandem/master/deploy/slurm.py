@@ -7,6 +7,9 @@ With `single_node` every component runs on node 0 (a small run, or a one-node te
 Each component is its own `srun` step (`--overlap`: steps share the job's nodes), so Slurm
 accounts, signals and kills each one; addresses are wired by host name from `scontrol show
 hostnames`, passed as `--set` overrides, and every server binds all interfaces of its own node.
+The job takes its nodes whole (`--exclusive`, `--mem=0`) and every step may use all of its
+node's CPUs (`--cpus-per-task=$SLURM_CPUS_ON_NODE`): a step's default is one CPU, to which a
+cluster with task/affinity or task/cgroup binds it, trainer and explorer alike.
 The job runs in the folder it was rendered in (`--chdir`), so the config's relative paths
 (model, taskset) mean what they mean to `tandem up` there, and with the rendering environment's
 `bin` first on PATH (`bin_dir`), so every node runs the tandem that rendered it (the same path on
@@ -17,9 +20,13 @@ expanded), with Curve secret keys replaced by `${env:...}` references that the c
 from the environment sbatch passes on: the script refuses to start without them. The run is
 over when the master, the trainer and the explorers have ended (the master ends them): the
 script then stops the servers that serve until told (buffer, reward service) with SIGTERM, as
-`tandem up` does. When one step fails the script stops the others and exits with status 1; on
-SIGTERM (scancel, or `--signal` before the time limit) it passes the signal on, so every
-component stops cleanly, and submitting the same script again continues the run.
+`tandem up` does. When one step fails the script stops the others and exits with status 1.
+The script stops steps with `scancel --signal=TERM` (the job's steps, not the script), never by
+signalling an srun: srun turns a SIGTERM it receives into a SIGKILL of its tasks ("forcing job
+termination"), so no component could stop cleanly. For the same reason a run is stopped
+gracefully with `scancel --signal=TERM JOBID` (and 120 s before the time limit by
+`--signal=TERM@120`), not a plain `scancel`, which SIGTERMs the srun processes too. Submitting
+the same script again continues the run either way.
 """
 
 from __future__ import annotations
@@ -34,7 +41,8 @@ import yaml
 from tandem.common.plugins import outside_tandem
 from tandem.common.config import RunConfig
 
-from .common import CURVE_SECRET_ENV, bind_overrides, component_config, reward_service, server_ports
+from .common import (CURVE_SECRET_ENV, TORCHRUN_PORT, bind_overrides, component_config,
+                     reward_service, server_ports)
 
 
 @dataclass(frozen=True)
@@ -83,8 +91,9 @@ def render_slurm(config: RunConfig, options: SlurmOptions) -> str:
         marker += "_"
 
     head = ["#!/bin/bash", f"#SBATCH --job-name={config.name}", f"#SBATCH --nodes={nodes}",
-            "#SBATCH --ntasks-per-node=1", f"#SBATCH --time={options.time}",
-            "#SBATCH --signal=B:TERM@120",
+            "#SBATCH --ntasks-per-node=1", "#SBATCH --exclusive", "#SBATCH --mem=0",
+            f"#SBATCH --time={options.time}",
+            "#SBATCH --signal=TERM@120",
             f"#SBATCH --chdir={workdir}",
             "#SBATCH --output=tandem-%x-%j.out"]
     if options.gpus_per_node:
@@ -94,10 +103,11 @@ def render_slurm(config: RunConfig, options: SlurmOptions) -> str:
     if options.account:
         head.append(f"#SBATCH --account={options.account}")
     lines = head + [
-        "# Rendered by `tandem deploy slurm`: submit with `sbatch THIS_FILE`. To continue a",
-        "# stopped run (scancel, the time limit, a failed node), submit it again: the master",
-        "# and the buffer continue from RUN_DIR, the trainer (always `--resume`) from its",
-        "# newest checkpoint.",
+        "# Rendered by `tandem deploy slurm`: submit with `sbatch THIS_FILE`. Stop the run",
+        "# cleanly with `scancel --signal=TERM JOBID` (a plain scancel SIGKILLs the steps). To",
+        "# continue a stopped run (scancel, the time limit, a failed node), submit this file",
+        "# again: the master and the buffer continue from RUN_DIR, the trainer (always",
+        "# `--resume`) from its newest checkpoint.",
         "set -euo pipefail",
         "# tandem-*, torchrun: the environment that rendered this script",
         f'export PATH={q(bin_dir)}:"$PATH"', ""]
@@ -140,14 +150,17 @@ def render_slurm(config: RunConfig, options: SlurmOptions) -> str:
         ")", "",
         "PIDS=()  # every step",
         "RUN=()   # the steps that end by themselves when the run is over",
-        "stop() { kill -TERM \"${PIDS[@]}\" 2>/dev/null || true; }",
-        "trap 'stop; wait; exit 143' TERM INT", ""]
+        "# SIGTERM to every step that still runs, through Slurm: an srun that is sent SIGTERM",
+        "# SIGKILLs its tasks (\"forcing job termination\")",
+        'stop() { scancel --signal=TERM "$SLURM_JOB_ID" 2>/dev/null || true; }',
+        "trap 'wait; exit 143' TERM INT", ""]
 
     def step(comment: str, srun: str, argv: list[str], *, serves: bool = False) -> None:
         lines.extend([f"# {comment}", f"{srun} \\", "  " + " ".join(argv) + " &",
                       'PIDS+=("$!")' if serves else 'PIDS+=("$!"); RUN+=("$!")', ""])
 
-    one = 'srun --nodes=1 --ntasks=1 --overlap --kill-on-bad-exit=1'
+    cpus = '--cpus-per-task="$SLURM_CPUS_ON_NODE"'
+    one = f'srun --nodes=1 --ntasks=1 {cpus} --overlap --kill-on-bad-exit=1'
     step("master", f'{one} --nodelist="$CTRL"',
          ["tandem-master", '--config "$CONFIG"', '"${CLIENT[@]}"',
           *[f"--set {q(s)}" for s in bind_overrides(config, "master")]])
@@ -161,14 +174,14 @@ def render_slurm(config: RunConfig, options: SlurmOptions) -> str:
     per_node = max(options.gpus_per_node, 1)
     trainer_argv = ["torchrun", f"--nnodes={options.trainer_nodes}",
                     f"--nproc-per-node={per_node}", "--rdzv-backend=c10d",
-                    '--rdzv-endpoint="${TRAINER_HOSTS[0]}:29500"',
+                    f'--rdzv-endpoint="${{TRAINER_HOSTS[0]}}:{TORCHRUN_PORT}"',
                     '--rdzv-id="$SLURM_JOB_ID"', "--no-python",
                     "tandem-trainer", '--config "$CONFIG"', "--resume", '"${CLIENT[@]}"',
                     *[f"--set {q(s)}" for s in bind_overrides(config, "trainer")]]
     if options.gpus_per_node:
         trainer_argv.append("--set trainer.device=cuda")
     step("trainer: torchrun on every trainer node",
-         f'srun --nodes={options.trainer_nodes} --ntasks-per-node=1 --overlap '
+         f'srun --nodes={options.trainer_nodes} --ntasks-per-node=1 {cpus} --overlap '
          '--kill-on-bad-exit=1 '
          '--nodelist="$(IFS=,; echo "${TRAINER_HOSTS[*]}")"', trainer_argv)
     for k, explorer in enumerate(config.explorers):
