@@ -1,14 +1,25 @@
-"""The weight group's TCPStore listens on the configured host only, and a client that is not a
-member (it never got the rendezvous from the master) can find no key of the group."""
+"""The weight group's store listens on the configured host only, and answers nobody who lacks the
+member secret key of the rendezvous: not torch's own TCPStore client (the finding's tool: it
+listed 114 keys of the old TCPStore), not a raw socket, not a Curve client with a key of its
+own. Such a stranger learns no key and cannot join or disturb the group: the real member, a
+separate process, still receives the weights bit for bit afterwards."""
 
 from __future__ import annotations
 
+import datetime
+import json
 import socket
 
 import pytest
+import torch
+import torch.distributed as dist
+import zmq
 
-from tandem.weights import WeightBroadcaster, engine_members
-from tandem.weights.group import connect_store, current_key
+from tandem.weights import WeightBroadcaster, engine_member, engine_members
+from tandem.weights.group import current_key
+from tandem.weights.store import StoreClient, StoreUnreachable
+
+from weights_helpers import assert_bit_identical, finish
 
 
 def test_the_store_listens_on_the_rendezvous_host_only():
@@ -23,15 +34,68 @@ def test_the_store_listens_on_the_rendezvous_host_only():
         sender.close()
 
 
-def test_a_client_without_the_rendezvous_finds_no_key_of_the_group():
+def _raw_bytes_from(port: int, send: bytes) -> bytes:
+    """Everything the store sends a raw TCP client that sends `send`, until it stops talking."""
+    got = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+        raw.sendall(send)
+        raw.settimeout(1.0)
+        try:
+            while chunk := raw.recv(65536):
+                got += chunk
+        except (TimeoutError, ConnectionResetError):
+            pass
+    return got
+
+
+def test_a_keyless_client_learns_nothing_and_cannot_join_or_disturb_the_group(tmp_path, spawn):
+    sender = WeightBroadcaster(host="127.0.0.1", timeout=30.0)
+    try:
+        rendezvous = sender.open_group(engine_members("explorer-0"))
+        before = sender.store.num_keys()
+        secrets = [rendezvous.member_secret.encode(), rendezvous.session.encode(), b"tandem/"]
+
+        # torch's TCPStore client, which listed every key of the old store: no answer at all
+        with pytest.raises(dist.DistError):
+            probe = dist.TCPStore("127.0.0.1", rendezvous.port, None, False,
+                                  datetime.timedelta(seconds=2), wait_for_workers=False)
+            probe.num_keys()
+        # a raw client: the ZeroMQ greeting, which names the mechanism and nothing else
+        for junk in (b"", b"\x00" * 64, b"\xff" + b"\x00" * 8 + b"\x7f\x03\x00" + b"\x00" * 52):
+            heard = _raw_bytes_from(rendezvous.port, junk)
+            assert len(heard) <= 64 and not any(s in heard for s in secrets), heard
+        # a Curve client that knows the store's public key but holds a key of its own: the
+        # handshake fails, so it can neither read nor write, nor sign in as a member
+        _, own_secret = zmq.curve_keypair()
+        stranger = StoreClient("127.0.0.1", rendezvous.port, rendezvous.store_key,
+                               own_secret.decode(), timeout=2.0)
+        try:
+            for attempt in (lambda: stranger.check([current_key(rendezvous.session)]),
+                            lambda: stranger.set(f"{current_key(rendezvous.session)}", b"9"),
+                            lambda: stranger.set("tandem/weights/x/1/join/1", b"junk")):
+                with pytest.raises(StoreUnreachable, match="no answer"):
+                    attempt()
+        finally:
+            stranger.close()
+        assert sender.store.num_keys() == before  # nothing written
+        assert sender.joined() == []  # nobody signed in
+
+        # the real member, a separate process, joins and receives as if nothing happened
+        peer = spawn("broadcast", json.dumps(rendezvous.model_dump()),
+                     engine_member("explorer-0"), tmp_path, "1", "30")
+        tensors = [("w", torch.arange(12, dtype=torch.float32).view(3, 4))]
+        sender.broadcast(1, tensors)
+        finish(peer)
+        assert_bit_identical(tensors, tmp_path / "v1.safetensors")
+    finally:
+        sender.close()
+
+
+def test_the_rendezvous_hides_its_secret_from_logs():
     sender = WeightBroadcaster(host="127.0.0.1", timeout=10.0)
     try:
         rendezvous = sender.open_group(engine_members("explorer-0"))
-        stranger = connect_store("127.0.0.1", sender.port, 5.0)
-        # nothing at a well-known key names the session, and the session cannot be guessed
-        assert not stranger.check(["tandem/weights/current"])
-        assert len(rendezvous.session) == 32 and int(rendezvous.session, 16) >= 0
-        assert stranger.check([current_key(rendezvous.session)])  # a member's view
-        assert stranger.get(current_key(rendezvous.session)) == b"1"
+        assert rendezvous.member_secret not in repr(rendezvous)
+        assert rendezvous.member_secret not in str(rendezvous)
     finally:
         sender.close()

@@ -110,9 +110,11 @@ class Journal:
         self._file = open(self.path, "ab")
 
     def append(self, msg: Message) -> int:
-        """Write one record and flush it to the OS; returns its record number."""
+        """Write one record (`msg.on_disk()`: no secret reaches the file) and flush it to the OS;
+        returns its record number."""
         self.records += 1
-        payload = bytes(encode_request(msg, str(self.records), inline_threshold=_NO_SPLIT)[0])
+        payload = bytes(encode_request(msg.on_disk(), str(self.records),
+                                       inline_threshold=_NO_SPLIT)[0])
         self._file.write(_HEAD.pack(len(payload), zlib.crc32(payload)) + payload)
         self._file.flush()
         self._dirty = True

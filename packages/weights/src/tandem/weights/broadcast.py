@@ -43,7 +43,6 @@ from .group import (
     GroupAbandoned,
     build_backend,
     broadcast,
-    connect_store,
     decode,
     encode,
     epoch_prefix,
@@ -53,6 +52,7 @@ from .group import (
     start_broadcast,
     wait_keys,
 )
+from .store import StoreClient, StoreServer, StoreUnreachable
 from .tensors import WeightsError, check_unique_names, dtype_name, plan_buckets, torch_dtype
 
 log = structlog.get_logger(__name__)
@@ -121,12 +121,13 @@ class WeightBroadcaster:
         self.bucket_bytes = bucket_bytes
         self.timeout = timeout
         try:
-            self.store = connect_store(host, port, timeout, serve=True)
-        except dist.DistNetworkError as exc:
+            self._server = StoreServer(host, port)
+        except Exception as exc:
             raise WeightsError(f"cannot serve the weight group's rendezvous on {host}:{port} "
                                f"(weights.rendezvous_host/rendezvous_port): {exc}") from None
-        self.port = self.store.port
-        self.session = secrets.token_hex(16)  # keys the store: members learn it from the master
+        self.store = self._server.store  # rank 0 reads and writes its own keys in-process
+        self.port = self._server.port
+        self.session = secrets.token_hex(16)  # names this trainer process, not a credential
         self.epoch = 0
         self._current: _Epoch | None = None
         self._scratch: dict[tuple[torch.dtype, int], torch.Tensor] = {}
@@ -160,6 +161,8 @@ class WeightBroadcaster:
         self._abandon(f"replaced by epoch {self.epoch + 1}", failed=False)
         self.epoch += 1
         rendezvous = GroupRendezvous(host=self.host, port=self.port, session=self.session,
+                                     store_key=self._server.store_key,
+                                     member_secret=self._server.member_secret,
                                      epoch=self.epoch, members=list(members))
         self._current = _Epoch(rendezvous, self.store)
         self.store.set(current_key(self.session), str(self.epoch))
@@ -338,6 +341,7 @@ class WeightBroadcaster:
         self._closed = True
         self._abandon("the trainer closed its broadcaster", failed=False)
         self._scratch.clear()
+        self._server.close()
         self.store = None  # type: ignore[assignment]
 
 
@@ -368,6 +372,7 @@ class WeightReceiver:
         self.device = torch.device(device)
         self.timeout = timeout
         self.backend: str | None = None
+        self._root: StoreClient | None = None  # held while a group built on it lives
         self._store: dist.Store | None = None
         self._pg: Any = None
         self._seq = 0
@@ -407,12 +412,15 @@ class WeightReceiver:
     def join(self) -> None:
         """Sign in, wait for the trainer's backend choice, and build the group."""
         r = self.rendezvous
+        self._close_store()
+        root = self._root = StoreClient(r.host, r.port, r.store_key, r.member_secret,
+                                        self.timeout)
         try:
-            root = connect_store(r.host, r.port, self.timeout)
-        except dist.DistNetworkError:
+            signed_in = root.check([current_key(r.session)])
+        except StoreUnreachable:
             raise PeerDead("trainer", f"weight group: cannot reach the {self._trainer()} within "
                                       f"{self.timeout:.1f} s ({TIMEOUT_KEY})") from None
-        if not root.check([current_key(r.session)]):
+        if not signed_in:
             raise GroupAbandoned(f"weight group epoch {r.epoch} belongs to a trainer that has "
                                  "restarted since; join the rendezvous the master announced last")
         current = root.get(current_key(r.session)).decode()
@@ -522,6 +530,11 @@ class WeightReceiver:
             shutdown_backend(self._pg)
             self._pg = None
 
+    def _close_store(self) -> None:
+        root, self._root, self._store = self._root, None, None
+        if root is not None:
+            root.close()
+
     def close(self) -> None:
         """Leave the group (the trainer notices at its next transfer and opens a new epoch).
 
@@ -530,3 +543,4 @@ class WeightReceiver:
         self._closed = True
         self._fail("member closed")
         self._scratch.clear()
+        self._close_store()

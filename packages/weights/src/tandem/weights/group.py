@@ -1,17 +1,16 @@
 """A weight-broadcast process group that lives apart from any global torch.distributed state.
 
-The trainer's rank 0 hosts a TCPStore, listening on the configured rendezvous host only (not
-on every interface); each group gets an epoch, and everything of epoch N (member sign-ins, the
-backend choice, transfer metadata, progress, and the backend's own keys) lives under the
-prefix `tandem/weights/<session>/<N>/`. `session` is a 128-bit secret per trainer process that
-reaches members only inside the rendezvous the master announces (encrypted when
-`transport.curve` is set) and is stored under no key, so a client that is not a member can
-connect to the store but can neither find nor touch a key of the group. (TCPStore itself has
-no authentication to refuse the connection.) The backend object (`ProcessGroupGloo` or `ProcessGroupNCCL`) is built directly on a
-PrefixStore, so it never touches, and is never touched by, a default group the trainer may use
-for FSDP: no `init_process_group`, no global registry. Every blocking step runs under a
-deadline; a collective runs on a helper thread so a hang turns into an error naming the peer,
-after which the group is abandoned and rebuilt under a new epoch.
+The trainer's rank 0 hosts the group's store (`tandem.weights.store`: a `HashStore` served over
+CurveZMQ on the configured rendezvous host only, to clients holding the member secret key of the
+rendezvous and to no one else); each group gets an epoch, and everything of epoch N (member
+sign-ins, the backend choice, transfer metadata, progress, and the backend's own keys) lives
+under the prefix `tandem/weights/<session>/<N>/`, where `session` names the trainer process so
+a restarted trainer's epochs are never mistaken for the old ones. The backend object
+(`ProcessGroupGloo` or `ProcessGroupNCCL`) is built directly on a PrefixStore, so it never
+touches, and is never touched by, a default group the trainer may use for FSDP: no
+`init_process_group`, no global registry. Every blocking step runs under a deadline; a
+collective runs on a helper thread so a hang turns into an error naming the peer, after which
+the group is abandoned and rebuilt under a new epoch.
 """
 
 from __future__ import annotations
@@ -85,27 +84,6 @@ def decode(raw: bytes, cls: type[M], key: str) -> M:
 
 def timedelta(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=max(seconds, 0.001))
-
-
-def connect_store(host: str, port: int, timeout: float, *, serve: bool = False) -> dist.TCPStore:
-    """The group's TCPStore: hosted here when `serve`, else a client of the trainer's.
-
-    Hosted, it listens on `host` alone: TCPStore's own server would take every interface, so
-    the listening socket is bound here and handed over."""
-    if not serve:
-        return dist.TCPStore(host, port, None, False, timedelta(timeout), wait_for_workers=False)
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    listener = socket.socket(family, kind, proto)
-    try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(address)
-        listener.listen(1024)
-        bound = listener.getsockname()[1]
-    except OSError as exc:
-        listener.close()
-        raise dist.DistNetworkError(f"cannot listen on {host}:{port}: {exc}") from None
-    return dist.TCPStore(host, bound, None, True, timedelta(timeout), wait_for_workers=False,
-                         master_listen_fd=listener.detach())
 
 
 def local_address_towards(host: str, port: int) -> str:

@@ -1,7 +1,7 @@
 """Weight-sync protocol: how a broadcast group is joined and what precedes its tensors.
 
-These travel over the group's own TCPStore (the control channel of the broadcast), not over a
-ZeroMQ socket; the master only relays `GroupRendezvous` inside `WeightsPublished.rendezvous`.
+These travel as values of the group's own store (`tandem.weights.store`, the control channel of
+the broadcast); the master only relays `GroupRendezvous` inside `WeightsPublished.rendezvous`.
 They are encoded with msgpack like every other message, so any msgpack reader can inspect them.
 """
 
@@ -47,6 +47,12 @@ class GroupRendezvous(Message):
     port: int = Field(ge=1, le=65535)
     session: str = Field(description="random id of the trainer process hosting the store, so an "
                                      "epoch number of a restarted trainer is never mistaken")
+    store_key: str = Field(min_length=40, max_length=40,
+                           description="the store's Curve public key (Z85), fresh per trainer")
+    member_secret: str = Field(min_length=40, max_length=40, repr=False,
+                               description="the Curve secret key members sign in to the store "
+                                           "with (Z85): the group's only credential, never "
+                                           "logged or journaled")
     epoch: int = Field(ge=1)
     members: list[str] = Field(min_length=1)
 
