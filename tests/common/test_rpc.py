@@ -235,3 +235,15 @@ def test_free_ports_are_never_handed_out_twice():
 
     ports = [free_port() for _ in range(300)]
     assert len(set(ports)) == len(ports)
+
+
+def test_peer_names_are_readable_and_one_to_one():
+    from tandem.common.rpc import peer_name
+    from tandem.common.sockets import new_identity
+
+    mine = new_identity("explorer-0")
+    assert peer_name(mine) == mine.decode()
+    generated = b"\x00k\x8bEg"  # what ZeroMQ gives a socket without an identity
+    assert peer_name(generated) == "<0x006b8b4567>"
+    assert peer_name(b"a\nb") == "<0x610a62>"  # no control characters in a log line
+    assert peer_name(b"<0x006b8b4567>") != peer_name(generated)  # no one poses as another

@@ -63,3 +63,37 @@ async def test_step_reports_come_from_the_trainer_and_for_released_steps(
         for client in (explorer, trainer, stranger):
             await client.close()
         await master.close()
+
+
+async def test_a_refused_report_names_the_peer_readably(tmp_path, zmq_sockets_closed):
+    # issue 32 item 8: the refusal printed a ZeroMQ-generated routing id as raw bytes
+    import zmq
+    import zmq.asyncio
+
+    from tandem.common import codec
+
+    master = Master(make_config(tmp_path, "sync.preset=synchronous", "master.total_steps=4"))
+    await master.start()
+    explorer = RpcClient(master.address, peer="master", name="explorer-0")
+    context = zmq.asyncio.Context()
+    raw = context.socket(zmq.DEALER)  # no identity set: the master sees ZeroMQ's 5 bytes
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(master.address)
+    try:
+        await raw.send_multipart(codec.encode_request(TrainerStepDone(step=0, version=1), "r1"))
+        assert await raw.poll(10_000), "the master did not answer"
+        reply = codec.decode(await raw.recv_multipart())
+        message = reply.error.message
+        assert reply.error.code == "not_the_trainer"
+        assert message.isprintable() and "an unregistered client (connection <0x" in message
+        # a registered component is named by what it registered as
+        await explorer.call(Register(name="explorer-0", role="explorer"), timeout=2)
+        with pytest.raises(RequestFailed) as err:
+            await explorer.call(TrainerStepDone(step=0, version=1), timeout=2)
+        assert err.value.code == "not_the_trainer"
+        assert "from explorer-0 (connection explorer-0-" in err.value.message
+    finally:
+        raw.close(linger=0)
+        context.term()
+        await explorer.close()
+        await master.close()

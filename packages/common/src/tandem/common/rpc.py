@@ -39,11 +39,25 @@ log = structlog.get_logger(__name__)
 Handler = Callable[[Any, "CallContext"], Awaitable[Message | None]]
 
 
+def peer_name(identity: bytes) -> str:
+    """A routing identity as errors and logs show it: tandem's own identities are text
+    (`explorer-0-4242-a1b2c3`, see `sockets.new_identity`) and stay as they are; any other
+    (ZeroMQ's generated 5 bytes, a foreign client's) is `<0x...>` in hex. One-to-one, so it
+    also serves as the peer's key: a text identity that starts with `<` is shown in hex too."""
+    try:
+        text = identity.decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
+    if text and text.isprintable() and not text.startswith("<"):
+        return text
+    return f"<0x{identity.hex()}>"
+
+
 @dataclass(slots=True)
 class CallContext:
     """What a handler knows about the request it serves."""
 
-    peer: str
+    peer: str  # `peer_name` of the caller's routing identity
     id: str
     type: str
     deadline: float  # time.monotonic() by which the caller stops waiting
@@ -235,7 +249,7 @@ class RpcServer:
                     return
                 continue
             identity = frames[0].bytes
-            peer = identity.decode(errors="replace")
+            peer = peer_name(identity)
             self.last_seen[peer] = time.monotonic()
             self.last_seen.move_to_end(peer)
             if len(self.last_seen) > self.LAST_SEEN:
@@ -281,7 +295,7 @@ class RpcServer:
         self._inflight.add(key)
         self._inflight_of[identity] += 1
         ttl = env.ttl if env.ttl is not None else self.transport.rpc_timeout
-        ctx = CallContext(identity.decode(errors="replace"), req_id, env.type,
+        ctx = CallContext(peer_name(identity), req_id, env.type,
                           time.monotonic() + ttl)
         task = asyncio.create_task(self._serve_one(identity, key, env.body, ctx))
         self._tasks.add(task)
@@ -310,7 +324,7 @@ class RpcServer:
         if now < self._log_after:
             self._unlogged += 1
             return
-        log.warning("rpc.dropped", server=self.name, peer=identity.decode(errors="replace"),
+        log.warning("rpc.dropped", server=self.name, peer=peer_name(identity),
                     reason=reason, dropped=self.dropped, not_logged=self._unlogged)
         self._unlogged = 0
         self._log_after = now + 1.0

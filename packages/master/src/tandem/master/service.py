@@ -607,9 +607,12 @@ class Master:
             self._trainer_peer = ctx.peer
             log.info("trainer.rebound", peer=ctx.peer, why="first report since a master restart")
             return
-        log.debug("trainer.report_refused", peer=ctx.peer, what=what)
+        registered = self._peers.get(ctx.peer)
+        who = (f"{registered} (connection {ctx.peer})" if registered is not None
+               else f"an unregistered client (connection {ctx.peer})")
+        log.debug("trainer.report_refused", peer=who, what=what)
         raise RequestFailed("not_the_trainer", (
-            f"{what} from {ctx.peer}, which did not register as the trainer; only the component "
+            f"{what} from {who}, which did not register as the trainer; only the component "
             "that sent Register with role trainer reports trainer steps"))
 
     async def _on_trainer_step(self, msg: TrainerStepDone, ctx: CallContext) -> Ok:
