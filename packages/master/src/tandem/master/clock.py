@@ -1,9 +1,11 @@
 """The run's clock: `SyncPlan` applied to live counters, with no sockets.
 
-Inputs are the eight things that happen in a run: an explorer joins, an explorer leaves (or is
+Inputs are the nine things that happen in a run: an explorer joins, an explorer leaves (or is
 declared dead), the taskset runs dry on an explorer, an explorer's step drains (asynchronous
 plans), an explorer finishes a step, the trainer finishes a step, the trainer (re)starts from a
-checkpoint, a version is published.
+checkpoint, a version is published, the master restarts (no barrier is granted until the
+trainer shows which lineage goes on). A batch is counted once: a report of one already counted
+changes nothing, whatever restarted in between.
 Each input returns the decisions it unlocks, as (topic, message) pairs for the master's PUB
 socket. The clock is deterministic, so the master journals inputs only and a restarted master
 replays them to the same state, decisions and sequence numbers included.
