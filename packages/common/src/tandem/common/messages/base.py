@@ -21,7 +21,7 @@ class Message(BaseModel):
     # server checks them on the raw array header, before decoding (see `RpcServer.register`).
     LIMITS: ClassVar[dict[str, str]] = {}
 
-    def on_disk(self) -> "Message":
+    def on_disk(self) -> Message:
         """This message as a file may hold it (the master's journal): with any secret it
         carries left out. Most carry none."""
         return self

@@ -175,7 +175,7 @@ class WeightsPublished(Request):
     path: str | None = Field(default=None, description="weights/v{N} folder, for checkpoint")
     rendezvous: GroupRendezvous | None = Field(default=None, description="nccl group to join")
 
-    def on_disk(self) -> "WeightsPublished":
+    def on_disk(self) -> WeightsPublished:
         """Without the rendezvous, whose member key admits anyone to the weight group: a
         restarted master republishes the version without it, and members keep the group
         they are in (the trainer announces a new one when it opens one)."""
