@@ -38,3 +38,18 @@ def test_tandem_up_writes_no_secret_into_the_run_dir(tmp_path, monkeypatch):
     curve = load_config(written).transport.curve
     assert (curve.server_secret, curve.client_secret) == (server_sec, client_sec)
     assert (curve.server_public, curve.client_public) == (server_pub, client_pub)
+
+
+def test_the_run_dir_is_made_private_by_the_first_component(tmp_path):
+    # issue 32 item 7: the journal sat world-readable (0644) in a 0755 run dir
+    import stat
+
+    from tandem.common.runlock import RunDirLock
+
+    made = tmp_path / "new" / "run"
+    existing = tmp_path / "existing"
+    existing.mkdir(mode=0o755)
+    for run_dir in (made, existing):
+        with RunDirLock(run_dir, "master") as lock:
+            assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
+            assert stat.S_IMODE(lock.path.stat().st_mode) == 0o600

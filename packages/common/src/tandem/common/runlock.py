@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Self
 
 from .errors import TandemError
+from .rundir import private_run_dir
 
 
 class RunDirInUse(TandemError):
@@ -34,8 +35,9 @@ class RunDirLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
+        private_run_dir(self.run_dir)  # every component takes its lock first: none writes before
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

@@ -107,7 +107,9 @@ class Journal:
         if self.path.exists() and self.path.stat().st_size > self._valid_bytes:
             with open(self.path, "rb+") as f:
                 f.truncate(self._valid_bytes)
-        self._file = open(self.path, "ab")
+        # 0600 as well as under the private run dir: the journal is the run's state
+        self._file = os.fdopen(os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600),
+                               "ab")
 
     def append(self, msg: Message) -> int:
         """Write one record (`msg.on_disk()`: no secret reaches the file) and flush it to the OS;

@@ -33,6 +33,7 @@ from tandem.common.config.placement import machine_cores, resolve_placement
 from tandem.common.config.transport import move_secrets_to_env
 from tandem.common.errors import PeerDead, RequestFailed, TandemError
 from tandem.common.messages.master import Status
+from tandem.common.rundir import private_run_dir
 from tandem.common.sockets import free_port
 from tandem.common.trace import JsonlTail, Tracer
 
@@ -179,7 +180,7 @@ class Supervisor:
     # -- set-up ------------------------------------------------------------------------------
 
     def prepare(self) -> Path:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        private_run_dir(self.run_dir)
         path = self.run_dir / "config.yaml"
         data = self.config.model_dump(mode="json")
         metrics = data["logging"]["metrics"]
