@@ -36,9 +36,10 @@ class WeightsConfig(Section):
         description="auto: nccl when the trainer and every member are on CUDA, gloo otherwise")
     rendezvous_host: str = Field(
         default="127.0.0.1",
-        description="address explorers reach the trainer's TCPStore at (the group's rendezvous)")
+        description="address explorers reach the trainer's group store at (the group's "
+                    "rendezvous; Curve-authenticated, tandem.weights.store)")
     rendezvous_port: int = Field(
-        default=0, ge=0, le=65535, description="TCPStore port on the trainer; 0 picks a free one")
+        default=0, ge=0, le=65535, description="group store port on the trainer; 0 picks a free one")
     transport: Literal["shared_fs", "fetch"] = Field(
         default="shared_fs",
         description="how checkpoint versions reach explorers: shared_fs = explorers read the "
