@@ -79,3 +79,50 @@ def test_the_end_of_a_run_waits_for_the_clients_not_for_the_servers(tmp_path):
             finishing.join(30)
         sup._stop_all()
     assert all(c.returncode is not None for c in sup.children)
+
+
+def test_a_component_that_exits_on_the_stop_before_up_polls_it_is_not_a_failure(tmp_path):
+    """An explorer ends on the master's Stop as soon as it sees it; up polls the master's
+    status every half second. A zero exit judged before that poll was reported as a failure
+    ("explorer-0 exited with code 0", result failed) after every step had trained: up asks the
+    master before it judges a zero exit."""
+    import asyncio
+    import sys
+
+    from tandem.common.config import RunConfig
+    from tandem.common.messages import GetStatus, RunCounters, Status
+    from tandem.master.up import Child, Supervisor
+
+    sup = Supervisor(RunConfig.model_validate(
+        {"run_dir": str(tmp_path), "up": {"restart": "never", "stop_timeout": 5},
+         "logging": {"level": "warning"}}), live=False)
+    sup.children = [
+        Child("master", "master", [sys.executable, "-c", "import time; time.sleep(60)"],
+              tmp_path / "master.out"),
+        Child("explorer-0", "explorer", [sys.executable, "-c", "pass"], tmp_path / "e.out")]
+    for child in sup.children:
+        child.start()
+    sup.children[1].proc.wait(30)  # it saw the Stop and left; up has not polled since
+
+    class Master:
+        async def call(self, msg, **kw):
+            assert isinstance(msg, GetStatus)
+            return Status.model_construct(run_id="r", counters=RunCounters.model_construct(
+                stopped=True, total_steps=2, trainer_steps_done=2, trainer_steps_released=2,
+                newest_version=2, batches_granted=2, batches_done=2, batches_lost=0,
+                explorers_alive=0))
+
+    async def watch() -> int:
+        task = asyncio.create_task(sup._watch(Master(), GetStatus))
+        for _ in range(600):  # bounds a hang only: the verdict comes on the first look
+            if task.done() or sup.children[1].finished:
+                break
+            await asyncio.sleep(0.05)
+        sup._stop_reason = "test over"
+        return await asyncio.wait_for(task, 30)
+
+    try:
+        code = asyncio.run(watch())
+    finally:
+        sup._stop_all()
+    assert sup.children[1].finished and code == 130

@@ -313,14 +313,14 @@ class Supervisor:
                     click.echo(f"run exceeded up.run_timeout={self.config.up.run_timeout:g}s",
                                err=True)
                     return 1
+                if self._clean_exit_unexplained():
+                    # A component that saw the master's Stop may exit 0 before this loop's
+                    # next status poll sees it: ask now, not after judging the exit a failure.
+                    await self._poll_status(client, GetStatus)
                 outcome = self._check_children()
                 if outcome is not None:
                     return outcome
-                try:
-                    self.progress.status = await client.call(GetStatus(), timeout=2.0,
-                                                             retries=0)
-                except (PeerDead, RequestFailed):
-                    pass
+                await self._poll_status(client, GetStatus)
                 self.progress.update_from_trace(self.run_dir)
                 self.progress.update_from_evals(self.run_dir)
                 if display is not None:
@@ -332,6 +332,16 @@ class Supervisor:
         finally:
             if display is not None:
                 display.close()
+
+    async def _poll_status(self, client, GetStatus) -> None:
+        try:
+            self.progress.status = await client.call(GetStatus(), timeout=2.0, retries=0)
+        except (PeerDead, RequestFailed):
+            pass
+
+    def _clean_exit_unexplained(self) -> bool:
+        return not self._stopped() and any(
+            c.returncode == 0 and not c.finished for c in self.children[1:])
 
     def _check_children(self) -> int | None:
         """None while the run goes on; an exit code once it is over."""
