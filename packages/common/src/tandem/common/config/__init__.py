@@ -39,7 +39,9 @@ class RunConfig(Section):
                     "reward functions, workflows, environments, agents, taskset readers and "
                     "formats, advantages, losses, engines (docs/extending.md); installed "
                     "packages' `tandem.plugins` entry points are always loaded")
-    run_dir: str = Field(default="runs/latest", description="folder every component writes into")
+    run_dir: str = Field(default="runs/latest", description=(
+        "folder every component writes into; it holds one run: a config that changes the run "
+        "is refused there (docs/master.md#one-run-per-run-dir)"))
     seed: int = Field(default=0, description="seed for task shuffling, sampling and init")
     model: ModelConfig = Field(default_factory=ModelConfig)
     sync: SyncConfig = Field(default_factory=SyncConfig)
