@@ -21,6 +21,7 @@ import yaml
 import zmq
 
 from tandem.common.config.transport import TransportConfig
+from tandem.common.errors import WaitTimeout
 from tandem.common.messages.master import WeightsPublished
 from tandem.common.pubsub import Subscriber
 from tandem.common.rpc import RpcClient
@@ -49,7 +50,7 @@ async def _rendezvous(master: str, publish: str, transport: TransportConfig, run
         while not run.done():
             try:
                 event = await weights.recv(1.0)
-            except Exception:  # noqa: BLE001 - nothing yet (the master may not be up)
+            except WaitTimeout:  # nothing yet (the master may not be up)
                 continue
             if isinstance(event.body, WeightsPublished) and event.body.rendezvous is not None:
                 return event.body.rendezvous
@@ -80,7 +81,7 @@ async def test_no_file_of_a_run_holds_a_secret_and_the_run_dir_is_private(
         "trainer": {"groups_per_step": 2, "lr": 1e-3},
         "reward": {"functions": {"k12": 1.0}},
         "transport": {"liveness": 30.0, "curve": {
-            **keys, **{k: "${env:%s}" % v for k, v in env_names.items()}}},
+            **keys, **{k: f"${{env:{v}}}" for k, v in env_names.items()}}},
         "logging": {"level": "debug"},  # the most a run ever writes
         "up": {"run_timeout": 300},
     }
