@@ -5,7 +5,9 @@ step started with host-name addresses, a failing step stops the others and fails
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -79,23 +81,35 @@ def test_explorers_share_nodes_round_robin():
 
 
 FAKE_SCANCEL = """#!/bin/bash
-# stands in for `scancel --signal=TERM JOB`: SIGTERM to the tasks of every step still running
+# stands in for `scancel --signal=TERM JOB[.STEP]`: SIGTERM to the tasks of that step, or of
+# every step still running (a step's id is its stand-in srun's pid)
 echo "$*" >> "$SRUN_LOG.scancel"
-while read -r pid; do kill -TERM "$pid" 2>/dev/null; done < "$SRUN_LOG.pids"
+target="${@: -1}"
+while read -r pid name; do
+  if [[ "$target" != *.* || "$target" == *".$pid" ]]; then kill -TERM "$pid" 2>/dev/null; fi
+done < "$SRUN_LOG.steps"
 exit 0
+"""
+
+FAKE_SQUEUE = """#!/bin/bash
+# stands in for `squeue --steps --format "%i %j"`: the steps still running, by name
+while read -r pid name; do
+  if kill -0 "$pid" 2>/dev/null; then echo "$SLURM_JOB_ID.$pid $name"; fi
+done < "$SRUN_LOG.steps"
 """
 
 FAKE_SRUN = """#!/bin/bash
 # stands in for srun: records the node and the command, then plays the component
 node=""
+name=""
 while [[ "$1" == --* ]]; do
-  case "$1" in --nodelist=*) node="${1#--nodelist=}";; esac
+  case "$1" in --nodelist=*) node="${1#--nodelist=}";; --job-name=*) name="${1#--job-name=}";; esac
   shift
 done
 # a SIGTERM here stands for one that reaches the step's tasks (a real srun would SIGKILL
 # them instead: the job must signal steps through scancel); recorded once
 trap 'trap "" TERM; echo "TERM $*" >> "$SRUN_LOG"; kill $! 2>/dev/null; exit 143' TERM
-echo $$ >> "$SRUN_LOG.pids"
+echo "$$ $name" >> "$SRUN_LOG.steps"
 echo "$node $*" >> "$SRUN_LOG"
 if [[ "$*" == *"$FAIL_ON"* ]]; then sleep 0.5; exit 3; fi
 # a server (buffer, reward service) serves until it is told to stop
@@ -104,27 +118,64 @@ sleep "$STEP_SECONDS" & wait $!
 """
 
 
-def run_job(tmp_path: Path, script: str, fail_on: str = "never", step_seconds: float = 0.2,
-            serve_seconds: float = 600) -> tuple[subprocess.CompletedProcess, list[str]]:
+def job_env(tmp_path: Path, fail_on: str = "never", step_seconds: float = 0.2,
+            serve_seconds: float = 600) -> dict[str, str]:
+    """The job's environment, with stand-ins for Slurm's commands first on PATH."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "scontrol").write_text("#!/bin/sh\nprintf '%s\\n' " + " ".join(HOSTS) + "\n")
-    (bin_dir / "srun").write_text(FAKE_SRUN)
-    (bin_dir / "scancel").write_text(FAKE_SCANCEL)
-    for tool in ("scontrol", "srun", "scancel"):
+    for tool, text in (("srun", FAKE_SRUN), ("scancel", FAKE_SCANCEL), ("squeue", FAKE_SQUEUE)):
+        (bin_dir / tool).write_text(text)
+    for tool in ("scontrol", "srun", "scancel", "squeue"):
         (bin_dir / tool).chmod(0o755)
+    (tmp_path / "srun.log.steps").touch()
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
+            "SRUN_LOG": str(tmp_path / "srun.log"), "SLURM_JOB_NODELIST": "node-[a-d]",
+            "SLURM_JOB_ID": "77", "SLURM_CPUS_ON_NODE": "8", "FAIL_ON": fail_on,
+            "STEP_SECONDS": str(step_seconds), "SERVE_SECONDS": str(serve_seconds),
+            "TANDEM_CURVE_SERVER_SECRET": "s", "TANDEM_CURVE_CLIENT_SECRET": "c"}
+
+
+def srun_calls(tmp_path: Path) -> list[str]:
+    log = tmp_path / "srun.log"
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def run_job(tmp_path: Path, script: str, **env) -> tuple[subprocess.CompletedProcess, list[str]]:
     job = tmp_path / "run.sbatch"
     job.write_text(script)
-    log = tmp_path / "srun.log"
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SRUN_LOG": str(log),
-           "SLURM_JOB_NODELIST": "node-[a-d]", "SLURM_JOB_ID": "77", "SLURM_CPUS_ON_NODE": "8",
-           "FAIL_ON": fail_on,
-           "STEP_SECONDS": str(step_seconds), "SERVE_SECONDS": str(serve_seconds),
-           "TANDEM_CURVE_SERVER_SECRET": "s",
-           "TANDEM_CURVE_CLIENT_SECRET": "c"}
-    done = subprocess.run(["bash", str(job)], env=env, capture_output=True, text=True,
-                          timeout=30, cwd=tmp_path)
-    return done, log.read_text().splitlines() if log.exists() else []
+    done = subprocess.run(["bash", str(job)], env=job_env(tmp_path, **env), capture_output=True,
+                          text=True, timeout=30, cwd=tmp_path)
+    return done, srun_calls(tmp_path)
+
+
+def test_a_stop_stops_workers_first_then_the_rest_through_slurm(tmp_path):
+    """`scancel --batch --signal=TERM` (or the time limit) reaches the script alone: it stops
+    the explorers and the trainer, waits for them, then the master and the servers, as
+    `tandem up` does, each step through scancel (never by signalling srun), and exits 130."""
+    job = tmp_path / "run.sbatch"
+    job.write_text(render(SlurmOptions(run_dir=str(tmp_path / "run"))))
+    proc = subprocess.Popen(["bash", str(job)], env=job_env(tmp_path, step_seconds=600),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 30
+        while len(srun_calls(tmp_path)) < 6:  # every step started
+            assert time.monotonic() < deadline, srun_calls(tmp_path)
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    stopped = [component(c) for c in srun_calls(tmp_path) if c.startswith("TERM")]
+    assert sorted(stopped[:3]) == ["tandem-explorer", "tandem-explorer", "tandem-trainer"]
+    assert sorted(stopped[3:]) == ["tandem-buffer", "tandem-master", "tandem-reward"]
+    scancels = (tmp_path / "srun.log.scancel").read_text().splitlines()
+    assert all(line.startswith("--signal=TERM 77.") for line in scancels[:3]), scancels
+    assert scancels[3:] == ["--signal=TERM 77"]
 
 
 def test_job_starts_every_step_wired_by_host_name(tmp_path):

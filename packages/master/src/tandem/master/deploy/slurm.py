@@ -21,12 +21,16 @@ from the environment sbatch passes on: the script refuses to start without them.
 over when the master, the trainer and the explorers have ended (the master ends them): the
 script then stops the servers that serve until told (buffer, reward service) with SIGTERM, as
 `tandem up` does. When one step fails the script stops the others and exits with status 1.
-The script stops steps with `scancel --signal=TERM` (the job's steps, not the script), never by
-signalling an srun: srun turns a SIGTERM it receives into a SIGKILL of its tasks ("forcing job
-termination"), so no component could stop cleanly. For the same reason a run is stopped
-gracefully with `scancel --signal=TERM JOBID` (and 120 s before the time limit by
-`--signal=TERM@120`), not a plain `scancel`, which SIGTERMs the srun processes too. Submitting
-the same script again continues the run either way.
+
+The script signals steps through Slurm (`scancel --signal=TERM`, by step name from `squeue`),
+never by signalling an srun: srun turns a SIGTERM it receives into a SIGKILL of its tasks
+("forcing job termination"), so nothing could stop cleanly. A stop reaches the script alone
+(`scancel --batch --signal=TERM JOBID`, or `--signal=B:TERM@120` before the time limit) and it
+stops the run in `tandem up`'s order: the explorers and the trainer first, while the master
+still answers (the trainer checkpoints the steps it counted; signalled at once, an explorer
+waited 90 s for a master already gone and the trainer skipped its checkpoint), then the rest.
+A plain `scancel` SIGTERMs every process, the sruns too, so every step is SIGKILLed at once;
+submitting the same script again continues the run either way.
 """
 
 from __future__ import annotations
@@ -93,7 +97,7 @@ def render_slurm(config: RunConfig, options: SlurmOptions) -> str:
     head = ["#!/bin/bash", f"#SBATCH --job-name={config.name}", f"#SBATCH --nodes={nodes}",
             "#SBATCH --ntasks-per-node=1", "#SBATCH --exclusive", "#SBATCH --mem=0",
             f"#SBATCH --time={options.time}",
-            "#SBATCH --signal=TERM@120",
+            "#SBATCH --signal=B:TERM@120",
             f"#SBATCH --chdir={workdir}",
             "#SBATCH --output=tandem-%x-%j.out"]
     if options.gpus_per_node:
@@ -104,7 +108,7 @@ def render_slurm(config: RunConfig, options: SlurmOptions) -> str:
         head.append(f"#SBATCH --account={options.account}")
     lines = head + [
         "# Rendered by `tandem deploy slurm`: submit with `sbatch THIS_FILE`. Stop the run",
-        "# cleanly with `scancel --signal=TERM JOBID` (a plain scancel SIGKILLs the steps). To",
+        "# cleanly with `scancel --batch --signal=TERM JOBID` (a plain scancel SIGKILLs it). To",
         "# continue a stopped run (scancel, the time limit, a failed node), submit this file",
         "# again: the master and the buffer continue from RUN_DIR, the trainer (always",
         "# `--resume`) from its newest checkpoint.",
@@ -148,29 +152,42 @@ def render_slurm(config: RunConfig, options: SlurmOptions) -> str:
         '  --set "weights.rendezvous_host=${TRAINER_HOSTS[0]}"',
         f'  --set "weights.fetch_address=tcp://${{TRAINER_HOSTS[0]}}:{ports["fetch"]}"',
         ")", "",
-        "PIDS=()  # every step",
-        "RUN=()   # the steps that end by themselves when the run is over",
-        "# SIGTERM to every step that still runs, through Slurm: an srun that is sent SIGTERM",
-        "# SIGKILLs its tasks (\"forcing job termination\")",
+        "PIDS=()     # every step",
+        "RUN=()      # the steps that end by themselves when the run is over",
+        "WORKERS=()  # the trainer and the explorers",
+        "# SIGTERM through Slurm to every step that still runs (`stop`), or to the steps of",
+        "# these names (`stop_steps NAME...`): an srun that is sent SIGTERM SIGKILLs its tasks",
         'stop() { scancel --signal=TERM "$SLURM_JOB_ID" 2>/dev/null || true; }',
-        "trap 'wait; exit 143' TERM INT", ""]
+        "stop_steps() {",
+        "  local id name",
+        "  while read -r id name; do",
+        '    if [[ " $* " == *" $name "* ]]; then scancel --signal=TERM "$id" 2>/dev/null || true; fi',
+        '  done < <(squeue --noheader --steps --jobs "$SLURM_JOB_ID" --format "%i %j" 2>/dev/null)',
+        "}",
+        "# scancel --batch --signal=TERM, or the time limit near (the stop itself is below: a",
+        "# `wait` inside a trap that interrupted `wait -n` never returns)",
+        "stopping=0",
+        "trap 'stopping=1' TERM INT", ""]
 
-    def step(comment: str, srun: str, argv: list[str], *, serves: bool = False) -> None:
-        lines.extend([f"# {comment}", f"{srun} \\", "  " + " ".join(argv) + " &",
-                      'PIDS+=("$!")' if serves else 'PIDS+=("$!"); RUN+=("$!")', ""])
+    def step(role: str, comment: str, srun: str, argv: list[str]) -> None:
+        pids = {"buffer": 'PIDS+=("$!")', "reward": 'PIDS+=("$!")',
+                "master": 'PIDS+=("$!"); RUN+=("$!")'}.get(
+                    role, 'PIDS+=("$!"); RUN+=("$!"); WORKERS+=("$!")')
+        srun = srun.replace("srun ", f"srun --job-name=tandem-{role} ", 1)
+        lines.extend([f"# {comment}", f"{srun} \\", "  " + " ".join(argv) + " &", pids, ""])
 
     cpus = '--cpus-per-task="$SLURM_CPUS_ON_NODE"'
     one = f'srun --nodes=1 --ntasks=1 {cpus} --overlap --kill-on-bad-exit=1'
-    step("master", f'{one} --nodelist="$CTRL"',
+    step("master", "master", f'{one} --nodelist="$CTRL"',
          ["tandem-master", '--config "$CONFIG"', '"${CLIENT[@]}"',
           *[f"--set {q(s)}" for s in bind_overrides(config, "master")]])
-    step("buffer", f'{one} --nodelist="$CTRL"',
+    step("buffer", "buffer", f'{one} --nodelist="$CTRL"',
          ["tandem-buffer", '--config "$CONFIG"', '"${CLIENT[@]}"',
-          *[f"--set {q(s)}" for s in bind_overrides(config, "buffer")]], serves=True)
+          *[f"--set {q(s)}" for s in bind_overrides(config, "buffer")]])
     if reward_service(config):
-        step("reward service", f'{one} --nodelist="$CTRL"',
+        step("reward", "reward service", f'{one} --nodelist="$CTRL"',
              ["tandem-reward", '--config "$CONFIG"', '"${CLIENT[@]}"',
-              *[f"--set {q(s)}" for s in bind_overrides(config, "reward")]], serves=True)
+              *[f"--set {q(s)}" for s in bind_overrides(config, "reward")]])
     per_node = max(options.gpus_per_node, 1)
     trainer_argv = ["torchrun", f"--nnodes={options.trainer_nodes}",
                     f"--nproc-per-node={per_node}", "--rdzv-backend=c10d",
@@ -180,7 +197,7 @@ def render_slurm(config: RunConfig, options: SlurmOptions) -> str:
                     *[f"--set {q(s)}" for s in bind_overrides(config, "trainer")]]
     if options.gpus_per_node:
         trainer_argv.append("--set trainer.device=cuda")
-    step("trainer: torchrun on every trainer node",
+    step("trainer", "trainer: torchrun on every trainer node",
          f'srun --nodes={options.trainer_nodes} --ntasks-per-node=1 {cpus} --overlap '
          '--kill-on-bad-exit=1 '
          '--nodelist="$(IFS=,; echo "${TRAINER_HOSTS[*]}")"', trainer_argv)
@@ -191,16 +208,22 @@ def render_slurm(config: RunConfig, options: SlurmOptions) -> str:
             # nothing shared: the explorer keeps its weights on its own node
             argv.append(f'--set "run_dir={options.local_dir}/tandem-$SLURM_JOB_ID/'
                         f'{explorer.name}"')
-        step(f"explorer {explorer.name}",
+        step("explorer", f"explorer {explorer.name}",
              f'{one} --nodelist="${{EXPLORER_HOSTS[{k % explorer_nodes}]}}"', argv)
     lines += [
         "# the first step that fails stops the rest; once the master, the trainer and the",
         "# explorers have ended, the servers are stopped (`wait -n`: bash 4.3 or newer)",
-        "while :; do",
+        "while (( ! stopping )); do",
         "  code=0; wait -n || code=$?",
+        "  if (( stopping )); then break; fi",
         "  if (( code != 0 )); then stop; wait; exit 1; fi",
         "  running=0",
         "  for pid in \"${RUN[@]}\"; do kill -0 \"$pid\" 2>/dev/null && running=1; done",
         "  if (( ! running )); then stop; wait; exit 0; fi",
-        "done", ""]
+        "done",
+        "# stopped: as `tandem up` does, the explorers and the trainer while the master still",
+        "# answers (the trainer checkpoints what the master counted), then the rest",
+        "stop_steps tandem-explorer tandem-trainer",
+        'wait "${WORKERS[@]}" 2>/dev/null || true',
+        "stop; wait; exit 130", ""]
     return "\n".join(lines)
