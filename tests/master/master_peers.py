@@ -13,6 +13,7 @@ from tandem.common.messages.master import (
     ExplorerStepDone,
     LeaseTasks,
     Register,
+    TrainerCheckpointed,
     TrainerStepDone,
     WeightsPublished,
     barrier_topic,
@@ -90,15 +91,19 @@ async def explorer_loop(master: Master, name: str, steps_seen: list, batch_size:
 
 async def trainer_loop(master: Master, trained: list, method: str = "checkpoint",
                        until: int | None = None):
-    """Trains every step the master releases; with `until`, returns when step `until` is
-    released, before training it: a trainer that died between two steps, with no report on
-    its way to the master."""
+    """Trains every step the master releases and "checkpoints" them on the Stop; with `until`,
+    returns when step `until` is released, before training it: a trainer that died between
+    two steps, with no report on its way to the master."""
     peer = Peer(master, "trainer", "trainer", ["trainer", "stop"])
     await peer.start()
     try:
         while True:
             msg = await peer.next("trainer")
-            if msg.TYPE == "master.stop" or (until is not None and msg.step >= until):
+            if msg.TYPE == "master.stop":
+                if trained:
+                    await peer.rpc.call(TrainerCheckpointed(step=trained[-1][0] + 1), timeout=2)
+                return
+            if until is not None and msg.step >= until:
                 return
             await asyncio.sleep(0.01)  # "train"
             trained.append((msg.step, msg.publish, msg.groups))

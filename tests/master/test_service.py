@@ -22,6 +22,7 @@ from tandem.common.messages.master import (
     LeaseTasks,
     ReleaseTasks,
     Register,
+    TrainerCheckpointed,
     TrainerStepDone,
     WeightsPublished,
     barrier_topic,
@@ -407,7 +408,8 @@ async def test_killed_master_process_restarts_and_the_run_finishes(tmp_path, zmq
         try:
             while True:
                 msg = await peer.next("trainer", timeout=30)
-                if msg.TYPE == "master.stop":
+                if msg.TYPE == "master.stop":  # its last checkpoint: the run is done
+                    await call(peer.rpc, TrainerCheckpointed(step=last + 1))
                     return
                 if msg.step <= last:
                     continue

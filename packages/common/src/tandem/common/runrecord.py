@@ -40,6 +40,7 @@ OPERATIONAL = (
     "name", "run_dir", "transport.*", "logging.*", "up.*", "placement.*", "eval.*",
     "sync.timeout",
     "master.address", "master.publish_address", "master.task_lease_seconds", "master.stop_grace",
+    "master.final_checkpoint_wait",
     "buffer.address", "buffer.retry_after", "buffer.lease_seconds", "buffer.synchronous",
     "buffer.commit_batch", "buffer.max_sample_wait", "buffer.max_parked_per_client",
     "reward.service", "reward.address", "reward.workers", "reward.timeout",

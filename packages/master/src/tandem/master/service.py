@@ -23,7 +23,7 @@ from collections.abc import Callable
 import structlog
 
 from tandem.common.config import RunConfig
-from tandem.common.errors import ConfigError, RequestFailed
+from tandem.common.errors import ConfigError, RequestFailed, TandemError
 from tandem.common.heartbeat import Liveness
 from tandem.common.messages.base import Heartbeat, HeartbeatAck, Message, Ok
 from tandem.common.messages.master import (
@@ -47,6 +47,7 @@ from tandem.common.messages.master import (
     RunStarted,
     Status,
     TaskLease,
+    TrainerCheckpointed,
     TasksExhausted,
     TasksLeased,
     TrainerResumed,
@@ -144,7 +145,10 @@ class Master:
         self._step_leases: dict[tuple[str, int], str] = {}  # (explorer, step) -> lease id
         self._loop_task: asyncio.Task | None = None
         self._done = asyncio.Event()  # set: serve() returns (run done, or request_stop())
-        self._done_timer: asyncio.TimerHandle | None = None  # stop_grace after a Stop
+        self._ending: asyncio.Task | None = None  # after a Stop: grace, then the checkpoint
+        self._failure: TandemError | None = None  # why the run ended without its checkpoint
+        self.trainer_checkpoint = 0  # steps the trainer's newest reported checkpoint holds
+        self._checkpointed = asyncio.Event()  # set: a checkpoint holds every step counted
         self._closed = False
         self._lock = asyncio.Lock()
         # The one way state changes: live (after the handler's checks) and on journal replay.
@@ -157,6 +161,7 @@ class Master:
             ExplorerStepDone: self._apply_explorer_step, TrainerStepDone: self._apply_trainer_step,
             ExplorerDraining: self._apply_explorer_draining,
             TrainerResumed: self._apply_trainer_resumed,
+            TrainerCheckpointed: self._apply_trainer_checkpointed,
             WeightsPublished: self._apply_weights,
             AwaitingTrainer: self._apply_awaiting,
         }
@@ -167,6 +172,7 @@ class Master:
                                   (ExplorerDraining, self._on_explorer_draining),
                                   (TrainerStepDone, self._on_trainer_step),
                                   (TrainerResumed, self._on_trainer_resumed),
+                                  (TrainerCheckpointed, self._on_trainer_checkpointed),
                                   (WeightsPublished, self._on_weights),
                                   (GetStatus, self._on_status)):
             self.server.register(msg_type, handler)
@@ -213,9 +219,12 @@ class Master:
 
     async def serve(self) -> None:
         """Serve until the run is done (plus `master.stop_grace`) or `request_stop()`; the
-        caller then calls `close()`."""
+        caller then calls `close()`. The run is done once a trainer checkpoint holds every
+        step counted; raises `TandemError` if none came within `master.final_checkpoint_wait`."""
         await self.start()
         await self._done.wait()
+        if self._failure is not None:
+            raise self._failure
 
     def request_stop(self) -> None:
         """Make `serve()` return (from a signal handler or another task), even before it ran."""
@@ -226,9 +235,10 @@ class Master:
             return
         self._closed = True
         self._done.set()
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            await asyncio.gather(self._loop_task, return_exceptions=True)
+        for task in (self._loop_task, self._ending):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         await self.server.close()
         await self.publisher.close()
         self.metrics.close()
@@ -377,9 +387,14 @@ class Master:
 
     def _apply_trainer_resumed(self, msg: TrainerResumed) -> list[Decision]:
         decisions = self.clock.trainer_resumed(msg.step)
+        self.trainer_checkpoint = msg.step  # the lineage that goes on holds its checkpoint
         if self._last_weights is not None and self._last_weights.version > self.clock.newest:
             self._last_weights = None  # the lost lineage's version: never republished
         return decisions
+
+    def _apply_trainer_checkpointed(self, msg: TrainerCheckpointed) -> list[Decision]:
+        self.trainer_checkpoint = msg.step
+        return []
 
     def _apply_awaiting(self, msg: AwaitingTrainer) -> list[Decision]:
         return self.clock.await_trainer(msg.awaiting)
@@ -440,9 +455,41 @@ class Master:
                           version=msg.version, load=msg.wait)
 
     def _schedule_done(self) -> None:
-        if self._done_timer is None:
-            loop = asyncio.get_running_loop()
-            self._done_timer = loop.call_later(self.config.master.stop_grace, self._done.set)
+        if self._ending is None:
+            self._note_checkpoint()
+            self._ending = asyncio.create_task(self._end_run(), name="master-end")
+
+    def _note_checkpoint(self) -> None:
+        """Whether a trainer checkpoint holds every step counted: the run can end."""
+        if self.trainer_checkpoint >= self.clock.trainer_done:
+            self._checkpointed.set()
+        else:
+            self._checkpointed.clear()
+
+    async def _end_run(self) -> None:
+        """After a Stop: serve `master.stop_grace`, and until the trainer's checkpoint holds
+        every step counted (it writes its last one on the Stop). A trainer that dies before
+        is restarted from an older checkpoint and re-opens the run (`_on_trainer_resumed`
+        cancels this); one that never comes back ends the run as a failure, never as done."""
+        cfg = self.config.master
+        deadline = time.monotonic() + cfg.final_checkpoint_wait
+        await asyncio.sleep(cfg.stop_grace)
+        if not self._checkpointed.is_set():
+            log.info("master.awaiting_checkpoint", steps=self.clock.trainer_done,
+                     checkpoint=self.trainer_checkpoint, bound=cfg.final_checkpoint_wait)
+        try:
+            await asyncio.wait_for(self._checkpointed.wait(),
+                                   max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            self._failure = TandemError(
+                f"master: the run counted {self.clock.trainer_done} trainer steps but the "
+                f"trainer's newest checkpoint reported holds {self.trainer_checkpoint} "
+                f"(none came within master.final_checkpoint_wait="
+                f"{cfg.final_checkpoint_wait:g}s); `tandem up --resume` retrains the lost "
+                f"steps from {self.run_dir / 'checkpoints'}")
+            log.error("master.checkpoint_missing", steps=self.clock.trainer_done,
+                      checkpoint=self.trainer_checkpoint)
+        self._done.set()
 
     # -- handlers: check, then commit ----------------------------------------------------------
 
@@ -637,13 +684,28 @@ class Master:
                 raise RequestFailed("resume_ahead", f"{exc}: its checkpoint {msg.checkpoint} "
                                     "is newer than the master's journal (was the journal "
                                     "lost?)") from None
-            if not self.clock.stopped and self._done_timer is not None:
-                self._done_timer.cancel()  # the run goes on: the steps after it are retrained
-                self._done_timer = None
+            if not self.clock.stopped and self._ending is not None:
+                self._ending.cancel()  # the run goes on: the steps after it are retrained
+                self._ending = None
+            self._note_checkpoint()
             log.info("trainer.resumed", step=msg.step, master_had=before,
                      retrain=f"{msg.step}..{before - 1}" if before > msg.step else "nothing",
                      checkpoint=msg.checkpoint, lineage=msg.lineage)
             await self._emit(decisions)
+        return Ok()
+
+    async def _on_trainer_checkpointed(self, msg: TrainerCheckpointed, ctx: CallContext) -> Ok:
+        self._check_trainer(ctx, f"TrainerCheckpointed(step={msg.step})")
+        self._touch(ctx)
+        async with self._lock:
+            if msg.step > self.clock.trainer_done:
+                raise RequestFailed("checkpoint_ahead", (
+                    f"the trainer reported a checkpoint of {msg.step} steps but the master "
+                    f"counted {self.clock.trainer_done}; a checkpoint holds counted steps only"))
+            self._commit(msg)
+            self._note_checkpoint()
+            log.info("trainer.checkpointed", step=msg.step, counted=self.clock.trainer_done,
+                     checkpoint=msg.checkpoint)
         return Ok()
 
     async def _on_weights(self, msg: WeightsPublished, ctx: CallContext) -> Ok:

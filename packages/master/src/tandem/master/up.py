@@ -16,6 +16,7 @@ checkpoint.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -160,6 +161,35 @@ def headline(metrics: dict[str, float]) -> str:
     if passes:
         shown[passes[-1][1]] = metrics[passes[-1][1]]
     return ", ".join(f"{k.replace('/accuracy', ' acc')} {v:.2f}" for k, v in shown.items())
+
+
+def newest_checkpoint(root: Path) -> tuple[int, Path | None]:
+    """The steps the newest complete trainer checkpoint under `root` holds, and its folder
+    ((0, None): none), from its `trainer_state.json` (the layout of `tandem.trainer.checkpoint`,
+    read here without importing torch)."""
+    best: tuple[int, Path | None] = (0, None)
+    for folder in root.glob("step_*"):
+        try:
+            step = int(json.loads((folder / "trainer_state.json").read_text())["step"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not complete (a checkpoint is renamed into place once written)
+        best = max(best, (step, folder), key=lambda b: b[0])
+    return best
+
+
+def checkpoint_short(status: Status | None, checkpoints: Path) -> str | None:
+    """Why a run whose master ended is not done though its counter may say so: the trainer's
+    newest checkpoint holds fewer steps than the master counted (the steps after it would be
+    lost on the next resume). None when it holds them all."""
+    if status is None:
+        return None
+    counted = status.counters.trainer_steps_done
+    step, folder = newest_checkpoint(checkpoints)
+    if step >= counted:
+        return None
+    return (f"the master counted {counted} trainer steps but the newest checkpoint holds "
+            f"{step} ({folder or f'none in {checkpoints}'}); `tandem up --resume` retrains "
+            f"steps {step}..{counted - 1}")
 
 
 class Supervisor:
@@ -384,7 +414,10 @@ class Supervisor:
         status = self.progress.status
         done = status is not None and (
             status.counters.trainer_steps_done == status.counters.total_steps)
-        return 0 if done and not failed else 1
+        short = checkpoint_short(status, self.run_dir / "checkpoints") if done else None
+        if short is not None:  # the run is done only once its last checkpoint is on disk
+            click.echo(f"run not done: {short}", err=True)
+        return 0 if done and short is None and not failed else 1
 
     def _stopped(self) -> bool:
         return self.progress.status is not None and self.progress.status.counters.stopped

@@ -15,7 +15,8 @@ Per step, on rank 0 (docs/design.md §4, docs/master.md):
     publish p when set                      checkpoint: weights/v{p} + WeightsPublished;
                                             nccl: WeightsPublished(rendezvous), then broadcast
     checkpoint every `trainer.checkpoint_every` steps and at the end (steps the master counted),
-                                            then CheckpointSaved(step) to the buffer
+                                            then TrainerCheckpointed(step) to the master and
+                                            CheckpointSaved(step) to the buffer
 
 Ranks other than 0 follow (`serve()` runs `follow()` there): they wait for rank 0's commands
 and join its collectives. Without sockets, `train_step(experiences)` runs one step on a batch
@@ -43,7 +44,8 @@ from tandem.common.messages.buffer import (
     AckLease, CheckpointSaved, ReleaseLeases, RewindTo, SampleGroups, SampleResult)
 from tandem.common.messages.experience import Experience
 from tandem.common.messages.master import (
-    Register, Registered, Stop, TrainerGo, TrainerResumed, TrainerStepDone, WeightsPublished)
+    Register, Registered, Stop, TrainerCheckpointed, TrainerGo, TrainerResumed, TrainerStepDone,
+    WeightsPublished)
 from tandem.common.trace import Tracer
 from tandem.weights import model_dtype
 
@@ -177,16 +179,23 @@ class Trainer:
         return path
 
     async def _checkpoint(self) -> None:
-        """Save, then tell the buffer: groups consumed before this step can never be rewound."""
+        """Save, then tell the master (the run is done only once a checkpoint holds every step
+        it counted) and the buffer (groups consumed before this step can never be rewound)."""
         # traced: a stop's bound is `up.stop_timeout` plus this span (tests/e2e/test_stop.py)
         with self.tracer.span("checkpoint", step=self.step, stopping=self._stopping):
-            await asyncio.to_thread(self.save_checkpoint)
+            path = await asyncio.to_thread(self.save_checkpoint)
+        try:
+            await self._master.call(TrainerCheckpointed(step=self.step, checkpoint=str(path)),
+                                    timeout_key="transport.rpc_timeout")
+        except (PeerDead, RequestFailed) as exc:
+            # the master then ends the run as failed (master.final_checkpoint_wait), never done
+            log.warning("checkpoint.unreported", to="master", step=self.step, error=str(exc))
         try:
             await self._buffer.call(CheckpointSaved(step=self.step), retries=0,
                                     timeout_key="transport.rpc_timeout")
         except (PeerDead, RequestFailed) as exc:
             # only retention waits for it: the buffer keeps the rows until the next report
-            log.warning("checkpoint.unreported", step=self.step, error=str(exc))
+            log.warning("checkpoint.unreported", to="buffer", step=self.step, error=str(exc))
 
     def policy_weights(self) -> list[tuple[str, torch.Tensor]]:
         """The policy's weights to publish: HF names, `model.dtype`, each tied weight once (with

@@ -109,3 +109,8 @@ class MasterConfig(Section):
     stop_grace: float = Field(default=2.0, ge=0,
                               description="seconds the master keeps serving after `Stop`, so "
                                           "every component hears it and `tandem status` works")
+    final_checkpoint_wait: float = Field(
+        default=300.0, gt=0,
+        description="seconds after `Stop` the master waits for the trainer's checkpoint of "
+                    "every step it counted (a trainer restarted meanwhile re-opens the run); "
+                    "past it the master exits non-zero")

@@ -64,6 +64,7 @@ from .master import (
     TasksExhausted,
     TasksLeased,
     TrainerGo,
+    TrainerCheckpointed,
     TrainerResumed,
     TrainerStepDone,
     WeightsPublished,

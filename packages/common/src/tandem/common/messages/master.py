@@ -16,7 +16,9 @@ An explorer's loop: `Register` -> wait for `Barrier` -> load `version` if `wait`
 `Barrier`. In asynchronous plans an explorer may send `ExplorerDraining` once its step's tasks
 are leased and a group is scored: the master may then grant its next step at once, and the
 explorer leases and rolls it out while the first drains, reporting both in grant order. The trainer's: `Register` -> `TrainerResumed` -> wait for `TrainerGo` -> train -> `TrainerStepDone` ->
-(when `publish` is set) write or broadcast the weights and send `WeightsPublished`. Counting of
+(when `publish` is set) write or broadcast the weights and send `WeightsPublished`. After each
+checkpoint it sends `TrainerCheckpointed`; the master ends the run (after `Stop`) only once a
+checkpoint holds every step it counted. Counting of
 steps, batches and versions: `tandem.common.sync`.
 
 The master's journal (`run_dir/master/journal.bin`) is a sequence of these same messages: every
@@ -164,6 +166,15 @@ class TrainerResumed(Request):
     checkpoint: str | None = Field(default=None, description="the checkpoint folder, if any")
     lineage: str = Field(default="", max_length=64,
                          description="this incarnation's lineage id (checkpoints, versions)")
+
+
+@wire("master.trainer.checkpointed", reply=Ok)
+class TrainerCheckpointed(Request):
+    """Trainer to master: a checkpoint holding steps 0..step-1 is on disk. A run is done only
+    once one holds every step the master counted (docs/reliability.md, "Nothing lost")."""
+
+    step: int = Field(ge=0)
+    checkpoint: str = Field(default="", description="the checkpoint folder")
 
 
 @wire("master.weights", reply=Ok)
