@@ -1,6 +1,8 @@
 """A one-node Slurm cluster in a folder: munged, slurmctld and slurmd in the foreground, each with
 its own pid and log file, on free ports, configured by a slurm.conf written here (no systemd, no
-cgroup plugins: proctrack/linuxproc, task/none). Clients find it through `SLURM_CONF`."""
+cgroup plugins: proctrack/linuxproc; task/affinity binds each step to the CPUs it was given, as
+a production cluster's task/affinity or task/cgroup does). Clients find it through
+`SLURM_CONF`."""
 
 from __future__ import annotations
 
@@ -99,7 +101,7 @@ class SlurmCluster:
             f"SlurmctldLogFile={r / 'logs' / 'slurmctld.log'}",
             f"SlurmdLogFile={r / 'logs' / 'slurmd.log'}",
             "ProctrackType=proctrack/linuxproc",
-            "TaskPlugin=task/none",
+            "TaskPlugin=task/affinity",
             "SelectType=select/cons_tres",
             "SelectTypeParameters=CR_Core",
             "SwitchType=switch/none",
@@ -149,8 +151,8 @@ class SlurmCluster:
             raise RuntimeError(f"sbatch {script}: {done.stderr.strip()}")
         return int(done.stdout.strip().split(";")[0])
 
-    def scancel(self, job: int) -> None:
-        subprocess.run([_tool("scancel"), str(job)], check=True, capture_output=True,
+    def scancel(self, job: int, *options: str) -> None:
+        subprocess.run([_tool("scancel"), *options, str(job)], check=True, capture_output=True,
                        env=self.env, timeout=30)
 
     def job(self, job: int) -> dict[str, str]:

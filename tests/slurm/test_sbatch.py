@@ -18,7 +18,7 @@ sys.path.insert(0, str(REPO / "tools"))
 
 import resume_check
 from cluster import SlurmCluster, free_port
-from processes import descendants, freeze
+from processes import descendants, freeze, thread_states
 from tandem.common.messages import ExplorerStepDone
 from tandem.common.trace import JsonlTail
 from tandem.master.journal import JournalError, read_journal
@@ -26,6 +26,7 @@ from tandem.master.journal import JournalError, read_journal
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(900)]
 TANDEM = str(Path(sys.executable).parent / "tandem")
 GROUPS_PER_STEP = 2
+STEPS = 8  # of the runs that are stopped and resumed
 
 
 def render(tmp_path: Path, model_dir: Path, steps: int) -> tuple[Path, Path]:
@@ -60,7 +61,7 @@ def submit(cluster: SlurmCluster, script: Path, tmp_path: Path, jobs: list[int])
     return jobs[-1]
 
 
-def job_output(tmp_path: Path, job: int) -> str:
+def job_output(tmp_path: Path, job: int | str) -> str:
     """The tail of the batch script's own output and its components' stderr."""
     path = tmp_path / f"job-{job}.out"
     return path.read_text(errors="replace")[-3000:] if path.exists() else ""
@@ -91,11 +92,16 @@ def wait_for(predicate, timeout: float, what: str, cluster: SlurmCluster, job: i
 
 
 def component(name: str) -> int | None:
-    """The pid of the run's `name` process (below slurmd, so below this test)."""
-    for pid, cmd in descendants().items():
-        words = cmd.split()
-        if (any(Path(w).name == f"tandem-{name}" for w in words[:2])
-                and "torchrun" not in cmd):
+    """The pid of the run's `name` process (below slurmd, so below this test): the topmost
+    one, not a worker it forked (the explorer's reward pool shares its command line)."""
+    found = {pid for pid, cmd in descendants().items()
+             if any(Path(w).name == f"tandem-{name}" for w in cmd.split()[:2])}
+    for pid in found:
+        try:
+            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent not in found:
             return pid
     return None
 
@@ -113,62 +119,112 @@ def test_rendered_example_runs_to_its_end(slurm_cluster, jobs, tiny_model_dir, t
     assert (run_dir / "run.yaml").exists()
 
 
-def test_cancelled_job_resubmitted_finishes_every_step_once(slurm_cluster, jobs,
-                                                            tiny_model_dir, tmp_path):
-    """The cancel lands where the test chooses, whatever the machine's speed: the explorer is
-    held still (SIGSTOP) from its start-up and the trainer once it started; the explorer rolls
-    out two batches, the trainer trains them, and with both held `scancel` stops the job
-    (Slurm sends SIGCONT, then SIGTERM). Held, neither can move the run on before its SIGTERM,
-    and the two steps trained are far below the run's 8."""
-    steps = 8
-    script, run_dir = render(tmp_path, tiny_model_dir, steps)
+def sigterm_pending(pid: int) -> bool:
+    """Whether SIGTERM waits to be handled by `pid` (held still, it cannot be yet)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    masks = [int(line.split()[1], 16) for line in status.splitlines()
+             if line.startswith(("SigPnd:", "ShdPnd:"))]
+    return any(mask >> (signal.SIGTERM - 1) & 1 for mask in masks)
+
+
+def stopped_at_step_two(cluster: SlurmCluster, jobs: list[int], model_dir: Path, tmp_path: Path,
+                        stop) -> tuple[Path, Path, int, dict[str, str]]:
+    """Submit a run of 8 steps and stop it with `stop(job)` at step 2, whatever the machine's
+    speed: the explorer is held still (SIGSTOP) from its start-up and the trainer once it
+    started; the explorer rolls out two batches, the trainer trains them, and with both held
+    the job is stopped. Both are let go only once the SIGTERM waits in each, so it is the first
+    thing each does: neither can move the run on, and two steps are far below its 8. The
+    script, the run dir, the steps counted when stopped and the job's final record."""
+    script, run_dir = render(tmp_path, model_dir, STEPS)
     trainer_log = run_dir / "logs" / "trainer.jsonl"
-    job = submit(slurm_cluster, script, tmp_path, jobs)
+    job = submit(cluster, script, tmp_path, jobs)
     held: set[int] = set()
     try:
-        explorer = wait_for(lambda: component("explorer"), 300, "the explorer", slurm_cluster,
-                            job)
+        explorer = wait_for(lambda: component("explorer"), 300, "the explorer", cluster, job)
         freeze(explorer)
         held.add(explorer)
-        trainer = wait_for(lambda: component("trainer"), 300, "the trainer", slurm_cluster, job)
+        trainer = wait_for(lambda: component("trainer"), 300, "the trainer", cluster, job)
         wait_for(lambda: any(e.get("event") == "trainer.started"
                              for e in JsonlTail().new_objects(trainer_log)),
-                 300, "the trainer's start", slurm_cluster, job)
+                 300, "the trainer's start", cluster, job)
         freeze(trainer)
         held.add(trainer)
+        # bound by Slurm to the CPUs of its step: each may use every CPU of the node
+        node_cpus = len(os.sched_getaffinity(0))
+        assert [len(os.sched_getaffinity(pid)) for pid in (explorer, trainer)] == [node_cpus] * 2
         os.kill(explorer, signal.SIGCONT)
-        wait_for(lambda: batches_done(run_dir) >= 2, 300, "two batches", slurm_cluster, job)
+        wait_for(lambda: batches_done(run_dir) >= 2, 300, "two batches", cluster, job)
         freeze(explorer)
         os.kill(trainer, signal.SIGCONT)
         wait_for(lambda: resume_check.master_steps(run_dir) == batches_done(run_dir), 300,
-                 "the trainer to train every batch", slurm_cluster, job)
+                 "the trainer to train every batch", cluster, job)
         freeze(trainer)
-        interrupted_at = resume_check.master_steps(run_dir)
-        slurm_cluster.scancel(job)
-        held.clear()  # Slurm's own SIGCONT thaws them
-        record = slurm_cluster.wait_job(job, timeout=120)
+        counted = resume_check.master_steps(run_dir)
+        stop(job)
+        # a plain scancel thaws them itself (SIGCONT, then SIGTERM)
+        deadline = time.monotonic() + 60
+        while not all(sigterm_pending(pid) or not {"t", "T"} & set(thread_states(pid))
+                      for pid in held):
+            assert time.monotonic() < deadline, "SIGTERM did not reach the held components"
+            time.sleep(0.05)
     finally:
         for pid in held:
             try:
                 os.kill(pid, signal.SIGCONT)
             except ProcessLookupError:
                 pass
-    first_out = job_output(tmp_path, job)
-    assert record["JobState"] == "CANCELLED", (record, first_out)
-    counted_at_stop = resume_check.master_steps(run_dir)
-    assert 2 <= interrupted_at <= counted_at_stop < steps, (interrupted_at, counted_at_stop)
-    # stopped by SIGTERM within Slurm's KillWait, the trainer checkpointed what was counted
-    assert resume_check.newest_checkpoint_step(run_dir) == counted_at_stop
+    return script, run_dir, counted, cluster.wait_job(job, timeout=120)
 
-    again = submit(slurm_cluster, script, tmp_path, jobs)  # the same script: it resumes
-    record = slurm_cluster.wait_job(again, timeout=600)
+
+def resumed_to_the_end(cluster: SlurmCluster, jobs: list[int], script: Path, run_dir: Path,
+                       tmp_path: Path) -> None:
+    """The same script submitted again completes the run with every step trained once."""
+    again = submit(cluster, script, tmp_path, jobs)
+    record = cluster.wait_job(again, timeout=600)
     out = job_output(tmp_path, again)
     assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", (record, out)
-    report = {"total_steps": steps, "exit_code": 0,
+    report = {"total_steps": STEPS, "exit_code": 0,
               **resume_check.account(run_dir, groups_per_step=GROUPS_PER_STEP)}
     assert resume_check.verdict(report, None) == [], report
+
+
+def test_stopped_job_resubmitted_finishes_every_step_once(slurm_cluster, jobs, tiny_model_dir,
+                                                          tmp_path):
+    """`scancel --batch --signal=TERM`, the clean stop the script documents: the script stops
+    the explorer and the trainer while the master still answers, then the rest, nothing is
+    SIGKILLed, the trainer checkpoints the steps the master counted, and the run resumes there
+    without retraining any."""
+    script, run_dir, counted, record = stopped_at_step_two(
+        slurm_cluster, jobs, tiny_model_dir, tmp_path,
+        lambda job: slurm_cluster.scancel(job, "--batch", "--signal=TERM"))
+    out = job_output(tmp_path, record["JobId"])
+    assert record["ExitCode"] == "130:0", (record, out)  # stopped, as `tandem up` says it
+    counted_at_stop = resume_check.master_steps(run_dir)
+    assert 2 <= counted <= counted_at_stop < STEPS, (counted, counted_at_stop, out)
+    assert resume_check.newest_checkpoint_step(run_dir) == counted_at_stop, out
+    assert "forcing job termination" not in out and "Killed" not in out, out
+    resumed_to_the_end(slurm_cluster, jobs, script, run_dir, tmp_path)
     resumed = [e.get("detail") for e in resume_check.log_events(run_dir)
                if e.get("event") == "trainer.resume"]
     assert resumed[-1] == (
         f"resumed from checkpoint {run_dir / 'checkpoints' / f'step_{counted_at_stop:08d}'}; "
         f"the master counted the same {counted_at_stop} steps"), resumed
+
+
+def test_cancelled_job_resubmitted_finishes_every_step_once(slurm_cluster, jobs, tiny_model_dir,
+                                                            tmp_path):
+    """A plain `scancel`: Slurm SIGTERMs every process of the job, srun included, and an srun
+    SIGKILLs its tasks when it gets one, so whether the trainer's checkpoint on stop is written
+    depends on which lands first. Either way the resumed run trains every step exactly once,
+    from the newest checkpoint there is (or from model.path)."""
+    script, run_dir, counted, record = stopped_at_step_two(
+        slurm_cluster, jobs, tiny_model_dir, tmp_path, slurm_cluster.scancel)
+    out = job_output(tmp_path, record["JobId"])
+    assert record["JobState"] == "CANCELLED", (record, out)
+    counted_at_stop = resume_check.master_steps(run_dir)
+    assert 2 <= counted <= counted_at_stop < STEPS, (counted, counted_at_stop, out)
+    assert (resume_check.newest_checkpoint_step(run_dir) or 0) <= counted_at_stop
+    resumed_to_the_end(slurm_cluster, jobs, script, run_dir, tmp_path)
