@@ -85,7 +85,8 @@ class Heartbeater:
                     log.warning("peer.dead", peer=self.client.peer, silent_for=self.liveness,
                                 hint="raise transport.liveness if it is only slow")
                     await self._notify(self.on_dead, self.client.peer)
-                continue
+                # the interval's rest follows: none after a silence that lasted the whole call,
+                # all of it after one refused at once (`RpcClient.bound_for_stop`: gone peer)
             except RequestFailed as exc:
                 log.debug("heartbeat.refused", peer=self.client.peer, error=str(exc))
                 await self._notify(self.on_refused, exc)

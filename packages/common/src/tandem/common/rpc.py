@@ -395,6 +395,16 @@ class RpcClient:
         self._pending: dict[str, tuple[asyncio.Future, type[Message] | None]] = {}
         self._recv_task: asyncio.Task | None = None
         self.last_reply_at: float | None = None
+        self._stop_bound: tuple[float, str] | None = None  # (seconds, key) once stopping
+        self._gone: PeerDead | None = None  # the peer left a call unanswered while stopping
+
+    def bound_for_stop(self, seconds: float, key: str) -> None:
+        """The caller is stopping (SIGTERM): from now on each call is one attempt (no resend)
+        of at most `seconds` (`key` names the setting), and once the peer has left one
+        unanswered, every later call fails at once with the same PeerDead. A peer that is
+        stopping too, or already gone, then costs this bound once, not `rpc_retries + 1`
+        times `rpc_timeout` per call. A live peer answers as before."""
+        self._stop_bound = (seconds, key)
 
     def _ensure(self) -> None:
         if self._sock is None:
@@ -414,9 +424,17 @@ class RpcClient:
         cut short at it and none starts after it, so a caller that retries under a bound of its
         own (`deadline_key`: a put the buffer refuses as full, a sample asked again) never waits
         past that bound for one more call."""
-        self._ensure()
         timeout = self.transport.rpc_timeout if timeout is None else timeout
         retries = self.transport.rpc_retries if retries is None else retries
+        if self._stop_bound is not None:
+            return await self._call_stopping(msg, timeout, timeout_key, ttl, deadline)
+        return await self._attempts(msg, timeout, retries, timeout_key, ttl, deadline,
+                                    deadline_key)
+
+    async def _attempts(self, msg: Request, timeout: float, retries: int, timeout_key: str,
+                        ttl: float | None, deadline: float | None,
+                        deadline_key: str | None) -> Message:
+        self._ensure()
         waited, cut = 0.0, False  # the silence this call was given, and whether `deadline` cut it
         req_id = uuid.uuid4().hex
         frames = codec.encode_request(msg, req_id, ttl=timeout if ttl is None else ttl,
@@ -472,6 +490,33 @@ class RpcClient:
             self._pending.pop(req_id, None)
             if not future.done():
                 future.cancel()
+
+    async def _call_stopping(self, msg: Request, timeout: float, timeout_key: str,
+                             ttl: float | None, deadline: float | None) -> Message:
+        """`call` once the caller is stopping (`bound_for_stop`): one attempt, within the stop
+        bound; logged, so a stop's calls and what each cost can be read back."""
+        seconds, key = self._stop_bound
+        if self._gone is not None:
+            log.info("rpc.stopping_call", peer=self.peer, type=msg.TYPE, attempts=0,
+                     outcome="peer_gone")
+            raise self._gone
+        bound = time.monotonic() + seconds
+        deadline = bound if deadline is None else min(deadline, bound)
+        began = time.monotonic()
+        outcome = "answered"
+        try:
+            return await self._attempts(msg, timeout, 0, timeout_key, ttl, deadline, key)
+        except PeerDead as exc:
+            outcome = "no_answer"
+            self._gone = exc
+            raise
+        except RequestFailed:
+            outcome = "refused"
+            raise
+        finally:
+            log.info("rpc.stopping_call", peer=self.peer, type=msg.TYPE, attempts=1,
+                     bound=round(seconds, 3), seconds=round(time.monotonic() - began, 3),
+                     outcome=outcome, key=key)
 
     async def _recv_loop(self) -> None:
         async for frames in _drain(self._sock, self.limits.max_frames):

@@ -268,7 +268,14 @@ class Explorer:
             finally:
                 self.stop_reason = follower.stop_reason
             return
-        await self._roll_steps()
+        try:
+            await self._roll_steps()
+        except PeerDead as exc:
+            if not self._stopping:
+                raise
+            log.warning("explorer.peer_gone", explorer=self.name, peer=exc.peer, error=str(exc),
+                        why="stopping; the master's lease expiry hands its tasks out again")
+            return
         if self.evaluator is not None and self.evaluator.cfg.at_end and not self._stopping:
             await self._evaluate_at_end()
 
@@ -379,7 +386,15 @@ class Explorer:
         if self._stopping:
             return
         self._stopping = True
-        log.info("explorer.stopping", explorer=self.name, drain_seconds=self.cfg.drain_seconds)
+        # what the step's drain, a lease handed back or a heartbeat still sends is one attempt
+        # of at most transport.liveness per peer: a master or buffer stopping at the same time
+        # (every pod deleted, a plain scancel) costs that once, not rpc_retries x rpc_timeout
+        # per call. What it could not report is not lost: the lease expires and its tasks are
+        # leased out again; experiences already put are stored once (ids name the task)
+        for client in (self.master, self.buffer):
+            client.bound_for_stop(self.config.transport.liveness, "transport.liveness")
+        log.info("explorer.stopping", explorer=self.name, drain_seconds=self.cfg.drain_seconds,
+                 peer_bound=self.config.transport.liveness)
         if self._wait_task is not None and not self._wait_task.done():
             self._wait_task.cancel()
         flight = self._flight

@@ -115,6 +115,16 @@ class Trainer:
         self._stopping = True
         if self._loop is not None and self._stop_event is not None:
             self._loop.call_soon_threadsafe(self._stop_event.set)
+            self._loop.call_soon_threadsafe(self._bound_calls)
+
+    def _bound_calls(self) -> None:
+        """Stopping: each call still made (the step's reports, the exit checkpoint's, a
+        heartbeat) is one attempt of at most transport.liveness per peer, so a master or buffer
+        that stops at the same time costs that once (`RpcClient.bound_for_stop`). The exit
+        checkpoint is written to disk before any of its reports."""
+        for client in (self._master, self._buffer):
+            if client is not None:
+                client.bound_for_stop(self.config.transport.liveness, "transport.liveness")
 
     async def _unless_stopped(self, coro):
         """Await `coro`, or cancel it and raise TrainerStopped when a stop is requested.
@@ -257,6 +267,8 @@ class Trainer:
             self._stop_event.set()
         self._master = RpcClient(cfg.master.address, peer="master", transport=transport)
         self._buffer = RpcClient(cfg.buffer.address, peer="buffer", transport=transport)
+        if self._stopping:
+            self._bound_calls()
         try:
             log.info("trainer.connecting", master=cfg.master.address, buffer=cfg.buffer.address)
             registered = await self._unless_stopped(self._master.call(
@@ -295,6 +307,12 @@ class Trainer:
                 await self._run_step(event)
         except TrainerStopped:
             pass
+        except PeerDead as exc:
+            if not self._stopping:
+                raise
+            # a step trained but not counted: the resume trains it again (the checkpoint never
+            # gets ahead of the master's count)
+            log.warning("trainer.peer_gone", peer=exc.peer, error=str(exc), why="stopping")
         finally:
             # only steps the master counted: a checkpoint never gets ahead of the journal
             if self.step > 0 and self.last_checkpoint_step != self.step \
