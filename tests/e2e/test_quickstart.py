@@ -31,5 +31,9 @@ def test_quickstart_raises_heldout_accuracy(tmp_path):
     assert result["versions"] == [0, rows[-1]["version"]]
     assert "held-out accuracy" in proc.stdout
     assert (run_dir / "grpo" / "timeline.png").exists()
-    assert sorted(p.name for p in (run_dir / "grpo" / "trace").glob("*.jsonl")) == [
-        "buffer.jsonl", "explorer-0.jsonl", "trainer.jsonl"]
+    trace = run_dir / "grpo" / "trace"
+    assert sorted(p.name for p in trace.glob("*.jsonl")) == [
+        "buffer.jsonl", "explorer-0.jsonl", "trainer.jsonl", "up.jsonl"]
+    # the supervisor's own lane: the end of the run, each component's exit, none SIGKILLed
+    stops = [json.loads(line) for line in (trace / "up.jsonl").read_text().splitlines()]
+    assert [s["kind"] for s in stops] == ["stop"] and not stops[0]["attrs"].get("killed"), stops
