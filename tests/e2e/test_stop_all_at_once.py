@@ -1,0 +1,132 @@
+"""Every component SIGTERMed at once, as `kubectl delete` and a plain `scancel` do (issue 32
+item 1): the master and the buffer are gone while the explorer and the trainer still report, and
+each of those calls is one attempt bounded by `transport.liveness`; a peer that left one
+unanswered costs nothing more. Before the fix the trainer's exit checkpoint reports waited
+`rpc_retries + 1` x `rpc_timeout` for the master (on a Slurm cluster torchrun SIGKILLed it).
+
+The moment comes from the master's journal: the explorer leased step 2's tasks, so (synchronous,
+weights by checkpoint) the trainer has counted and published step 1 and waits for a TrainerGo.
+The trainer and the explorer are frozen there (SIGSTOP), all four get SIGTERM, and the frozen two
+go on only once the master and the buffer have exited: the worst order of a stop at once, made
+certain rather than raced. The verdict is read from the components' own logs: exit codes, the
+checkpoint, and each call a stopping component made (`rpc.stopping_call`, with its attempts and
+the bound it ran under), never the wall time of a busy machine.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+
+import bench_stop
+from processes import freeze
+from tandem.common.trace import JsonlTail
+
+BIN = Path(sys.executable).parent
+LIVENESS = 5.0  # the stop bound per peer
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_config(tmp_path: Path, model_dir: Path) -> Path:
+    path = bench_stop.write_config(tmp_path, model_dir, "synchronous", sync_timeout=120.0)
+    config = yaml.safe_load(path.read_text())
+    config["sync"]["method"] = "checkpoint"
+    config["master"].update(address=f"tcp://127.0.0.1:{free_port()}",
+                            publish_address=f"tcp://127.0.0.1:{free_port()}")
+    config["buffer"] = {"address": f"tcp://127.0.0.1:{free_port()}"}
+    config["transport"] = {"liveness": LIVENESS}
+    config["trainer"]["checkpoint_every"] = 0  # the exit checkpoint is the one under test
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def at(event: dict) -> float:
+    return datetime.fromisoformat(event["timestamp"]).timestamp()
+
+
+def events(run_dir: Path, name: str) -> list[dict]:
+    return list(JsonlTail().new_objects(run_dir / "logs" / f"{name}.jsonl"))
+
+
+def test_every_component_signalled_at_once_stops_within_its_bound(tmp_path, tiny_model_dir):
+    config = write_config(tmp_path, tiny_model_dir)
+    run_dir = tmp_path / "run"
+    argv = {"master": ["tandem-master"], "buffer": ["tandem-buffer"],
+            "trainer": ["tandem-trainer"], "explorer-0": ["tandem-explorer", "--name", "explorer-0"]}
+    procs: dict[str, subprocess.Popen] = {}
+    frozen: list[int] = []
+    try:
+        for name, (exe, *extra) in argv.items():
+            procs[name] = subprocess.Popen(
+                [str(BIN / exe), "--config", str(config), *extra],
+                stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"{name}.err", "w"))
+        deadline = time.monotonic() + 240  # only bounds a hang
+        while not bench_stop.moment_reached(bench_stop.journal_records(run_dir),
+                                            "TasksLeased", 2):
+            ended = {n: p.returncode for n, p in procs.items() if p.poll() is not None}
+            assert not ended and time.monotonic() < deadline, f"no lease of step 2; {ended}"
+            time.sleep(0.02)
+        for name in ("trainer", "explorer-0"):
+            freeze(procs[name].pid)
+            frozen.append(procs[name].pid)
+        for proc in procs.values():
+            proc.send_signal(signal.SIGTERM)
+        for name in ("master", "buffer"):
+            procs[name].wait(60)  # only bounds a hang
+        for pid in frozen:
+            subprocess.run(["kill", "-CONT", str(pid)], check=True)
+        frozen.clear()
+        for name in ("trainer", "explorer-0"):
+            procs[name].wait(120)  # only bounds a hang: before the fix this is where it failed
+    finally:
+        for pid in frozen:
+            subprocess.run(["kill", "-CONT", str(pid)])
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert {n: p.returncode for n, p in procs.items()} == dict.fromkeys(procs, 0), {
+        n: (tmp_path / f"{n}.err").read_text()[-2000:] for n in procs}
+
+    # the trainer's exit checkpoint holds every step the master counted, written before any
+    # call that could wait on a peer
+    counted = sum(type(r).__name__ == "TrainerStepDone"
+                  for r in bench_stop.journal_records(run_dir))
+    trainer = events(run_dir, "trainer")
+    signal_at = next(i for i, e in enumerate(trainer) if e.get("event") == "component.signal")
+    after = trainer[signal_at:]
+    saved = [e for e in after if e.get("event") == "checkpoint.saved"]
+    assert saved and saved[-1]["step"] == counted == 2, (counted, saved)
+    calls = [e for e in after if e.get("event") == "rpc.stopping_call"
+             and e["type"] != "heartbeat"]
+    assert [e["type"] for e in calls] == [
+        "master.trainer.checkpointed", "buffer.checkpoint"], calls
+    assert after.index(saved[-1]) < after.index(calls[0]), after
+
+    # each call after the stop was one attempt within the bound, and a gone peer was waited
+    # for once: the stop's waiting is at most one bound per peer
+    for name in ("trainer", "explorer-0"):
+        stopping = [e for e in events(run_dir, name) if e.get("event") == "rpc.stopping_call"]
+        assert all(e["attempts"] <= 1 for e in stopping), stopping
+        for peer in {e["peer"] for e in stopping}:
+            # calls to it already in flight (a heartbeat) share the first one's wait; none is
+            # sent after it: each later call is refused at once (attempts 0)
+            waited = [(at(e) - e["seconds"], at(e)) for e in stopping
+                      if e["peer"] == peer and e["outcome"] == "no_answer"]
+            assert all(start < waited[0][1] for start, _ in waited), (name, peer, stopping)
+        assert all(e["bound"] == LIVENESS and e["seconds"] <= LIVENESS + 1.0
+                   for e in stopping if e["attempts"]), stopping
