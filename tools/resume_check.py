@@ -83,22 +83,23 @@ def write_config(workdir: Path, model_dir: Path, *, preset: str, steps: int, see
     return path
 
 
-def master_steps(run_dir: Path) -> int:
-    """Trainer steps the master counted so far (its journal, read as it grows)."""
+def master_steps(run_dir: Path, *, resumes: int = 0) -> int:
+    """Trainer steps the master counted so far (its journal, read as it grows); 0 until the
+    journal holds `resumes` TrainerResumed records (a trainer's first start sends one too)."""
     from tandem.master.journal import JournalError, read_journal
 
     try:
         records = read_journal(run_dir / "master" / "journal.bin")
     except (JournalError, OSError):
         return 0
-    counted = 0
+    counted, seen = 0, 0
     for r in records:
         kind = type(r).__name__
         if kind == "TrainerStepDone":
             counted = max(counted, r.step + 1)
         elif kind == "TrainerResumed":
-            counted = min(counted, r.step)
-    return counted
+            counted, seen = min(counted, r.step), seen + 1
+    return counted if seen >= resumes else 0
 
 
 def up_process(config: Path, *resume: str) -> subprocess.Popen:
@@ -217,16 +218,20 @@ def kill_cycles(config: Path, run_dir: Path, kills: list[int], *,
     was killed, and its exit code when it ended by itself."""
     cycles, outputs = [], []
     proc = up_process(config)
-    for k in kills:
+    for incarnation, k in enumerate(kills, start=1):
+        # counted by this incarnation's trainer: the journal's count before its TrainerResumed
+        # is the killed one's (a kill that overshot its target would strike again at once,
+        # before this trainer even registered)
         deadline = time.monotonic() + run_timeout
-        while master_steps(run_dir) < k and proc.poll() is None and time.monotonic() < deadline:
+        while (master_steps(run_dir, resumes=incarnation) < k and proc.poll() is None
+               and time.monotonic() < deadline):
             time.sleep(0.1)
         if proc.poll() is not None:  # it ended (failed) before the kill
             code, out = finish(proc, 10)
             cycles.append({"killed_at": None, "exit_code": code})
             outputs.append(out)
             break
-        counted = master_steps(run_dir)
+        counted = master_steps(run_dir, resumes=incarnation)
         kill_everything(proc)
         outputs.append(proc.stdout.read())
         cycles.append({"killed_at": counted, "checkpoint": newest_checkpoint_step(run_dir)})
