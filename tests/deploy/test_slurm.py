@@ -28,8 +28,9 @@ def render(options: SlurmOptions | None = None, **sections) -> str:
 
 
 def component(call: str) -> str:
-    """The tandem program a recorded srun call runs."""
-    return next(word for word in call.split() if word.startswith("tandem-"))
+    """The tandem program a recorded srun call runs (the trainer's, under tandem-torchrun)."""
+    return next(word for word in call.split()
+                if word.startswith("tandem-") and word != "tandem-torchrun")
 
 
 def srun_lines(script: str) -> list[str]:

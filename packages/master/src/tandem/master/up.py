@@ -241,7 +241,7 @@ class Supervisor:
         if reward_service if reward_service is not None else self.config.reward.service:
             self.children.append(child("reward", "reward", [script("tandem-reward"), *cfg]))
         nproc = self.placement["trainer"].nproc
-        launcher = [script("torchrun"), "--standalone", f"--nproc-per-node={nproc}"] \
+        launcher = [script("tandem-torchrun"), "--standalone", f"--nproc-per-node={nproc}"] \
             if nproc > 1 else []
         self.children.append(child("trainer", "trainer", [
             *launcher, script("tandem-trainer"), *cfg]))

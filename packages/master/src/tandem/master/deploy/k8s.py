@@ -164,7 +164,7 @@ class _Renderer:
         if self.opt.gpus_per_node > 0:
             trainer += ["--set", "trainer.device=cuda"]
         # every rank runs the same tandem-trainer; static rendezvous on pod 0
-        launch = ("exec torchrun"
+        launch = ("exec tandem-torchrun"
                   f" --nnodes={nodes} --nproc-per-node={per_node}"
                   " --node-rank=\"$JOB_COMPLETION_INDEX\""
                   f" --master-addr={self.name}-trainer-0.{self.name}-trainer-hosts"

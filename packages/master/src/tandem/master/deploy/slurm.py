@@ -189,7 +189,7 @@ def render_slurm(config: RunConfig, options: SlurmOptions) -> str:
              ["tandem-reward", '--config "$CONFIG"', '"${CLIENT[@]}"',
               *[f"--set {q(s)}" for s in bind_overrides(config, "reward")]])
     per_node = max(options.gpus_per_node, 1)
-    trainer_argv = ["torchrun", f"--nnodes={options.trainer_nodes}",
+    trainer_argv = ["tandem-torchrun", f"--nnodes={options.trainer_nodes}",
                     f"--nproc-per-node={per_node}", "--rdzv-backend=c10d",
                     f'--rdzv-endpoint="${{TRAINER_HOSTS[0]}}:{TORCHRUN_PORT}"',
                     '--rdzv-id="$SLURM_JOB_ID"', "--no-python",
