@@ -81,7 +81,7 @@ def test_tandem_up_starts_each_child_with_its_share(tmp_path):
     assert env["trainer"]["OMP_NUM_THREADS"] == "1"  # 2 cores over 2 ranks
     assert env["explorer-0"]["MKL_NUM_THREADS"] == "2"
     trainer = next(c for c in sup.children if c.name == "trainer")
-    assert Path(trainer.argv[0]).name == "torchrun" and "--nproc-per-node=2" in trainer.argv
+    assert Path(trainer.argv[0]).name == "tandem-torchrun" and "--nproc-per-node=2" in trainer.argv
     rows = dict(sup.placement_rows())
     assert rows["placement"] == "auto over 4 cores"
     assert rows["  explorer-0"] == "2 threads"
