@@ -149,6 +149,7 @@ class Master:
         self._failure: TandemError | None = None  # why the run ended without its checkpoint
         self.trainer_checkpoint = 0  # steps the trainer's newest reported checkpoint holds
         self._checkpointed = asyncio.Event()  # set: a checkpoint holds every step counted
+        self.awaiting_checkpoint = False  # the Stop's grace is over and that checkpoint is not
         self._closed = False
         self._lock = asyncio.Lock()
         # The one way state changes: live (after the handler's checks) and on journal replay.
@@ -475,6 +476,7 @@ class Master:
         deadline = time.monotonic() + cfg.final_checkpoint_wait
         await asyncio.sleep(cfg.stop_grace)
         if not self._checkpointed.is_set():
+            self.awaiting_checkpoint = True
             log.info("master.awaiting_checkpoint", steps=self.clock.trainer_done,
                      checkpoint=self.trainer_checkpoint, bound=cfg.final_checkpoint_wait)
         try:
