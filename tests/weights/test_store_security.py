@@ -99,3 +99,29 @@ def test_the_rendezvous_hides_its_secret_from_logs():
         assert rendezvous.member_secret not in str(rendezvous)
     finally:
         sender.close()
+
+
+def test_a_client_left_to_the_garbage_collector_is_collected_without_a_hang():
+    """torch may drop the last reference to a store client in any order. A client with a zmq
+    context of its own, collected in one cycle with its socket, left the socket out of the
+    context's weak set and waited in the context's term() forever: a whole test process hung
+    at its next collection. Collected here on a thread, bounded."""
+    import gc
+    import threading
+
+    from tandem.weights.store import StoreServer
+
+    server = StoreServer("127.0.0.1")
+    try:
+        client = StoreClient("127.0.0.1", server.port, server.store_key, server.member_secret,
+                             timeout=10)
+        client.set("k", b"v")
+        assert client.get("k") == b"v"
+        client.cycle = client  # only the collector frees it, as a torch-held store is
+        del client
+        collecting = threading.Thread(target=gc.collect, daemon=True)
+        collecting.start()
+        collecting.join(30)  # bounds a hang only
+        assert not collecting.is_alive(), "a store client's collection hung"
+    finally:
+        server.close()

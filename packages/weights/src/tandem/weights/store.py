@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import os
 import threading
 import time
 from typing import Any
@@ -58,6 +59,18 @@ def _transport(store_public: str, store_secret: str, member_public: str,
 
 def _z85(key: bytes) -> str:
     return key.decode("ascii")
+
+
+_contexts: dict[int, zmq.Context] = {}  # pid -> the context every StoreClient shares
+
+
+def _clients_context() -> zmq.Context:
+    """One blocking context for every StoreClient of this process (a fork gets its own); it is
+    never terminated, so no client's collection can wait on it (see StoreClient)."""
+    pid = os.getpid()
+    if pid not in _contexts:
+        _contexts[pid] = zmq.Context()
+    return _contexts[pid]
 
 
 class StoreServer:
@@ -159,9 +172,13 @@ class StoreClient(dist.Store):
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         member_public = _z85(zmq.curve_public(member_secret.encode("ascii")))
-        self._context = zmq.Context()
+        # The process's one context, never this client's own: a client left to the garbage
+        # collector (torch may drop its last reference in any order) took its own context
+        # with it, and a context collected in the same cycle as its socket finds the socket
+        # gone from its weak set, leaves it open and waits in term() forever (a whole test
+        # process hung that way). A client's socket closes by itself; the context stays.
         factory = SocketFactory(_transport(store_key, member_secret, member_public,
-                                           member_secret), context=self._context)
+                                           member_secret), context=_clients_context())
         self._socket = factory.dealer(f"tcp://{host}:{port}", "weights-member")
         self._clones: list[StoreClient] = []
         self._closed = False
@@ -257,6 +274,5 @@ class StoreClient(dist.Store):
         self._closed = True
         with self._lock:
             self._socket.close(linger=0)
-            self._context.term()
         for twin in self._clones:
             twin.close()
