@@ -102,21 +102,29 @@ def test_every_component_signalled_at_once_stops_within_its_bound(tmp_path, tiny
     assert {n: p.returncode for n, p in procs.items()} == dict.fromkeys(procs, 0), {
         n: (tmp_path / f"{n}.err").read_text()[-2000:] for n in procs}
 
-    # the trainer's exit checkpoint holds every step the master counted, written before any
-    # call that could wait on a peer
+    # The trainer's exit checkpoint holds every step the master counted, written before any
+    # call that could wait on a peer. The run may have gone past step 2's lease before the
+    # freeze (on a quiet machine the poll saw 4 steps counted): the trainer is then idle at a
+    # later step, or mid-step. A step it trained that the master never counted (its report
+    # met the gone master) is never checkpointed: `--resume` trains it again.
     counted = sum(type(r).__name__ == "TrainerStepDone"
                   for r in bench_stop.journal_records(run_dir))
     trainer = events(run_dir, "trainer")
+    trained = [e["step"] for e in trainer if e.get("event") == "train.step"]
+    learner = trained[-1] + 1 if trained else 0
+    assert counted >= 2 and learner in (counted, counted + 1), (counted, trained)
     signal_at = next(i for i, e in enumerate(trainer) if e.get("event") == "component.signal")
     after = trainer[signal_at:]
     saved = [e for e in after if e.get("event") == "checkpoint.saved"]
-    # (the run may have gone past step 2's lease before the freeze: whatever it counted)
-    assert saved and saved[-1]["step"] == counted >= 2, (counted, saved)
     calls = [e for e in after if e.get("event") == "rpc.stopping_call"
              and e["type"] != "heartbeat"]
-    assert [e["type"] for e in calls] == [
-        "master.trainer.checkpointed", "buffer.checkpoint"], calls
-    assert after.index(saved[-1]) < after.index(calls[0]), after
+    if learner == counted:
+        assert saved and saved[-1]["step"] == counted, (counted, saved)
+        assert [e["type"] for e in calls][-2:] == [
+            "master.trainer.checkpointed", "buffer.checkpoint"], calls
+        assert after.index(saved[-1]) < after.index(calls[-2]), after
+    else:
+        assert all(e["step"] <= counted for e in saved), (counted, saved)
 
     # each call after the stop was one attempt within the bound, and a gone peer was waited
     # for once: the stop's waiting is at most one bound per peer
