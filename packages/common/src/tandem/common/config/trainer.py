@@ -12,13 +12,14 @@ it starts (`TrainerConfig.check_registered`).
 from __future__ import annotations
 
 import importlib
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from ..errors import ConfigError
 from ..plugins import ADVANTAGES, CORRECTIONS, POLICY_LOSSES, LossNeeds, load_installed
+from ..registry import Registry
 from .base import Section
 
 Aggregation = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"]
@@ -126,18 +127,13 @@ def _params_model(spec: Any, name: str, where: str = "trainer.loss",
     return spec
 
 
-class LossConfig(Section):
-    """`trainer.loss`: a registered policy loss and its own parameters; the plain name
-    (`trainer.loss: ppo_clip`) is short for `{name: ppo_clip}`."""
+class _RegisteredEntry(Section):
+    """A registered name (`registry`) with its own parameters beside `name`, checked against
+    the model it declares; a plain name is short for `{name: ...}` with the defaults."""
 
-    # a loss's own parameters sit beside `name`, checked against the model it declares
     model_config = ConfigDict(extra="allow", validate_assignment=True, protected_namespaces=())
-
-    name: str = Field(
-        default="ppo_clip",
-        description="ppo_clip, gspo, pg, sft, dpo (its parameter: beta, default 0.1), "
-                    "cispo_clip (eps_low, eps_high), or a plugin's; the loss's own parameters "
-                    "are keys beside name")
+    registry: ClassVar[Registry]
+    kind: ClassVar[str]  # in errors: "unknown {kind} 'x'"
 
     @model_validator(mode="before")
     @classmethod
@@ -145,15 +141,29 @@ class LossConfig(Section):
         return {"name": data} if isinstance(data, str) else data
 
     @model_validator(mode="after")
-    def _registered(self) -> LossConfig:
+    def _registered(self) -> _RegisteredEntry:
         load_installed()
-        if not len(POLICY_LOSSES):
+        if not len(self.registry):
             return self  # the trainer is not installed here; it checks when it starts
-        if self.name not in POLICY_LOSSES:
-            raise ValueError(f"unknown policy loss {self.name!r}; registered: "
-                             f"{', '.join(POLICY_LOSSES.names())}")
-        self.params  # noqa: B018  (validates them; errors name trainer.loss.<param>)
+        if self.name not in self.registry:
+            raise ValueError(f"unknown {self.kind} {self.name!r}; registered: "
+                             f"{', '.join(self.registry.names())}")
+        self.params  # noqa: B018  (validates them; errors name the parameter's key)
         return self
+
+
+class LossConfig(_RegisteredEntry):
+    """`trainer.loss`: a registered policy loss and its own parameters; the plain name
+    (`trainer.loss: ppo_clip`) is short for `{name: ppo_clip}`."""
+
+    registry = POLICY_LOSSES
+    kind = "policy loss"
+
+    name: str = Field(
+        default="ppo_clip",
+        description="ppo_clip, gspo, pg, sft, dpo (its parameter: beta, default 0.1), "
+                    "cispo_clip (eps_low, eps_high), or a plugin's; the loss's own parameters "
+                    "are keys beside name")
 
     @property
     def needs(self) -> LossNeeds:
@@ -195,31 +205,16 @@ def _declared_params(model: type[BaseModel] | None, given: dict[str, Any], title
     return None if model is None else model.model_validate(given)
 
 
-class CorrectionConfig(Section):
+class CorrectionConfig(_RegisteredEntry):
     """One entry of `trainer.corrections`: a registered off-policy correction and its own
     parameters beside `name` (`{name: masked_is, lo: 0.5, hi: 2.0}`); a plain name is short
     for `{name: ...}` with the defaults."""
 
-    model_config = ConfigDict(extra="allow", validate_assignment=True, protected_namespaces=())
+    registry = CORRECTIONS
+    kind = "off-policy correction"
 
     name: str = Field(description="truncated_is, masked_is, seq_is, seq_masked_is, icepop, m2po, "
                                   "or a plugin's (docs/trainer.md \"Off-policy corrections\")")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _from_name(cls, data: Any) -> Any:
-        return {"name": data} if isinstance(data, str) else data
-
-    @model_validator(mode="after")
-    def _registered(self) -> CorrectionConfig:
-        load_installed()
-        if not len(CORRECTIONS):
-            return self  # the trainer is not installed here; it checks when it starts
-        if self.name not in CORRECTIONS:
-            raise ValueError(f"unknown off-policy correction {self.name!r}; registered: "
-                             f"{', '.join(CORRECTIONS.names())}")
-        self.params  # noqa: B018  (validates them; errors name the parameter)
-        return self
 
     @property
     def params(self) -> BaseModel | None:
