@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # endpoint_helpers
 
 
 @pytest.fixture(scope="session")
@@ -29,3 +34,13 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def agent_engine(agent_model_dir):
+    """The calculator-agent model (tests/agent_model.py) in a transformers engine."""
+    from tandem.explorer.transformers_engine import TransformersEngine
+
+    engine = TransformersEngine.from_pretrained(agent_model_dir, max_batch=16)
+    yield engine
+    engine.close()

@@ -15,9 +15,7 @@ import numpy as np
 import openai
 import pytest
 
-from tandem.common.config.explorer import OpenAIConfig
 from tandem.common.messages.experience import Task
-from tandem.explorer.openai_server import OpenAIEndpoint
 from tandem.explorer.sampling import SamplingParams
 from tandem.explorer.workflows import RolloutContext, create_workflow
 from tandem.explorer.workflows.agent import score_of
@@ -26,28 +24,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples" / "agents"))
 
 from agent_model import QUESTION, TOOLS
+from endpoint_helpers import GREEDY, encode, endpoint
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=96)
-
-
-@pytest.fixture(scope="module")
-def agent_engine(agent_model_dir):
-    import torch
-
-    from tandem.explorer.transformers_engine import TransformersEngine
-
-    torch.set_num_threads(1)
-    engine = TransformersEngine.from_pretrained(agent_model_dir, max_batch=16)
-    yield engine
-    engine.close()
-
-
-def endpoint(engine, sampling=GREEDY, **config) -> OpenAIEndpoint:
-    return OpenAIEndpoint(OpenAIConfig(**config), engine, sampling=sampling, context=512)
-
-
-def encode(engine, text: str) -> list[int]:
-    return list(engine.tokenizer(text, add_special_tokens=False).input_ids)
 
 
 def ctx(engine, ep, repeat_times=2, sampling=GREEDY) -> RolloutContext:

@@ -16,37 +16,15 @@ import numpy as np
 import openai
 import pytest
 from agent_model import QUESTION, SEEN, TOOLS
+from endpoint_helpers import GREEDY, encode, endpoint
 
-from tandem.common.config.explorer import OpenAIConfig
 from tandem.common.messages.experience import Task
 from tandem.explorer.openai_calls import CallRecord, token_mismatch
-from tandem.explorer.openai_server import OpenAIEndpoint
 from tandem.explorer.openai_stream import AnswerText
 from tandem.explorer.sampling import SamplingParams
 from tandem.explorer.workflows import RolloutContext, create_workflow
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=96)
 HI = [{"role": "user", "content": "Hi"}]
-
-
-@pytest.fixture(scope="module")
-def agent_engine(agent_model_dir):
-    import torch
-
-    from tandem.explorer.transformers_engine import TransformersEngine
-
-    torch.set_num_threads(1)
-    engine = TransformersEngine.from_pretrained(agent_model_dir, max_batch=16)
-    yield engine
-    engine.close()
-
-
-def endpoint(engine, sampling=GREEDY, **config) -> OpenAIEndpoint:
-    return OpenAIEndpoint(OpenAIConfig(**config), engine, sampling=sampling, context=512)
-
-
-def encode(engine, text: str) -> list[int]:
-    return list(engine.tokenizer(text, add_special_tokens=False).input_ids)
 
 
 async def test_streamed_tool_calling_conversations_are_the_models_own_tokens(agent_engine):
