@@ -83,17 +83,26 @@ def write_config(workdir: Path, model_dir: Path, *, preset: str, steps: int, see
     return path
 
 
-def master_steps(run_dir: Path, *, resumes: int = 0) -> int:
-    """Trainer steps the master counted so far (its journal, read as it grows); 0 until the
-    journal holds `resumes` TrainerResumed records (a trainer's first start sends one too)."""
+def journal(run_dir: Path) -> list:
+    """The master's journal as it is now (a torn last record is left out)."""
     from tandem.master.journal import JournalError, read_journal
 
     try:
-        records = read_journal(run_dir / "master" / "journal.bin")
+        return read_journal(run_dir / "master" / "journal.bin")
     except (JournalError, OSError):
-        return 0
+        return []
+
+
+def batches_done(run_dir: Path) -> int:
+    """Batches the explorers reported (each once, whatever restarts)."""
+    return len({r.batch for r in journal(run_dir) if type(r).__name__ == "ExplorerStepDone"})
+
+
+def master_steps(run_dir: Path, *, resumes: int = 0) -> int:
+    """Trainer steps the master counted so far (its journal, read as it grows); 0 until the
+    journal holds `resumes` TrainerResumed records (a trainer's first start sends one too)."""
     counted, seen = 0, 0
-    for r in records:
+    for r in journal(run_dir):
         kind = type(r).__name__
         if kind == "TrainerStepDone":
             counted = max(counted, r.step + 1)

@@ -19,13 +19,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import resume_check
 from processes import alive, freeze
 from tandem.common.messages import (
-    ExplorerStepDone,
     LeaseExpired,
     TrainerResumed,
     WeightsPublished,
 )
 from tandem.common.trace import JsonlTail
-from tandem.master.journal import JournalError, read_journal
 
 pytestmark = pytest.mark.slow
 STEPS = 8
@@ -52,22 +50,10 @@ def wait_for(predicate, timeout: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def journal(run_dir: Path) -> list:
-    """The master's journal as it is now (a torn last record is left out)."""
-    try:
-        return read_journal(run_dir / "master" / "journal.bin")
-    except (JournalError, OSError):
-        return []
-
-
-def batches_done(run_dir: Path) -> int:
-    return len({r.batch for r in journal(run_dir) if isinstance(r, ExplorerStepDone)})
-
-
 def newest_published(run_dir: Path, *, since_resume: int = 0) -> int:
     """The newest version announced after the `since_resume`-th TrainerResumed (0: from the
     start), -1 if none."""
-    records = journal(run_dir)
+    records = resume_check.journal(run_dir)
     resumes = [i for i, r in enumerate(records) if isinstance(r, TrainerResumed)]
     if len(resumes) < since_resume:
         return -1
@@ -145,8 +131,8 @@ def test_a_killed_trainer_restarted_by_up_resumes_from_its_checkpoint_and_retrai
         checkpoint due at it: it can only wait for the next batch."""
         counted = resume_check.master_steps(run_dir)
         if counted == 0:
-            return batches_done(run_dir) == 0
-        return (counted == batches_done(run_dir) and newest_published(run_dir) >= counted
+            return resume_check.batches_done(run_dir) == 0
+        return (counted == resume_check.batches_done(run_dir) and newest_published(run_dir) >= counted
                 and (counted % 3 or resume_check.newest_checkpoint_step(run_dir) == counted))
 
     proc = resume_check.up_process(config)
@@ -161,7 +147,7 @@ def test_a_killed_trainer_restarted_by_up_resumes_from_its_checkpoint_and_retrai
                 if killed_at > 3 and killed_at % 3:  # between two checkpoints
                     break
                 held.release(explorer)
-                wait_for(lambda k=killed_at: batches_done(run_dir) == k + 1, 150, "the next batch")
+                wait_for(lambda k=killed_at: resume_check.batches_done(run_dir) == k + 1, 150, "the next batch")
                 held.hold(explorer)
             checkpoint = resume_check.newest_checkpoint_step(run_dir)
             held.kill(trainer)
@@ -227,10 +213,10 @@ def test_sigterm_then_resume_finishes_every_step_without_waiting_for_stale_lease
         with Held() as held:
             explorer, trainer = held.both_started(proc, trainer_log)
             held.release(explorer)
-            wait_for(lambda: batches_done(run_dir) >= 3, 150, "three batches")
+            wait_for(lambda: resume_check.batches_done(run_dir) >= 3, 150, "three batches")
             held.hold(explorer)
             held.release(trainer)
-            wait_for(lambda: resume_check.master_steps(run_dir) == batches_done(run_dir), 150,
+            wait_for(lambda: resume_check.master_steps(run_dir) == resume_check.batches_done(run_dir), 150,
                      "the trainer to train every batch")
             held.hold(trainer)
             interrupted_at = resume_check.master_steps(run_dir)
@@ -268,7 +254,7 @@ def test_sigterm_then_resume_finishes_every_step_without_waiting_for_stale_lease
     expired = [e for e in resume_check.log_events(run_dir)
                if e.get("event") == "buffer.leases_expired"]
     assert expired == [], expired
-    assert [r for r in journal(run_dir) if isinstance(r, LeaseExpired)] == []
+    assert [r for r in resume_check.journal(run_dir) if isinstance(r, LeaseExpired)] == []
 
 
 def test_kill_all_and_resume_three_times_never_names_a_version_set_aside(tmp_path,

@@ -19,9 +19,7 @@ sys.path.insert(0, str(REPO / "tools"))
 import resume_check
 from cluster import SlurmCluster, free_port
 from processes import descendants, freeze, thread_states
-from tandem.common.messages import ExplorerStepDone
 from tandem.common.trace import JsonlTail
-from tandem.master.journal import JournalError, read_journal
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(900)]
 TANDEM = str(Path(sys.executable).parent / "tandem")
@@ -65,17 +63,6 @@ def job_output(tmp_path: Path, job: int | str) -> str:
     """The tail of the batch script's own output and its components' stderr."""
     path = tmp_path / f"job-{job}.out"
     return path.read_text(errors="replace")[-3000:] if path.exists() else ""
-
-
-def journal(run_dir: Path) -> list:
-    try:
-        return read_journal(run_dir / "master" / "journal.bin")
-    except (JournalError, OSError):
-        return []
-
-
-def batches_done(run_dir: Path) -> int:
-    return len({r.batch for r in journal(run_dir) if isinstance(r, ExplorerStepDone)})
 
 
 def wait_for(predicate, timeout: float, what: str, cluster: SlurmCluster, job: int):
@@ -156,10 +143,11 @@ def stopped_at_step_two(cluster: SlurmCluster, jobs: list[int], model_dir: Path,
         node_cpus = len(os.sched_getaffinity(0))
         assert [len(os.sched_getaffinity(pid)) for pid in (explorer, trainer)] == [node_cpus] * 2
         os.kill(explorer, signal.SIGCONT)
-        wait_for(lambda: batches_done(run_dir) >= 2, 300, "two batches", cluster, job)
+        wait_for(lambda: resume_check.batches_done(run_dir) >= 2, 300, "two batches", cluster, job)
         freeze(explorer)
         os.kill(trainer, signal.SIGCONT)
-        wait_for(lambda: resume_check.master_steps(run_dir) == batches_done(run_dir), 300,
+        wait_for(lambda: resume_check.master_steps(run_dir)
+                 == resume_check.batches_done(run_dir), 300,
                  "the trainer to train every batch", cluster, job)
         freeze(trainer)
         counted = resume_check.master_steps(run_dir)
