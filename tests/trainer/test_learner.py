@@ -199,3 +199,32 @@ def test_cuda_step_uses_bf16_autocast_and_keeps_fp32_weights(tiny_model_path, fi
     assert all(torch.isfinite(torch.tensor(v)) for v in m.values()), m
     assert all(p.dtype == torch.float32 for p in learner.actor.parameters())
     assert abs(m["kl/reference"]) < 1e-2  # bf16 reference vs fp32-master policy: close
+
+
+def test_fsdp_in_one_process_shards_over_a_one_rank_group_and_trains_as_one_process(
+        tiny_model_path, fixed_batch, make_config, tmp_path):
+    """`trainer.parallel: fsdp` without torchrun: FSDP2 on one device (the GPU script's trainer
+    check), the same sharded state-dict and checkpoint path as on many devices."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from tandem.trainer import distributed
+
+    plain = Learner(make_config(tiny_model_path))
+    expected = [plain.step(fixed_batch)["loss/policy"] for _ in range(2)]
+    sharded = Learner(make_config(tiny_model_path, parallel="fsdp"))
+    try:
+        assert sharded.mode == "fsdp"
+        assert dist.get_world_size() == 1
+        assert all(isinstance(p, DTensor) for p in sharded.actor.parameters())
+        got = [sharded.step(fixed_batch)["loss/policy"] for _ in range(2)]
+        assert got == pytest.approx(expected, rel=1e-4, abs=1e-6)
+        reference = plain.policy_state_dict()
+        for name, tensor in sharded.policy_state_dict().items():
+            torch.testing.assert_close(tensor, reference[name], rtol=1e-4, atol=1e-5)
+        saved = sharded.save_checkpoint(tmp_path / "checkpoints")
+        assert (saved / "model" / "model.safetensors").exists()
+    finally:
+        sharded.release()
+        distributed.shutdown()
+    assert not dist.is_initialized()

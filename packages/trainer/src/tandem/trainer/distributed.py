@@ -4,7 +4,8 @@ Launch with torchrun; every rank runs the same `tandem-trainer` command. Rank 0 
 the master, the buffer and the weight group; it broadcasts each batch to the other ranks as
 tensors (never pickled objects). With CUDA the model is sharded with FSDP2 (`fully_shard` on
 every decoder layer and the root); on CPU (gloo) it is replicated with DDP, unless
-`trainer.parallel` says otherwise.
+`trainer.parallel` says otherwise. `trainer.parallel: fsdp` in a single process shards over a
+one-rank group: the same FSDP2 code as on many GPUs, on one device.
 """
 
 from __future__ import annotations
@@ -113,8 +114,10 @@ def resolve_device(spec: str, info: DistInfo) -> torch.device:
 def wrap(actor: nn.Module, info: DistInfo, device: torch.device,
          parallel: str) -> tuple[nn.Module, str]:
     """Wrap for data parallelism; returns the module to call and the mode (none, ddp, fsdp)."""
-    if not info.enabled:
+    if not info.enabled and parallel != "fsdp":
         return actor, "none"
+    if not info.enabled:
+        _one_rank_group(device)
     mode = parallel if parallel != "auto" else ("fsdp" if device.type == "cuda" else "ddp")
     if mode == "fsdp":
         from torch.distributed.fsdp import fully_shard
@@ -125,6 +128,22 @@ def wrap(actor: nn.Module, info: DistInfo, device: torch.device,
     from torch.nn.parallel import DistributedDataParallel
     ids = [device.index] if device.type == "cuda" else None
     return DistributedDataParallel(actor, device_ids=ids), "ddp"
+
+
+def _one_rank_group(device: torch.device) -> None:
+    """A process group of this process alone, for FSDP2 on one device (`parallel: fsdp`).
+
+    Its store is in memory (no port, no peer), so every collective returns at once; the state
+    dict, checkpoint and publication then take the same sharded path as on many devices, and
+    `shutdown` leaves the group as it leaves any other.
+    """
+    if dist.is_initialized():
+        return
+    import torch.distributed.checkpoint.state_dict  # noqa: F401  (before the group: see `init`)
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                            device_id=device if device.type == "cuda" else None)
 
 
 def _decoder_layers(actor: nn.Module) -> list[nn.Module]:
