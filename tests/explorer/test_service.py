@@ -93,6 +93,16 @@ async def play_trainer(config, master_address, publish_address, trained: Transfo
         await rpc.close()
 
 
+class _TeardownProbe:
+    """An engine whose close() only runs `on_close`: what was on disk when teardown began."""
+
+    def __init__(self, on_close):
+        self.on_close = on_close
+
+    def close(self) -> None:
+        self.on_close()
+
+
 @pytest.mark.parametrize("method", ["checkpoint", "nccl"])
 async def test_two_steps_with_a_sync_point_waiting_for_weights(tmp_path, tiny_model_path, method):
     config = make_config(tmp_path, tiny_model_path, f"sync.method={method}")
@@ -108,6 +118,7 @@ async def test_two_steps_with_a_sync_point_waiting_for_weights(tmp_path, tiny_mo
             p.add_(torch.randn_like(p) * 0.3)
     engine = TransformersEngine.from_pretrained(tiny_model_path, max_batch=8)
     explorer = Explorer(config, "explorer-0", engine=engine)
+    explorer.tracer.flush_interval = 1e9  # nothing reaches the file before close() flushes it
     log: list = []
     trainer = asyncio.create_task(play_trainer(config, master.address, master.publish_address,
                                                trained, log))
@@ -118,6 +129,12 @@ async def test_two_steps_with_a_sync_point_waiting_for_weights(tmp_path, tiny_mo
             sample = await client.call(SampleGroups(num_groups=4), timeout=5)
     finally:
         trainer.cancel()
+        # the engine's teardown, which a supervisor may cut short with a SIGKILL (vLLM's takes
+        # seconds), begins with the trace of the run already on disk
+        on_disk_at_teardown: list = []
+        explorer.engine = _TeardownProbe(lambda: on_disk_at_teardown.extend(
+            read_trace(config.run_dir)))
+        explorer._owns_engine = True
         await explorer.close()
         await buffer.close()
         await master.close()
@@ -138,6 +155,7 @@ async def test_two_steps_with_a_sync_point_waiting_for_weights(tmp_path, tiny_mo
             == [list(c.token_ids) for [c] in trained.generate_sync(["3+4="], 1, greedy)])
     spans = read_trace(config.run_dir)
     mine = [s for s in spans if s["component"] == "explorer-0"]
+    assert [s for s in on_disk_at_teardown if s["component"] == "explorer-0"] == mine
     kinds = [(s["kind"], s["step"]) for s in mine]
     assert ("rollout", 0) in kinds and ("rollout", 1) in kinds and ("sync", 1) in kinds
     [sync] = [s for s in mine if s["kind"] == "sync"]

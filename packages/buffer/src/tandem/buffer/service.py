@@ -150,6 +150,7 @@ class Buffer:
     async def close(self) -> None:
         """Stop answering, let the store commit what it has queued, close everything."""
         self.request_stop()
+        self.tracer.flush()  # before a teardown that a supervisor may cut short
         await self.server.close()
         for task in list(self._background):
             task.cancel()

@@ -411,6 +411,9 @@ class Explorer:
         if self._closed:
             return
         self._closed = True
+        # what was done is on disk before the teardown, which a supervisor may cut short with a
+        # SIGKILL (vLLM's shutdown alone takes seconds)
+        self.tracer.flush()
         if self.heartbeater is not None:
             await self.heartbeater.close()
         if self.subscriber is not None:

@@ -583,6 +583,7 @@ class Trainer:
         The learner lets go of its DDP wrapper here, so that `distributed.shutdown()`, which the
         caller runs last, frees the process group itself (see there).
         """
+        self.tracer.flush()  # before a teardown that a supervisor may cut short
         if self.dist.enabled and self.dist.is_main:
             dd.send_command(dd.STOP)
         self.learner.release()
