@@ -62,6 +62,10 @@ def test_tandem_up_with_vllm_explorers_finishes_and_the_reward_rises(quickstart_
     assert vllm_processes() == []
 
     spans = read_trace(run_dir)
+    # every component ended on its own or on its SIGTERM, vLLM's shutdown included: none was
+    # SIGKILLed at its stop bound (which would also cut the end of its trace)
+    [stop] = [s for s in spans if s["kind"] == "stop" and s["component"] == "up"]
+    assert stop["attrs"]["killed"] == [], stop
     plan = SyncPlan.from_config(config.sync, batches_per_step=1)
     trains = [s for s in spans if s["kind"] == "train"]
     assert sorted(s["step"] for s in trains) == list(range(STEPS))
