@@ -28,8 +28,11 @@ WORKFLOWS.register("agent", f"{_P}.workflows.agent:Agent", endpoint=True)
 # environments from elsewhere, run unchanged (docs/explorer.md#environments-from-elsewhere)
 WORKFLOWS.register("verifiers", f"{_P}.workflows.verifiers_env:Verifiers", endpoint=True)
 WORKFLOWS.register("gym", f"{_P}.workflows.gym_text:Gym", endpoint=True)
+# RL from live traffic: an application's conversations (docs/explorer.md#online)
+WORKFLOWS.register("online", f"{_P}.online:Online", endpoint=True)
 
 ENVIRONMENTS.register("calculator", f"{_P}.environments.calculator:Calculator")
 ENVIRONMENTS.register("guess_number", f"{_P}.environments.guess_number:GuessNumber")
 
 TASKSET_READERS.register("verifiers", f"{_P}.verifiers_loader:read_taskset")
+TASKSET_READERS.register("online", f"{_P}.online:read_slots")

@@ -171,6 +171,9 @@ class Explorer:
                 self.cfg.openai, self.engine, sampling=self.sampling,
                 context=model_context(self.config.model.path), name=self.name,
                 url_dir=os.path.join(self.config.run_dir, "openai"))
+        self.workflow.attach(self.endpoint, repeat_times=self.cfg.repeat_times,
+                             tracer=self.tracer, metrics=self.metrics)
+        if self.endpoint is not None:
             await self.endpoint.start()
         if self.config.eval.enabled and self.config.evaluating_explorer == self.name:
             self.evaluator = Evaluator(self.config, self.name)

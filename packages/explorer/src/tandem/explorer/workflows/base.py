@@ -60,6 +60,12 @@ class Workflow(ABC):
             raise ValueError(f"workflow_args for {type(self).__name__}: {problems}") from None
         self.tokenizer = tokenizer
 
+    def attach(self, endpoint: Any, *, repeat_times: int, tracer: Any = None,
+               metrics: Any = None) -> None:
+        """Called once by the explorer that runs it, after it built its OpenAI endpoint (None
+        without one) and before the endpoint serves: a workflow that takes traffic of its own
+        (`online`) adds its routes, metrics and trace events here."""
+
     @abstractmethod
     async def run(self, tasks: list[Task], ctx: RolloutContext) -> list[Experience]:
         """Roll out every task `ctx.repeat_times` times; experiences grouped per task, in order."""
