@@ -259,7 +259,7 @@ def test_a_missing_bwrap_is_a_clear_error(tmp_path):
     code = (
         "import asyncio\n"
         "from tandem.common.config.reward import CodeSandboxConfig\n"
-        "from tandem.reward.sandbox import Sandbox\n"
+        "from tandem.common.sandbox import Sandbox\n"
         "try:\n    asyncio.run(Sandbox(CodeSandboxConfig(), slots=1).start())\n"
         "except Exception as exc:\n    print(exc)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -1,10 +1,14 @@
 """Run one untrusted program once, inside limits, and say how it ended.
 
+Shared by the reward's `code` function (`reward.code`) and the explorer's `agent` workflow
+(`workflow_args.sandbox`), which runs each agent episode here (docs/explorer.md#agent).
+
 Isolation is bubblewrap (`bwrap`, Debian package `bubblewrap`), a maintained tool that builds
 the namespaces; each run gets:
 - a filesystem namespace whose root is an empty tmpfs holding only the Python runtime
   (read-only), the runner, the program, and its own scratch directory `/work` (writable, also
-  HOME); no host path beyond those, so no dataset, no other run's files, no host unix socket;
+  HOME), plus the caller's `readable` paths (read-only) and a run's own `binds`; no host path
+  beyond those, so no dataset, no other run's files, no host unix socket it was not given;
 - fresh PID (with its own `/proc`), network (loopback only), IPC (no host System V objects) and
   UTS namespaces; a fresh tmpfs on /tmp (also /var/tmp and /dev/shm) that vanishes with the run;
 - when the scorer runs as root, the candidate under its own uid per slot
@@ -48,8 +52,11 @@ _RESERVED = {
     sandbox_runner.FILE_TOO_LARGE: "file_size",
     sandbox_runner.NOT_REACHED: "not_reached",
 }
-INSTALL_HINT = ("install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap; Fedora: dnf "
-                "install bubblewrap) or set reward.code.isolation to none for trusted code only")
+def install_hint(key: str) -> str:
+    return ("install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap; Fedora: dnf "
+            f"install bubblewrap) or set {key}.isolation to none for trusted code only")
+
+
 # Joins the cgroups named before `--`, then becomes the command after it, so that nothing of
 # the run ever executes outside its memory and process budget.
 _JOIN = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
@@ -218,7 +225,17 @@ def _sweep(parent: Path) -> None:
             pass  # not empty yet: a later start tries again
 
 
-def _runtime(python: str) -> tuple[str, list[str]]:
+def _outermost(paths: list[str]) -> list[str]:
+    """`paths` made absolute, without those inside another one (binding both would ask
+    bubblewrap to make folders inside a read-only mount), sorted; never `/` itself."""
+    out: list[str] = []
+    for path in sorted({os.path.abspath(p) for p in paths} - {"/"}):
+        if not out or not path.startswith(out[-1].rstrip("/") + "/"):
+            out.append(path)
+    return out
+
+
+def _runtime(python: str, key: str) -> tuple[str, list[str]]:
     """(the real interpreter, the host folders it needs) for `python`."""
     probe = subprocess.run(
         [python, "-I", "-S", "-c",
@@ -226,7 +243,7 @@ def _runtime(python: str) -> tuple[str, list[str]]:
          "'_base_executable') else sys.executable)); print(sys.base_prefix)"],
         capture_output=True, text=True, timeout=30)
     if probe.returncode != 0:
-        raise TandemError(f"reward.code.python {python!r} does not run: "
+        raise TandemError(f"{key}.python {python!r} does not run: "
                           f"{probe.stderr.strip()[-200:]}")
     executable, prefix = probe.stdout.split("\n")[:2]
     paths = [prefix]
@@ -239,11 +256,17 @@ def _runtime(python: str) -> tuple[str, list[str]]:
 
 
 class Sandbox:
-    """`start()` once (finds bwrap, probes it, makes the cgroups), then `run()` concurrently."""
+    """`start()` once (finds bwrap, probes it, makes the cgroups), then `run()` concurrently.
 
-    def __init__(self, config: CodeSandboxConfig, *, slots: int):
+    `readable`: host paths every run sees read-only at the same place (an agent's imports);
+    `key`: the config section named in errors and logs."""
+
+    def __init__(self, config: CodeSandboxConfig, *, slots: int, readable: tuple[str, ...] = (),
+                 key: str = "reward.code"):
         self.config = config
         self.slots = slots
+        self.readable = readable
+        self.key = key
         self.python = config.python or sys.executable
         self.isolated = config.isolation != "none"
         self.as_root = os.geteuid() == 0
@@ -260,8 +283,8 @@ class Sandbox:
         if self.isolated:
             self._bwrap = shutil.which("bwrap")
             if self._bwrap is None:
-                raise TandemError(f"reward.code: the code sandbox needs bubblewrap (`bwrap` not "
-                                  f"found on PATH); {INSTALL_HINT}")
+                raise TandemError(f"{self.key}: the sandbox needs bubblewrap (`bwrap` not "
+                                  f"found on PATH); {install_hint(self.key)}")
         self._base = Path(tempfile.mkdtemp(prefix="tandem-sandbox-"))
         self._base.chmod(0o711)
         self._runner = self._base / "runner.py"
@@ -276,21 +299,21 @@ class Sandbox:
         except BaseException:
             await self.close()
             raise
-        log.info("sandbox.ready", isolation="bubblewrap" if self.isolated else "none",
+        log.info("sandbox.ready", key=self.key, isolation="bubblewrap" if self.isolated else "none",
                  per_slot_uid=self.as_root, slots=self.slots, python=self.python,
                  memory=f"cgroup v{self.cgroups.version}, per run" if self.cgroups
                  else "RLIMIT_AS, per process")
         if not self.isolated:
-            log.warning("sandbox.unisolated", key="reward.code.isolation",
+            log.warning("sandbox.unisolated", key=f"{self.key}.isolation",
                         consequence="candidates see the host filesystem, network and processes;"
                                     " for trusted code only")
 
     def _prepare(self) -> None:
-        executable, paths = _runtime(self.python)
+        executable, paths = _runtime(self.python, self.key)
         self.python = executable
         args: list[str] = []
         made = {"/"}
-        for path in sorted(set(paths)):
+        for path in _outermost(paths + [p for p in self.readable if os.path.exists(p)]):
             parts = Path(path).parts
             for i in range(2, len(parts)):
                 parent = str(Path(*parts[:i]))
@@ -318,12 +341,13 @@ class Sandbox:
         if done.returncode != 0:
             self.close_sync()
             raise TandemError(
-                "reward.code: bubblewrap cannot build the sandbox here (it needs root or "
+                f"{self.key}: bubblewrap cannot build the sandbox here (it needs root or "
                 "unprivileged user namespaces): "
                 f"{done.stderr.decode(errors='replace').strip()[-300:] or done.returncode}; "
-                f"{INSTALL_HINT}")
+                f"{install_hint(self.key)}")
 
-    def _command(self, slot: int, mode: str, run_dir: Path, *, probe: bool = False) -> list[str]:
+    def _command(self, slot: int, mode: str, run_dir: Path, *, probe: bool = False,
+                 binds: tuple[tuple[str, str], ...] = ()) -> list[str]:
         cfg = self.config
         # As root the candidate never keeps root, isolated or not (without isolation, modules
         # it imports must then be readable by the slot uid).
@@ -361,6 +385,8 @@ class Sandbox:
         else:
             cmd += ["--ro-bind", str(run_dir / "solution.py"), "/sandbox/solution.py",
                     "--bind", str(run_dir / "work"), "/work"]
+            for host, inside in binds:
+                cmd += ["--ro-bind", host, inside]
         cmd += ["--chdir", "/work" if not probe else "/", "--clearenv",
                 "--setenv", "PATH", f"{os.path.dirname(self.python)}:/usr/bin:/bin",
                 "--setenv", "HOME", "/work", "--setenv", "TMPDIR", "/tmp",
@@ -373,9 +399,12 @@ class Sandbox:
         return cmd
 
     async def run(self, program: str, *, stdin: bytes = b"", test: str | None = None,
-                  setup: str = "", wall_seconds: float | None = None) -> Run:
+                  setup: str = "", wall_seconds: float | None = None,
+                  binds: tuple[tuple[str, str], ...] = ()) -> Run:
         """Run `program` (stdio mode), or `program` against `test` (assert mode, `setup` run
-        before both); the wall clock is `code.wall_seconds`, or `wall_seconds` if shorter."""
+        before both); the wall clock is `code.wall_seconds`, or `wall_seconds` if shorter.
+        `binds`: (host path, path inside) pairs this run alone sees, read-only (a unix socket
+        stays connectable)."""
         if self._slot_queue is None:
             await self.start()
         slot = await self._slot_queue.get()
@@ -384,13 +413,14 @@ class Sandbox:
             if test is not None:
                 head = setup.encode()
                 stdin = b"%010d" % len(head) + head + test.encode()
-            return await self._run(slot, run_dir, program, stdin, test, wall_seconds)
+            return await self._run(slot, run_dir, program, stdin, test, wall_seconds, binds)
         finally:
             await asyncio.shield(asyncio.to_thread(shutil.rmtree, run_dir, True))
             self._slot_queue.put_nowait(slot)
 
     async def _run(self, slot: int, run_dir: Path, program: str, stdin: bytes,
-                   test: str | None, wall_seconds: float | None) -> Run:
+                   test: str | None, wall_seconds: float | None,
+                   binds: tuple[tuple[str, str], ...]) -> Run:
         cfg = self.config
         work = run_dir / "work"
         work.mkdir(parents=True)
@@ -406,7 +436,7 @@ class Sandbox:
             mode = "assert"
         if not self.isolated:
             shutil.copyfile(run_dir / "solution.py", work / "solution.py")
-        cmd = self._command(slot, mode, run_dir)
+        cmd = self._command(slot, mode, run_dir, binds=binds)
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
         if not self.isolated:
             env["SANDBOX_PROGRAM"] = str(work / "solution.py")

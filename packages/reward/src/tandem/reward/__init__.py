@@ -11,7 +11,7 @@
 from .base import REGISTRY, AsyncReward, PureReward, RewardFunction, register, result
 from .functions import lookup
 from .pool import WorkerPool
-from .sandbox import Run, Sandbox
+from tandem.common.sandbox import Run, Sandbox
 from .scorer import LocalScorer, RemoteScorer, Scorer, build_scorer
 from .service import RewardService
 

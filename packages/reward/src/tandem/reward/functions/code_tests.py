@@ -12,8 +12,8 @@
 
 Every test is its own sandboxed run. Stdio output is compared here, outside the sandbox;
 assert tests run in a harness process the candidate cannot reach, which sees the program's
-values only as plain data (see `sandbox_runner`). The program is the last fenced code block of
-the response (```python ... ```), or the whole response when it has none.
+values only as plain data (see `tandem.common.sandbox_runner`). The program is the last fenced
+code block of the response (```python ... ```), or the whole response when it has none.
 
 Limits compose: each test has `code.cpu_seconds` and `code.wall_seconds`; the evaluation as a
 whole has a budget of (tests) × (`wall_seconds` + `STARTUP_SECONDS`) instead of
@@ -30,9 +30,9 @@ import time
 from typing import Any
 
 from tandem.common.messages.reward import Score, ScoreItem
+from tandem.common.sandbox import Run, Sandbox
 
 from ..base import AsyncReward, register, result
-from ..sandbox import Run, Sandbox
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 _FATAL = {"timeout", "cpu"}
