@@ -98,9 +98,10 @@ class SyncPlan:
 
     @classmethod
     def from_config(cls, sync: Any, batches_per_step: int = 1) -> SyncPlan:
-        """From a `SyncConfig` (or anything with its attributes)."""
+        """From a `SyncConfig`; `max_staleness: auto` starts
+        at its first bound (the master moves it: `tandem.common.staleness`)."""
         return cls(method=sync.method, interval=sync.interval, offset=sync.offset,
-                   max_staleness=sync.max_staleness, batches_per_step=batches_per_step)
+                   max_staleness=sync.initial_staleness, batches_per_step=batches_per_step)
 
     @property
     def asynchronous(self) -> bool:

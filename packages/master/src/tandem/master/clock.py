@@ -49,7 +49,7 @@ consumes (acks) all while training only the informative ones.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tandem.common.messages.master import (
@@ -304,6 +304,13 @@ class RunClock:
         heartbeat once its resume is done). While awaiting, barriers wait: the versions in the
         journal may belong to a lineage the trainer is about to set aside."""
         self.awaiting_trainer = awaiting
+        return self._release()
+
+    def set_staleness(self, bound: int) -> list[Decision]:
+        """`sync.max_staleness: auto` moved the staleness bound (`StalenessSet`): every grant
+        from now on holds to `bound`, so a wider one may release explorers at once. Barriers
+        granted under the old bound stand; a narrower one holds back the next grants."""
+        self.plan = replace(self.plan, max_staleness=bound)
         return self._release()
 
     def published(self, version: int, method: str | None = None) -> list[Decision]:

@@ -45,6 +45,7 @@ from tandem.common.messages.master import (
     RunCounters,
     RunAmended,
     RunStarted,
+    StalenessSet,
     Status,
     TaskLease,
     TrainerCheckpointed,
@@ -59,7 +60,9 @@ from tandem.common.metrics import MetricsEndpoint
 from tandem.common.pubsub import Publisher
 from tandem.common.rpc import CallContext, RpcServer
 from tandem.common.runrecord import RunRecord, check_against, recorded_config
+from tandem.common.staleness import StalenessRule, StalenessState
 from tandem.common.sync import SyncPlan
+from tandem.common.trace import Tracer
 
 from .clock import DeclaredDead, Decision, RunClock, StepMismatch
 from .journal import Journal, JournalError
@@ -126,6 +129,14 @@ class Master:
         self.clock = RunClock(self.plan, self.total_steps,
                               top_up_target=tc.groups_per_step if tc.dynamic_sampling else None,
                               max_extra=tc.max_oversample)
+        # sync.max_staleness: auto: the rule, and the bound with what was measured under it
+        self.staleness_rule: StalenessRule | None = (
+            config.sync.auto.rule() if config.sync.auto_staleness else None)
+        self.staleness: StalenessState | None = (
+            None if self.staleness_rule is None else self.staleness_rule.initial())
+        self._metric_missing_logged = False
+        self.tracer = Tracer(self.run_dir if self.staleness_rule is not None
+                             and config.logging.trace else None, "master")
         self.registry: dict[str, Registration] = {}
         self.liveness = Liveness(config.transport.liveness)
         self.journal = Journal(self.run_dir / cfg.journal)
@@ -165,6 +176,7 @@ class Master:
             TrainerCheckpointed: self._apply_trainer_checkpointed,
             WeightsPublished: self._apply_weights,
             AwaitingTrainer: self._apply_awaiting,
+            StalenessSet: self._apply_staleness,
         }
         for msg_type, handler in ((Register, self._on_register), (Heartbeat, self._on_heartbeat),
                                   (LeaseTasks, self._on_lease), (CompleteTasks, self._on_complete),
@@ -244,6 +256,7 @@ class Master:
         await self.publisher.close()
         self.metrics.close()
         self.journal.close()
+        self.tracer.close()
         log.info("master.closed", run_id=self.run_id, **self.clock.counters())
 
     # -- state changes: one apply method per message, shared by the handlers and the replay ----
@@ -384,7 +397,43 @@ class Master:
         return self.clock.explorer_draining(msg.explorer, msg.step, msg.batch)
 
     def _apply_trainer_step(self, msg: TrainerStepDone) -> list[Decision]:
+        if self.staleness is not None:
+            self.staleness = self.staleness_rule.observe(self.staleness, msg.metrics)
         return self.clock.trainer_step_done(msg.step)
+
+    def _apply_staleness(self, msg: StalenessSet) -> list[Decision]:
+        if self.staleness is None:
+            raise ConfigError([
+                f"run_dir: {self.run_dir} holds a run whose staleness bound was set by "
+                "sync.max_staleness: auto; resume it with max_staleness: auto, or give this run "
+                "a new run_dir"])
+        self.staleness = self.staleness.set(msg.bound)
+        return self.clock.set_staleness(msg.bound)
+
+    def _judge_staleness(self, step: int, metrics: dict[str, float]) -> list[Decision]:
+        """`sync.max_staleness: auto`, after trainer step `step`'s report: journal and trace a
+        change of the bound (`StalenessSet`), and return the grants it unlocks."""
+        rule = self.staleness_rule
+        if rule is None:
+            return []
+        if rule.metric not in metrics and not self._metric_missing_logged:
+            self._metric_missing_logged = True
+            log.warning("staleness.metric_missing", metric=rule.metric, step=step,
+                        reported=sorted(metrics),
+                        why="the bound holds until the trainer reports it; set "
+                            "sync.auto.target.metric to one of the reported metrics")
+        decision = rule.decide(self.staleness)
+        if not decision.changed:
+            return []
+        msg = StalenessSet(step=step, bound=decision.bound, previous=decision.previous,
+                           action=decision.action, metric=rule.metric, value=decision.value,
+                           why=decision.why)
+        decisions = self._commit(msg)
+        log.info("staleness.set", step=step, bound=msg.bound, previous=msg.previous,
+                 action=msg.action, metric=msg.metric, value=round(msg.value, 6), why=msg.why)
+        self.tracer.event("staleness", step=step, bound=msg.bound, previous=msg.previous,
+                          action=msg.action, metric=msg.metric, value=msg.value, why=msg.why)
+        return decisions
 
     def _apply_trainer_resumed(self, msg: TrainerResumed) -> list[Decision]:
         decisions = self.clock.trainer_resumed(msg.step)
@@ -672,7 +721,9 @@ class Master:
                 self.clock.check_trainer_step(msg.step)
             except StepMismatch as exc:
                 raise RequestFailed("unexpected_step", str(exc)) from None
-            await self._emit(self._commit(msg))
+            decisions = self._commit(msg)
+            decisions += self._judge_staleness(msg.step, msg.metrics)
+            await self._emit(decisions)
         return Ok()
 
     async def _on_trainer_resumed(self, msg: TrainerResumed, ctx: CallContext) -> Ok:
@@ -728,7 +779,9 @@ class Master:
                 name=name, role=reg.role, alive=reg.alive, pid=reg.pid, host=reg.host,
                 address=reg.address, silent_for=None if seen is None else round(now - seen, 3)))
         tasks = {} if self.dispatcher is None else self.dispatcher.counters()
-        counters = RunCounters(plan=PlanKnobs(**self.plan.describe()), **self.clock.counters(),
+        # the clock's plan: with max_staleness: auto, its bound is the current one
+        counters = RunCounters(plan=PlanKnobs(**self.clock.plan.describe()),
+                               **self.clock.counters(),
                                **tasks)
         leases = [] if self.dispatcher is None else [
             LeaseStatus(**lease.describe()) for lease in self.dispatcher.leases.values()]

@@ -53,6 +53,8 @@ class RunTimeline:
     spans: list[Span]
     buffer: list[tuple[float, int]]
     makespan: float
+    # sync.max_staleness: auto: (time, bound) from the start, then at every change
+    staleness_bounds: list[tuple[float, int]] = field(default_factory=list)
 
     def lane(self, name: str) -> list[Span]:
         return [s for s in self.spans if s.lane == name]
@@ -116,7 +118,19 @@ def load_timeline(run_dir: str | Path) -> RunTimeline:
                           s.get("version"), s.get("attrs") or {}))
     explorers.sort()
     makespan = max(s.end for s in spans)
-    return RunTimeline(explorers, spans, _buffer_levels(raw, spans, t0), makespan)
+    return RunTimeline(explorers, spans, _buffer_levels(raw, spans, t0), makespan,
+                       _staleness_bounds(raw, t0))
+
+
+def _staleness_bounds(raw: list[dict], t0: float) -> list[tuple[float, int]]:
+    """The master's `staleness` events as (time, bound), led by the bound the run started
+    with (the first change's `previous`) at time 0; empty without `max_staleness: auto`."""
+    changes = sorted(((s["start"] - t0, s.get("attrs") or {}) for s in raw
+                      if s["kind"] == "staleness"), key=lambda c: c[0])
+    if not changes:
+        return []
+    return [(0.0, int(changes[0][1]["previous"]))] + [(max(0.0, t), int(a["bound"]))
+                                                      for t, a in changes]
 
 
 def _buffer_levels(raw: list[dict], spans: list[Span], t0: float) -> list[tuple[float, int]]:
@@ -148,7 +162,8 @@ def render_png(tl: RunTimeline, path: str | Path, title: str = "") -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    lanes = tl.explorers + ["buffer", "trainer"]
+    bound_lane = ["staleness bound"] if tl.staleness_bounds else []
+    lanes = tl.explorers + ["buffer"] + bound_lane + ["trainer"]
     fig, ax = plt.subplots(figsize=(13, 1.2 + 0.6 * len(lanes)))
     y_of = {name: len(lanes) - 1 - i for i, name in enumerate(lanes)}
     for s in tl.spans:
@@ -180,6 +195,15 @@ def render_png(tl: RunTimeline, path: str | Path, title: str = "") -> Path:
         ax.fill_between(times, y - 0.35, [y - 0.35 + 0.7 * v / top for v in values],
                         step="post", color=COLOURS["buffer"])
         ax.text(tl.makespan * 1.005, y, f"max {top}", fontsize=7, va="center")
+    if tl.staleness_bounds:
+        y = y_of["staleness bound"]
+        times = [t for t, _ in tl.staleness_bounds] + [tl.makespan]
+        values = [b for _, b in tl.staleness_bounds]
+        top = max(1, max(values))
+        ax.step(times, [y - 0.35 + 0.7 * v / top for v in values + values[-1:]], where="post",
+                color="black", linewidth=1)
+        for t, b in tl.staleness_bounds:
+            ax.text(t, y + 0.38, str(b), fontsize=7, va="bottom")
     util = tl.utilization()
     ax.set_yticks([y_of[n] for n in lanes],
                   labels=[f"{n} ({util[n]:.0%})" if n in util else n for n in lanes])
@@ -266,6 +290,9 @@ def summary_rows(tl: RunTimeline) -> list[tuple[str, str]]:
     util = tl.utilization()
     rows = [("wall-clock", f"{tl.makespan:.1f} s")]
     rows += [(f"{name} busy", f"{u:.0%}") for name, u in util.items()]
+    if tl.staleness_bounds:
+        rows.append(("staleness bound (auto)",
+                     " -> ".join(str(b) for _, b in tl.staleness_bounds)))
     stale = tl.staleness()
     if stale:
         rows.append(("staleness (steps: count)", ", ".join(f"{k}: {v}" for k, v in stale.items())))

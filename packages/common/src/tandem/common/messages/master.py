@@ -23,7 +23,8 @@ steps, batches and versions: `tandem.common.sync`.
 
 The master's journal (`run_dir/master/journal.bin`) is a sequence of these same messages: every
 accepted request that changes the run's state, plus the master's own decisions below
-(`RunStarted`, `RunAmended`, `TasksLeased`, `TasksExhausted`, `LeaseExpired`, `ExplorerLeft`),
+(`RunStarted`, `RunAmended`, `TasksLeased`, `TasksExhausted`, `LeaseExpired`, `ExplorerLeft`,
+`StalenessSet`),
 each encoded with `tandem.common.codec` and replayed through the handler that applied it live.
 """
 
@@ -183,7 +184,8 @@ class WeightsPublished(Request):
 
     version: int = Field(ge=0)
     method: Literal["checkpoint", "nccl"]
-    path: str | None = Field(default=None, description="weights/v{N} folder, for checkpoint")
+    path: str | None = Field(default=None, description="for checkpoint: the weights/v{N} folder, "
+                             "or its /dev/shm segment (weights.transport: shared_memory)")
     rendezvous: GroupRendezvous | None = Field(default=None, description="nccl group to join")
 
     def on_disk(self) -> WeightsPublished:
@@ -363,6 +365,21 @@ class AwaitingTrainer(Message):
     one's versions aside); not `awaiting`: the trainer did (a heartbeat, a step, a version)."""
 
     awaiting: bool
+
+
+@wire("master.journal.staleness")
+class StalenessSet(Message):
+    """Master to its journal (and trace): with `sync.max_staleness: auto`, the metrics of the
+    trainer's step `step` moved the staleness bound from `previous` to `bound`; grants from here
+    on use it (tandem.common.staleness)."""
+
+    step: int = Field(ge=0)
+    bound: int = Field(ge=0)
+    previous: int = Field(ge=0)
+    action: Literal["widen", "narrow"]
+    metric: str
+    value: float = Field(description="the mean of the metric over the values judged")
+    why: str = ""
 
 
 @wire("master.journal.leased")
