@@ -3,7 +3,8 @@ real processes: the explorer leases and rolls out its next step while this one d
 
 The run is also the `fully_async` preset's end-to-end check (tests/e2e/test_presets.py runs
 the other presets): its trace obeys the preset's SyncPlan and the trainer publishes by the
-preset's method."""
+preset's method. Its staleness bound is `auto` (docs/sync.md), with a target no step misses:
+the master widens it once per step to its max, and journals and traces each change."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import yaml
 
 from processes import freeze
 from tandem.common.config import RunConfig
-from tandem.common.messages import ExplorerStepDone, TasksLeased
+from tandem.common.messages import ExplorerStepDone, StalenessSet, TasksLeased
 from tandem.common.sync import SyncPlan
 from tandem.common.trace import read_trace
 from tandem.master.journal import JournalError, read_journal
@@ -88,8 +89,10 @@ def test_the_next_step_rolls_out_while_this_one_drains(tmp_path, tiny_model_dir)
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({
         "name": "ahead", "run_dir": str(run_dir), "model": {"path": str(tiny_model_dir)},
-        # staleness 4 over 4 steps: the master never holds a grant back for the trainer
-        "sync": {"preset": "fully_async", "timeout": 60},
+        # staleness 4 or more over 4 steps: the master never holds a grant back for the
+        # trainer; auto widens it from 4 after each step's report while mismatch/kl < 5e8
+        "sync": {"preset": "fully_async", "timeout": 60, "max_staleness": "auto",
+                 "auto": {"min": 4, "max": 6, "patience": 1, "target": {"below": 1.0e9}}},
         "master": {"total_steps": STEPS, "taskset": {"path": str(taskset), "epochs": 10}},
         # one task per engine batch: a step is six batches one after the other
         "explorers": [{"name": "explorer-0", "batch_size": 6, "repeat_times": 2,
@@ -146,3 +149,9 @@ def test_the_next_step_rolls_out_while_this_one_drains(tmp_path, tiny_model_dir)
     syncs = {(s["component"], (s.get("attrs") or {}).get("method")) for s in spans
              if s["kind"] == "sync"}
     assert ("trainer", "checkpoint") in syncs, syncs
+    # max_staleness: auto: steps 0 and 1 widen the bound to its max, journaled and traced
+    sets = [r for r in journal(run_dir) if isinstance(r, StalenessSet)]
+    assert [(r.step, r.previous, r.bound, r.metric) for r in sets] == [
+        (0, 4, 5, "mismatch/kl"), (1, 5, 6, "mismatch/kl")], sets
+    assert sorted((s["step"], s["attrs"]["bound"]) for s in spans
+                  if s["kind"] == "staleness") == [(0, 5), (1, 6)]

@@ -58,6 +58,7 @@ from .master import (
     RunCounters,
     RunningStep,
     RunStarted,
+    StalenessSet,
     Status,
     Stop,
     TaskLease,
