@@ -110,9 +110,10 @@ def before_after(run_dir: Path) -> tuple[dict, dict]:
 
 def quickstart_config(run_dir: Path, model_dir: Path, taskset: Path, *, preset: str,
                       steps: int, seed: int, explorers: int = 1, lr: float = 3e-4,
-                      heldout: Path | None = None) -> RunConfig:
+                      heldout: Path | None = None, device: str = "cpu") -> RunConfig:
     """The GRPO run: the same settings the examples/ configs spell out, plus the held-out
-    evaluation (before the first step and at the end) when `heldout` is set."""
+    evaluation (before the first step and at the end) when `heldout` is set; `device` is the
+    trainer's and every explorer engine's (cpu, cuda)."""
     names = [f"explorer-{i}" for i in range(explorers)]
     return RunConfig.model_validate({
         "name": "quickstart", "run_dir": str(run_dir), "seed": seed,
@@ -121,11 +122,11 @@ def quickstart_config(run_dir: Path, model_dir: Path, taskset: Path, *, preset: 
         "master": {"total_steps": steps,
                    "taskset": {"path": str(taskset), "seed": seed, "epochs": 100}},
         "explorers": [{"name": n, "batch_size": 16 // explorers, "repeat_times": 8,
-                       "workflow": "single_turn",
+                       "workflow": "single_turn", "engine": {"device": device},
                        "workflow_args": {"reward_fn": "k12", "answer_key": "truth"},
                        "sampling": {"temperature": 1.0, "max_tokens": 6}} for n in names],
         "trainer": {"groups_per_step": 16, "lr": lr, "advantage": "grpo", "loss": "ppo_clip",
-                    "checkpoint_every": 0},
+                    "checkpoint_every": 0, "device": device},
         "reward": {"functions": {"k12": 1.0}},
         "logging": {"level": "warning"},
         "eval": {"tasksets": [{"name": "heldout", "path": str(heldout)}] if heldout else [],
@@ -142,9 +143,12 @@ def quickstart_config(run_dir: Path, model_dir: Path, taskset: Path, *, preset: 
 @click.option("--lr", default=3e-4, show_default=True, help="GRPO learning rate")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--plain", is_flag=True, help="progress lines instead of a live panel")
+@click.option("--device", default="cpu", show_default=True,
+              help="the trainer's and the explorers' device (cuda: the GRPO run on a GPU)")
 def quickstart(run_dir: str, preset: str, steps: int, sft_steps: int, lr: float, seed: int,
-               plain: bool) -> None:
-    """Run a tiny end-to-end example on CPU: SFT warm start, then GRPO, reward rising."""
+               plain: bool, device: str) -> None:
+    """Run a tiny end-to-end example on CPU (or --device cuda): SFT warm start, then GRPO,
+    reward rising."""
     import shutil
 
     from tandem.weights.tiny import build_tiny_model
@@ -169,7 +173,7 @@ def quickstart(run_dir: str, preset: str, steps: int, sft_steps: int, lr: float,
     click.echo(f"3/4 GRPO through the full system ({preset}, {steps} trainer steps)")
     config = quickstart_config(root / "grpo", root / "model-sft", taskset, preset=preset,
                                steps=steps, seed=seed, lr=lr, heldout=heldout_set,
-                               explorers=preset_explorers(preset))
+                               explorers=preset_explorers(preset), device=device)
     code = run_up(config, live=False if plain else None, prog="tandem quickstart")
     if code != 0:
         sys.exit(code)
