@@ -341,13 +341,16 @@ class Trainer:
             step=start, checkpoint=None if self.resumed_from is None else str(self.resumed_from),
             lineage=self.lineage), timeout_key=rpc)
         method = self.config.sync.method
-        if start > 0 and (method == "nccl" or superseded):
+        # shared_memory: the lost incarnation's segments went with it (docs/weights.md)
+        in_memory = self.config.weights.transport == "shared_memory"
+        if start > 0 and (method == "nccl" or superseded or in_memory):
             # checkpoint: the master's newest version is now at most S, and retention may have
             # deleted v{S}: an explorer that (re)starts loads the newest, so v{S} must exist.
             # nccl: versions up to S went by in broadcasts of the lost incarnation and are
             # never broadcast again; an explorer that restarted with this trainer takes v{S}
             # from disk (docs/design.md §5: the current version by checkpoint). The learner is at
             # version S exactly; it writes v{S} when missing, and announces it.
+            # shared_memory: no segment outlives its trainer, so v{S} is always written again.
             path = await asyncio.to_thread(self._current_version, start)
             await self._master.call(WeightsPublished(version=start, method="checkpoint",
                                                      path=str(path)), timeout_key=rpc)
@@ -364,9 +367,13 @@ class Trainer:
                  + rewound.leases_released, versions_superseded=superseded, detail=detail)
 
     def _current_version(self, version: int) -> Path:
-        """`weights/v{version}`, written from the learner (at that version) if missing."""
+        """`weights/v{version}` (or its segment), written from the learner (at that version)
+        if missing."""
         from tandem.weights import version_dir
 
+        if self.config.weights.transport == "shared_memory":
+            existing = self._weights_publisher().path(version)
+            return existing if existing.exists() else self._publish_checkpoint(version)
         existing = version_dir(self.run_dir, version)
         return existing if existing.is_dir() else self._publish_checkpoint(version)
 
@@ -475,8 +482,9 @@ class Trainer:
         if method == "checkpoint":
             # a lost lineage's version goes to disk once, maybe already at resume
             write = self._current_version if go.publish_by else self._publish_checkpoint
-            path = await asyncio.to_thread(write, version)
-            moved = sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
+            path = Path(await asyncio.to_thread(write, version))
+            moved = (path.stat().st_size if path.is_file()  # a shared-memory segment
+                     else sum(f.stat().st_size for f in path.iterdir() if f.is_file()))
             await self._master.call(
                 WeightsPublished(version=version, method="checkpoint", path=str(path)),
                 timeout_key="transport.rpc_timeout")
@@ -539,7 +547,7 @@ class Trainer:
                              "explorers are leaving and a resume announces it from disk")
 
     def _publish_checkpoint(self, version: int) -> Path:
-        from tandem.weights import WeightPublisher, version_dir
+        from tandem.weights import version_dir
 
         existing = version_dir(self.run_dir, version)
         if existing.exists():
@@ -548,18 +556,28 @@ class Trainer:
             raise TandemError(f"trainer: weights version {version} already exists at {existing} "
                               f"but lineage {self.lineage} did not write it; versions are "
                               "immutable (was a second trainer started on this run dir?)")
-        if self._publisher is None:
-            self._publisher = WeightPublisher.from_config(self.run_dir, self.config.weights,
-                                                          in_use=self._versions_in_use)
+        publisher = self._weights_publisher()
         if self._adapters:  # a peft adapter folder, which vLLM's LoRA API loads as it is
             from tandem.weights.lora import (ADAPTER, ADAPTER_CONFIG, ADAPTER_WEIGHTS,
                                              adapter_config_json)
 
             config = adapter_config_json(self.learner.actor.model.peft_config[ADAPTER])
-            return self._publisher.publish(version, self.policy_weights(),
-                                           single_file=ADAPTER_WEIGHTS,
-                                           files={ADAPTER_CONFIG: config}).path
-        return self._publisher.publish(version, self.policy_weights()).path
+            return publisher.publish(version, self.policy_weights(),
+                                     single_file=ADAPTER_WEIGHTS,
+                                     files={ADAPTER_CONFIG: config}).path
+        return publisher.publish(version, self.policy_weights()).path
+
+    def _weights_publisher(self):
+        """Checkpoint versions go to `run_dir/weights`, or with `weights.transport:
+        shared_memory` to /dev/shm segments (created once: it clears the run's old segments)."""
+        if self._publisher is None:
+            if self.config.weights.transport == "shared_memory":
+                from tandem.weights.shm import SharedMemoryPublisher as publisher_type
+            else:
+                from tandem.weights import WeightPublisher as publisher_type
+            self._publisher = publisher_type.from_config(self.run_dir, self.config.weights,
+                                                         in_use=self._versions_in_use)
+        return self._publisher
 
     def _versions_in_use(self) -> list[int]:
         serving = self._weight_server.serving() if self._weight_server is not None else []
@@ -595,3 +613,6 @@ class Trainer:
             # reach the trackers, which this process owns, before they close
             await self.writer.await_final_eval()
         self.writer.close()
+        if self._publisher is not None:
+            # after the final eval above: the evaluating explorer loads the newest version
+            self._publisher.close()

@@ -145,6 +145,17 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _shared_memory_replaces_files(self) -> RunConfig:
+        """shared_memory carries the versions checkpoint files would: it is a transport of
+        sync.method checkpoint (a broadcast needs no transport of its own)."""
+        if self.weights.transport == "shared_memory" and self.sync.method != "checkpoint":
+            raise ValueError(f"weights.transport: shared_memory moves the versions of "
+                             f"sync.method: checkpoint; sync.method: {self.sync.method} "
+                             "broadcasts them instead: use sync.method: checkpoint (e.g. "
+                             "sync.preset: fully_async) or weights.transport: shared_fs")
+        return self
+
+    @model_validator(mode="after")
     def _eval_tasksets_answerable(self) -> RunConfig:
         """Every eval task carries the prompt and the answer the evaluating explorer's
         workflow and reward read; checked here so a missing column fails at load, not mid-run."""
