@@ -4,6 +4,10 @@
     python weights_peer.py checkpoint RUN_DIR OUT_DIR VERSION [MODEL_DIR]
     python weights_peer.py fake-vllm  RENDEZVOUS_JSON EXPLORER OUT_DIR VERSION TIMEOUT
     python weights_peer.py stall      RENDEZVOUS_JSON MEMBER TIMEOUT   (joins, never receives)
+    python weights_peer.py shm        RUN_DIR OUT_DIR VERSION [MODEL_DIR]  (maps a segment)
+    python weights_peer.py shm-hold   RUN_DIR VERSION      (maps it, says "holding", keeps it)
+    python weights_peer.py shm-publish RUN_DIR VERSIONS    (publishes them, says "published
+                  TRACKER_PID", then publishes one more and stops inside it, before its rename)
 
 VERSIONS is a comma-separated list, received one after the other in the same group. With a
 MODEL_DIR, each version is loaded into a fresh copy of that Hugging Face model (`load_into`);
@@ -71,6 +75,29 @@ def dump(engine, out_dir: str, version: int) -> None:
     save_file(state, str(Path(out_dir) / f"v{version}.safetensors"))
 
 
+def shm_publish(run_dir: str, versions: str) -> None:
+    """A trainer that dies with segments published and one being written."""
+    from multiprocessing import resource_tracker
+    from unittest import mock
+
+    import torch
+
+    from tandem.weights import shm
+
+    publisher = shm.SharedMemoryPublisher(run_dir, keep=10)
+    tensors = [("w", torch.arange(1000, dtype=torch.float32))]
+    for version in (int(v) for v in versions.split(",")):
+        publisher.publish(version, tensors)
+    print("published", resource_tracker._resource_tracker._pid, flush=True)
+
+    def stop_before_rename(src, dst):
+        print("writing", flush=True)  # the test kills here: a whole tmp segment, not renamed
+        time.sleep(120)
+
+    with mock.patch.object(shm.os, "rename", stop_before_rename):
+        publisher.publish(99, tensors)
+
+
 def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     from tandem.common.errors import TandemError
@@ -103,6 +130,23 @@ def main(argv: list[str]) -> int:
             worker.tandem_leave()
             (Path(out_dir) / "count.json").write_text(json.dumps({"tensors": count}))
             dump(engine, out_dir, int(version))
+        elif mode == "shm":
+            from tandem.weights.shm import SharedMemorySubscriber
+
+            run_dir, out_dir, version, *model = args
+            engine = ModuleEngine(model[0]) if model else DictEngine()
+            engine.load_weights(SharedMemorySubscriber(run_dir).load(int(version)))
+            dump(engine, out_dir, int(version))
+        elif mode == "shm-hold":
+            from tandem.weights.shm import SharedMemorySubscriber
+
+            run_dir, version = args
+            held = list(SharedMemorySubscriber(run_dir).load(int(version)))  # views: mapped
+            print("holding", flush=True)
+            time.sleep(120)
+            del held
+        elif mode == "shm-publish":
+            shm_publish(*args)
         elif mode == "stall":
             rendezvous, member, timeout = args
             receiver = WeightReceiver(json.loads(rendezvous), member, timeout=float(timeout))

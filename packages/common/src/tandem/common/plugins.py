@@ -36,7 +36,9 @@ class EngineCapabilities:
     the engine's name.
 
     `weights`: the paths new weights can reach it by: `broadcast` (a process group, sync.method
-    nccl), `checkpoint` (files on a shared filesystem), `fetch` (files fetched from the trainer).
+    nccl), `checkpoint` (files on a shared filesystem), `fetch` (files fetched from the trainer),
+    `shared_memory` (segments the explorer's own process maps: a `TensorEngine`; not by default,
+    since an engine whose workers load weights themselves gets no tensors from the explorer).
     """
 
     weights: frozenset[str] = frozenset({"broadcast", "checkpoint", "fetch"})

@@ -184,7 +184,8 @@ class Explorer:
             fetcher = WeightFetcher.from_config(self.config, self.name)
         self.loader = WeightLoader(self.engine, run_dir=self.config.run_dir, explorer=self.name,
                                    timeout=self.config.sync.timeout,
-                                   device=self.cfg.engine.device, fetcher=fetcher)
+                                   device=self.cfg.engine.device, fetcher=fetcher,
+                                   shared_memory=self.config.weights.transport == "shared_memory")
         log.info("explorer.connecting", explorer=self.name, master=self.config.master.address,
                  buffer=self.config.buffer.address)
         reply = await self._register()

@@ -1,4 +1,5 @@
-"""Bringing new weights into an engine, by checkpoint files or by joining the trainer's broadcast.
+"""Bringing new weights into an engine, by checkpoint files (or shared-memory segments) or by
+joining the trainer's broadcast.
 
 Both end in `engine.update_weights`, which runs on the engine's thread: a broadcast bucket is
 received and copied into the model without a detour, and never while a batch is generating.
@@ -33,10 +34,14 @@ class WeightLoader:
     """One explorer's way to new weights: `await load(version, method, rendezvous)`."""
 
     def __init__(self, engine: Engine, *, run_dir: str | Path, explorer: str, timeout: float,
-                 device: str = "cpu", fetcher=None):
+                 device: str = "cpu", fetcher=None, shared_memory: bool = False):
         if not isinstance(engine, (TensorEngine, WorkerFetchEngine)):
             raise TypeError(f"{type(engine).__name__} is neither a TensorEngine nor a "
                             "WorkerFetchEngine: it has no way to take new weights")
+        if shared_memory and not isinstance(engine, TensorEngine):
+            raise WeightsError(f"{explorer}: weights.transport: shared_memory maps versions in "
+                               f"the explorer's process, and {type(engine).__name__}'s workers "
+                               "load weights in their own; use weights.transport: shared_fs")
         self.engine: TensorEngine | WorkerFetchEngine = engine
         self.subscriber = WeightSubscriber(run_dir)
         self.explorer = explorer
@@ -45,6 +50,11 @@ class WeightLoader:
         self.device = device
         self.run_dir = str(run_dir)
         self.fetcher = fetcher  # weights.transport: fetch (a tandem.weights.fetch.WeightFetcher)
+        self.shared = None  # weights.transport: shared_memory
+        if shared_memory:
+            from tandem.weights.shm import SharedMemorySubscriber
+
+            self.shared = SharedMemorySubscriber(run_dir)
         self.receiver: WeightReceiver | None = None
         self._joining: asyncio.Task | None = None
         self._worker_group: tuple | None = None  # the group the engine's workers joined
@@ -54,9 +64,27 @@ class WeightLoader:
         if self.fetcher is not None:
             # no shared filesystem: bring the version into this explorer's run_dir first
             await self.fetcher.fetch(version)
+        if self.shared is not None:
+            await self._segment_published(version)
+            # views of the mapped segment: the engine's copy into its model is the only one
+            return await self.engine.update_weights(lambda: self.shared.load(version), version)
         if isinstance(self.engine, WorkerFetchEngine):
             return await self.engine.fetch_checkpoint(self.run_dir, version)
         return await self.engine.update_weights(lambda: self.subscriber.load(version), version)
+
+    async def _segment_published(self, version: int) -> None:
+        """Wait up to `sync.timeout` for `version`'s segment. It is missing only between a
+        trainer's death (its segments go with it) and its successor's publish of that version:
+        the master may have granted it before it heard of the death."""
+        deadline = time.monotonic() + self.timeout
+        while not self.shared.exists(version):
+            if time.monotonic() > deadline:
+                raise WeightsError(
+                    f"{self.explorer}: weights version {version} has no shared-memory segment "
+                    f"{self.shared.path(version)} after {self.timeout:g}s (in shared memory: "
+                    f"{self.shared.versions() or 'none'}); is the trainer on this host and "
+                    "running? raise sync.timeout if it is only restarting slowly")
+            await asyncio.sleep(0.1)
 
     def offer_group(self, rendezvous: GroupRendezvous | None) -> None:
         """A rendezvous was announced: join it in the background if it names this engine.

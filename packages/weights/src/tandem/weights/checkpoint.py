@@ -245,6 +245,9 @@ class WeightPublisher:
         self.prune()
         return published
 
+    def close(self) -> None:
+        """Nothing to release: versions on disk outlive the trainer (a resume reads them)."""
+
     def prune(self) -> list[int]:
         """Delete versions older than the newest `keep` that no explorer uses; returns them."""
         versions = list_versions(self.run_dir)

@@ -97,11 +97,13 @@ def check_names(config: RunConfig) -> list[str]:
                             f"(it loads them by {', '.join(sorted(caps.weights))}); use "
                             "sync.method: checkpoint")
         elif config.sync.method == "checkpoint":
-            path = "fetch" if config.weights.transport == "fetch" else "checkpoint"
+            transport = config.weights.transport
+            path = "checkpoint" if transport == "shared_fs" else transport
             if path not in caps.weights:
-                problems.append(f"weights.transport: {config.weights.transport} hands {kind} "
-                                f"checkpoint files, which it cannot load (it takes "
-                                f"{', '.join(sorted(caps.weights))})")
+                what = ("shared-memory segments in the explorer's process"
+                        if path == "shared_memory" else "checkpoint files")
+                problems.append(f"weights.transport: {transport} hands {kind} {what}, which "
+                                f"it cannot load (it takes {', '.join(sorted(caps.weights))})")
         if e.on_new_weights == "interrupt" and not caps.interrupt:
             problems.append(f"{at}.on_new_weights: interrupt needs an engine that declares "
                             f"interrupt ({_having('interrupt')}), not {e.engine.kind}; use "

@@ -40,12 +40,15 @@ class WeightsConfig(Section):
                     "rendezvous; Curve-authenticated, tandem.weights.store)")
     rendezvous_port: int = Field(
         default=0, ge=0, le=65535, description="group store port on the trainer; 0 picks a free one")
-    transport: Literal["shared_fs", "fetch"] = Field(
+    transport: Literal["shared_fs", "fetch", "shared_memory"] = Field(
         default="shared_fs",
         description="how checkpoint versions reach explorers: shared_fs = explorers read the "
                     "trainer's run_dir/weights (one filesystem); fetch = the trainer serves the "
                     "shards at fetch_address and each explorer downloads them into its own "
-                    "run_dir, checksums checked, resuming a cut transfer")
+                    "run_dir, checksums checked, resuming a cut transfer; shared_memory = one "
+                    "host: the trainer copies each version into a /dev/shm segment and explorers "
+                    "map it (no files; sync.method: checkpoint, an engine that takes tensors in "
+                    "its own process)")
     fetch_address: str = Field(
         default="tcp://127.0.0.1:5580",
         description="transport fetch: the trainer's weight server (it binds this address, "

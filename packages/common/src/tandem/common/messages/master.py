@@ -184,7 +184,8 @@ class WeightsPublished(Request):
 
     version: int = Field(ge=0)
     method: Literal["checkpoint", "nccl"]
-    path: str | None = Field(default=None, description="weights/v{N} folder, for checkpoint")
+    path: str | None = Field(default=None, description="for checkpoint: the weights/v{N} folder, "
+                             "or its /dev/shm segment (weights.transport: shared_memory)")
     rendezvous: GroupRendezvous | None = Field(default=None, description="nccl group to join")
 
     def on_disk(self) -> WeightsPublished:
