@@ -3,7 +3,9 @@
 The trace says which weight version each explorer step rolled out with; the SyncPlan of the
 preset says which it must be (synchronous presets) or how old it may be (asynchronous ones).
 `fully_async` is checked the same way on the run of tests/e2e/test_streaming_steps.py, which
-is a fully_async run to its end through `tandem up` anyway.
+is a fully_async run to its end through `tandem up` anyway. The asynchronous presets also run
+with `weights.transport: shared_memory` (the presets it applies to: sync.method checkpoint):
+no version reaches the disk, and none is left in /dev/shm after the run.
 """
 
 from __future__ import annotations
@@ -23,14 +25,18 @@ pytestmark = pytest.mark.slow
 STEPS = 3
 
 
-def preset_config(tmp_path: Path, model_dir: Path, preset: str) -> RunConfig:
+def preset_config(tmp_path: Path, model_dir: Path, preset: str,
+                  transport: str = "shared_fs") -> RunConfig:
     train, _ = reversal_tasks(0)
     taskset = write_jsonl(train[:64], tmp_path / "train.jsonl")
     explorers = preset_explorers(preset)
     return RunConfig.model_validate({
         "name": preset, "run_dir": str(tmp_path / "run"),
         "model": {"path": str(model_dir)},
-        "sync": {"preset": preset, "timeout": 60},
+        # shared_memory: a staleness bound of 1, so explorers must load new versions (from
+        # memory) within these few steps instead of finishing on the initial weights
+        "sync": {"preset": preset, "timeout": 60,
+                 **({"max_staleness": 1} if transport == "shared_memory" else {})},
         "master": {"total_steps": STEPS, "taskset": {"path": str(taskset), "epochs": 10}},
         "explorers": [{"name": f"explorer-{i}", "batch_size": 2, "repeat_times": 2,
                        "workflow_args": {"reward_fn": "k12", "answer_key": "truth"},
@@ -38,16 +44,27 @@ def preset_config(tmp_path: Path, model_dir: Path, preset: str) -> RunConfig:
         "trainer": {"groups_per_step": 2 * explorers, "lr": 1e-3},
         "reward": {"functions": {"k12": 1.0}},
         "transport": {"liveness": 30.0},
+        "weights": {"transport": transport},
         "logging": {"level": "warning"},
         "up": {"run_timeout": 150},
     })
 
 
-@pytest.mark.parametrize("preset", ["synchronous", "one_step_off_policy",
-                                    "multi_explorer_async"])
-def test_preset_runs_and_its_trace_obeys_the_plan(tmp_path, tiny_model_dir, preset):
-    config = preset_config(tmp_path, tiny_model_dir, preset)
+@pytest.mark.parametrize("preset,transport", [
+    ("synchronous", "shared_fs"), ("one_step_off_policy", "shared_fs"),
+    ("multi_explorer_async", "shared_memory"), ("fully_async", "shared_memory")])
+def test_preset_runs_and_its_trace_obeys_the_plan(tmp_path, tiny_model_dir, preset, transport):
+    config = preset_config(tmp_path, tiny_model_dir, preset, transport)
     assert run_up(config, live=False) == 0
+    if transport == "shared_memory":
+        from tandem.weights import list_versions
+        from tandem.weights.shm import list_segments
+
+        assert list_versions(config.run_dir) == []  # every version went through memory
+        assert list_segments(config.run_dir) == []  # and none outlived the trainer
+        loads = [s for s in read_trace(config.run_dir)
+                 if s["kind"] == "sync" and s["component"].startswith("explorer")]
+        assert loads, "no explorer loaded a version"
     spans = read_trace(config.run_dir)
     plan = SyncPlan.from_config(config.sync, batches_per_step=len(config.explorers))
     rollouts = [s for s in spans if s["kind"] == "rollout"]
