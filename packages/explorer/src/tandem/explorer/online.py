@@ -265,13 +265,14 @@ class Online(Workflow):
         book = self.book
         if book is None:
             raise RuntimeError("the online workflow was not attached to the explorer's endpoint")
-        start, out = self.clock(), []
+        # the wait is bounded in real time; expiry follows the book's clock
+        give_up, out = time.monotonic() + self.args.wait_timeout, []
         for taken in range(len(tasks)):
             while (group := book.take()) is None:
                 book.sweep()
                 if book.ready:
                     continue
-                left = start + self.args.wait_timeout - self.clock()
+                left = give_up - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(
                         f"online: {taken} of {len(tasks)} "
