@@ -23,6 +23,8 @@ ADVANTAGES.register("rloo", f"{_A}:rloo")
 ADVANTAGES.register("reinforce_pp", f"{_A}:reinforce_pp")
 # reads the value head's predictions and returns its targets: the trainer trains one
 ADVANTAGES.register("gae", f"{_A}:gae", value_head=True)
+# reads a teacher's logprobs of the sampled tokens: the trainer loads trainer.teacher
+ADVANTAGES.register("distill", "tandem.trainer.algorithms.distill:distill", teacher=True)
 
 POLICY_LOSSES.register("ppo_clip", f"{_L}:ppo_clip", needs=LossNeeds())
 POLICY_LOSSES.register("gspo", f"{_L}:gspo", needs=LossNeeds())

@@ -32,6 +32,7 @@ from .algorithms import (
     ADVANTAGES, CORRECTIONS, POLICY_LOSSES, AdvantageInputs, Aggregator, PolicyInputs, ValueHead,
     behaviour_weights, informative_rows, kl_estimate, mismatch_metrics, value_loss)
 from .algorithms.corrections import CorrectionInputs, apply_corrections
+from .algorithms.distill import teacher_metrics
 from .algorithms.length import length_shaping
 from .algorithms.masked import masked_mean
 from .batch import (
@@ -41,6 +42,7 @@ from .distributed import DistInfo, gradient_sync, resolve_device, wrap
 from .forward import Actor, Truncation, token_logprobs
 from .lora import add_adapters
 from .metrics import MetricAccumulator, combine_updates
+from .teacher import Teacher
 
 log = structlog.get_logger(__name__)
 
@@ -116,6 +118,11 @@ class Learner:
             ref_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
             self.reference = AutoModelForCausalLM.from_pretrained(ref_path, dtype=ref_dtype)
             self.reference.to(self.device).eval().requires_grad_(False)
+        self.teacher: Teacher | None = None
+        if tc.teacher is not None:
+            self.teacher = Teacher(tc.teacher, config.model.path,
+                                   model.get_output_embeddings().weight.shape[0], self.device,
+                                   self.dist)
 
         # with LoRA only the adapters (and a value head) train: the optimiser holds just them
         self.optimizer = torch.optim.AdamW(
@@ -291,7 +298,8 @@ class Learner:
     @torch.no_grad()
     def _prepare(self, batch: TrainBatch, mine: list[list[int]], n_micro: int,
                  acc: MetricAccumulator) -> None:
-        """Fill proximal / reference / value tensors and the advantages of the whole batch.
+        """Fill proximal / reference / value / teacher tensors and the advantages of the whole
+        batch.
 
         Each rank computes its own rows; a sum over ranks assembles the whole batch (every row
         belongs to exactly one rank), so advantages that normalise over groups or the batch see
@@ -303,6 +311,7 @@ class Learner:
         prox = torch.zeros(shape) if need_prox else None
         values = torch.zeros(shape) if need_values else None
         ref = torch.zeros(shape) if self.reference is not None else None
+        teacher = torch.zeros(shape) if self.teacher is not None else None
         if need_prox or need_values:
             self.wrapped.eval()
             for i in range(n_micro):
@@ -327,23 +336,34 @@ class Learner:
                 logp, _ = token_logprobs(logits[:, :-1], mb.tokens[:, 1:], self.temperature,
                                          truncation=self._truncation(mb))
                 ref[rows, : mb.mask.shape[1]] = logp.float().cpu()
+        if teacher is not None:
+            for rows in mine:
+                mb = batch.select(rows).to(self.device)
+                logp = self.teacher.score(mb.tokens, mb.attention, self.temperature,
+                                          self._truncation(mb))
+                teacher[rows, : mb.mask.shape[1]] = logp.cpu()
         if self.dist.enabled:
-            for tensor in (prox, values, ref):
+            for tensor in (prox, values, ref, teacher):
                 if tensor is not None:
                     dist.all_reduce(tensor)
         mask = batch.mask
-        for tensor in (prox, values, ref):
+        for tensor in (prox, values, ref, teacher):
             if tensor is not None:
                 tensor.mul_(mask)
         batch.proximal, batch.old_values, batch.reference = prox, values, ref
 
+        # the student's logprobs of its samples: those the update anchors to
+        anchor = prox if prox is not None else batch.behaviour
+        if teacher is not None:
+            acc.add(teacher_metrics(anchor, teacher, mask) if self.dist.is_main else {},
+                    weight=float(mask.sum()))
         if self.needs.advantages:
-            anchor = prox if prox is not None else batch.behaviour
             token_rewards = None
             if ref is not None and tc.kl.coef > 0 and tc.kl.placement == "reward":
                 token_rewards = -tc.kl.coef * kl_estimate(anchor, ref, tc.kl.estimator) * mask
             adv = self.advantage_fn(
-                AdvantageInputs(batch.rewards, batch.groups, mask, token_rewards, values), tc)
+                AdvantageInputs(batch.rewards, batch.groups, mask, token_rewards, values,
+                                anchor if teacher is not None else None, teacher), tc)
             batch.advantages, batch.returns = adv.advantages, adv.returns
             adv_mean = {"advantage/mean": masked_mean(batch.advantages, mask)}
             acc.add(adv_mean if self.dist.is_main else {}, weight=float(mask.sum()))

@@ -167,13 +167,13 @@ class Trainer:
             # consumed with the step (acked) but not trained: no group-relative signal
             discarded = dict(discarded_groups=int(metrics["dynamic_sampling/dropped_groups"]),
                              extra_batches=extra_batches)
-        # the trainer/engine mismatch of the step's tokens, next to its timing in the trace
-        mismatch = {name.split("/", 1)[1]: round(value, 8) for name, value in metrics.items()
-                    if name.startswith("mismatch/")}
+        # the trainer/engine mismatch of the step's tokens and the student's reverse KL to a
+        # teacher, next to its timing in the trace
+        traced = {name.replace("/", "_"): round(value, 8) for name, value in metrics.items()
+                  if name.startswith(("mismatch/", "teacher/"))}
         self.tracer.record("train", start, time.time(), step=step, version=self.learner.version,
                            tokens=int(metrics["batch/tokens"]),
-                           loss=round(metrics.get("loss/total", 0.0), 6), **discarded,
-                           **{f"mismatch_{k}": v for k, v in mismatch.items()})
+                           loss=round(metrics.get("loss/total", 0.0), 6), **discarded, **traced)
         self.writer.write(self.learner.step_count, metrics)
         log.info("train.step", step=step, version=self.learner.version,
                  loss=round(metrics.get("loss/total", float("nan")), 5),

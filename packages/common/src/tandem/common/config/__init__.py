@@ -23,7 +23,7 @@ from .placement import PlacementConfig
 from .registered import check_names
 from .reward import RewardConfig
 from .sync import PRESETS, SyncConfig
-from .trainer import TrainerConfig
+from .trainer import TrainerConfig, teacher_vocab_problem
 from .transport import CurveConfig, TransportConfig
 from .up import UpConfig
 from .weights import WeightsConfig
@@ -123,6 +123,15 @@ class RunConfig(Section):
         if tc.mini_batches > have:
             raise ValueError(f"trainer.mini_batches: {tc.mini_batches} exceeds the {have} {what} "
                              f"of a step; lower trainer.mini_batches")
+        return self
+
+    @model_validator(mode="after")
+    def _teacher_shares_the_vocabulary(self) -> RunConfig:
+        teacher = self.trainer.teacher
+        if teacher is not None and self.model.path:
+            problem = teacher_vocab_problem(self.model.path, teacher.path)
+            if problem:
+                raise ValueError(problem)
         return self
 
     @model_validator(mode="after")

@@ -12,6 +12,8 @@ it starts (`TrainerConfig.check_registered`).
 from __future__ import annotations
 
 import importlib
+import json
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -21,6 +23,7 @@ from ..errors import ConfigError
 from ..plugins import ADVANTAGES, CORRECTIONS, POLICY_LOSSES, LossNeeds, load_installed
 from ..registry import Registry
 from .base import Section
+from .explorer import EngineConfig
 
 Aggregation = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"]
 
@@ -258,6 +261,80 @@ class LengthShapingConfig(Section):
         return self.overlong_buffer > 0 or self.penalty > 0
 
 
+class TeacherEngineConfig(EngineConfig):
+    """The teacher's engine: an explorer's engine section, on the trainer's device unless
+    told otherwise."""
+
+    device: str | None = Field(
+        default=None, description="cpu, cuda, cuda:1 ...; null: the trainer's device (under "
+                                  "torchrun cuda is each rank's own)")
+
+
+class TeacherConfig(Section):
+    """On-policy distillation's teacher: a model folder and the engine that serves it, the
+    shape of an explorer's model and engine. It scores the student's sampled tokens
+    (teacher-forced logprobs of each response token); `trainer.advantage: distill` turns
+    teacher minus student into each token's advantage (docs/trainer.md "On-policy
+    distillation"). With any other advantage the teacher only measures the reverse KL."""
+
+    path: str = Field(min_length=1, description="the teacher's Hugging Face model folder; its "
+                                                "vocabulary must be the policy's")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        default="float32", description="the teacher's weights dtype")
+    engine: TeacherEngineConfig = Field(
+        default_factory=TeacherEngineConfig,
+        description="kind transformers: the teacher runs in the trainer's process, each rank "
+                    "scoring its own rows")
+    coef: float = Field(default=1.0, gt=0,
+                        description="distill: weight of teacher - student logprob per token")
+    task_advantage: str = Field(
+        default="grpo", description="distill: the estimator of the task reward's advantage")
+    task_weight: float = Field(
+        default=0.0, ge=0,
+        description="distill: weight of the task advantage added to the teacher's; 0: the "
+                    "teacher alone")
+
+    @model_validator(mode="after")
+    def _in_process(self) -> TeacherConfig:
+        if self.engine.kind != "transformers":
+            raise ValueError(f"trainer.teacher.engine.kind: {self.engine.kind} cannot score "
+                             "tokens for the trainer; the teacher runs in the trainer's process "
+                             "on the embedded engine: use kind: transformers")
+        return self
+
+
+def _token_table(folder: Path) -> tuple[int | None, Any]:
+    """A model folder's vocab_size (config.json) and its tokenizer.json's vocabulary and added
+    tokens, each None when the file is not there (another host: the trainer checks)."""
+    size = table = None
+    config, tokenizer = folder / "config.json", folder / "tokenizer.json"
+    if config.is_file():
+        size = json.loads(config.read_text()).get("vocab_size")
+    if tokenizer.is_file():
+        data = json.loads(tokenizer.read_text())
+        table = (data.get("model", {}).get("vocab"),
+                 sorted((t["id"], t["content"]) for t in data.get("added_tokens") or []))
+    return size, table
+
+
+def teacher_vocab_problem(model_path: str, teacher_path: str) -> str | None:
+    """Why the teacher at `teacher_path` cannot score the policy's tokens (a vocabulary of
+    another size or other tokens), or None; checks only what both folders show here."""
+    model_size, model_table = _token_table(Path(model_path))
+    size, table = _token_table(Path(teacher_path))
+    if model_size is not None and size is not None and size != model_size:
+        return (f"trainer.teacher.path: the teacher at {teacher_path} has vocab_size {size}, "
+                f"the policy at {model_path} {model_size}; distillation compares the two "
+                "models' logprobs of the same token ids: use a teacher with the policy's "
+                "tokenizer")
+    if model_table is not None and table is not None and table != model_table:
+        return (f"trainer.teacher.path: the teacher at {teacher_path} has another tokenizer "
+                f"than the policy at {model_path} (tokenizer.json vocabularies differ); "
+                "distillation compares logprobs of the same token ids: use a teacher with the "
+                "policy's tokenizer")
+    return None
+
+
 class TrainerConfig(Section):
     """The optimisation loop."""
 
@@ -271,7 +348,8 @@ class TrainerConfig(Section):
     seed: int | None = Field(default=None, description="default: the run's seed")
 
     # algorithm
-    advantage: str = Field(default="grpo", description="grpo, dr_grpo, rloo, reinforce_pp, gae")
+    advantage: str = Field(default="grpo",
+                           description="grpo, dr_grpo, rloo, reinforce_pp, gae, distill")
     loss: LossConfig = Field(
         default_factory=LossConfig,
         description="the policy loss: a name, or {name: dpo, beta: 0.1} with its parameters")
@@ -314,6 +392,8 @@ class TrainerConfig(Section):
     fp32_logits: bool = Field(
         default=False, description="lm_head and the logits in fp32 under bf16 autocast")
     length: LengthShapingConfig = Field(default_factory=LengthShapingConfig)
+    teacher: TeacherConfig | None = Field(
+        default=None, description="on-policy distillation's teacher (advantage: distill)")
 
     # optimiser and schedule
     lr: float = Field(default=1e-5, gt=0)
@@ -365,6 +445,7 @@ class TrainerConfig(Section):
             raise ValueError("trainer.off_policy.behaviour_weight and trainer.corrections both "
                              "weight tokens; write the weight as a correction instead: "
                              "corrections: [{name: truncated_is, cap: ...}]")
+        self._teacher_consistent()
         needs = self.loss.declared_needs
         if needs is None or needs.advantages:
             return self
@@ -377,6 +458,29 @@ class TrainerConfig(Section):
             raise ValueError(f"trainer.kl.placement: reward folds the KL penalty into the "
                              f"advantages, which {loss} does not use; use kl.placement: loss")
         return self
+
+    def _teacher_consistent(self) -> None:
+        if not len(ADVANTAGES) or self.advantage not in ADVANTAGES:
+            return  # checked where the trainer is installed (check_registered)
+        if self.advantage_needs_teacher and self.teacher is None:
+            raise ValueError(f"trainer.advantage: {self.advantage} scores the samples with a "
+                             "teacher; set trainer.teacher.path to the teacher's model folder")
+        teacher = self.teacher
+        if teacher is None or not self.advantage_needs_teacher or teacher.task_weight == 0:
+            return
+        task = teacher.task_advantage
+        if task not in ADVANTAGES:
+            raise ValueError(ADVANTAGES.unknown(task, "trainer.teacher.task_advantage"))
+        declared = ADVANTAGES.declares(task)
+        if declared.get("teacher") or declared.get("value_head"):
+            raise ValueError(f"trainer.teacher.task_advantage: {task} needs a "
+                             f"{'teacher' if declared.get('teacher') else 'value head'} of "
+                             "its own; use an outcome estimator (grpo, dr_grpo, rloo)")
+
+    @property
+    def advantage_needs_teacher(self) -> bool:
+        """The advantage estimator declared `teacher=True` (it reads the teacher's logprobs)."""
+        return bool(ADVANTAGES.declares(self.advantage, "trainer.advantage").get("teacher"))
 
     @property
     def advantage_trains_value_head(self) -> bool:

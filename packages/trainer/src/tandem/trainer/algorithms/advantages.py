@@ -32,6 +32,8 @@ class AdvantageInputs:
     mask: Tensor                          # [B, T] float, 1 on action tokens
     token_rewards: Tensor | None = None   # [B, T] per-token reward terms (KL penalty)
     values: Tensor | None = None          # [B, T] value estimates before the update (gae)
+    logprobs: Tensor | None = None        # [B, T] the student's logprobs of the samples (distill)
+    teacher: Tensor | None = None         # [B, T] the teacher's logprobs of them (distill)
 
 
 @dataclass
