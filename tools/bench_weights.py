@@ -11,7 +11,12 @@ Synthetic tensors with the shapes of Qwen2.5-0.5B (scaled in layers and vocabula
 - flat broadcast: one `torch.distributed` gloo broadcast of a single flat tensor of the same
   size to a second process, until that process has confirmed it through the store;
 - tandem broadcast: `WeightBroadcaster.broadcast` to a `WeightReceiver` in the second process
-  (metadata, per-dtype buckets of `--bucket-mib`, confirmation).
+  (metadata, per-dtype buckets of `--bucket-mib`, confirmation);
+- shared memory (`weights.transport: shared_memory`): `SharedMemoryPublisher.publish` (one copy
+  into a /dev/shm segment), then the load in a second process, an explorer that maps the
+  segment and copies every tensor into its preallocated model, timed there; next to it a copy
+  of every tensor into a preallocated destination in this process (the same bytes, the same
+  one copy, no mapping).
 
     python tools/bench_weights.py                       # 50M params (100 MB), about a minute
     python tools/bench_weights.py --params 500000000    # 0.5B params (1 GB)
@@ -309,7 +314,7 @@ def bench_files(tensors, repeat: int, workdir: Path) -> dict[str, list[float]]:
             os.fsync(fd)
             os.close(fd)
         with safe_open(str(path), framework="pt") as f:
-            for name in f:
+            for name in f.keys():
                 dest[name].copy_(f.get_tensor(name))
 
     run_dir = workdir / "run"
@@ -335,6 +340,73 @@ def bench_files(tensors, repeat: int, workdir: Path) -> dict[str, list[float]]:
 
         times["checkpoint publish+load"].append(clean(checkpoint))
     shutil.rmtree(run_dir)
+    return times
+
+
+def shm_loader_main(args) -> None:
+    """The explorer of the shared-memory rows: per round, load the version it is told into a
+    preallocated model (the first round allocates it and is the warm-up) and say how long."""
+    from tandem.common.logging import configure_logging
+    from tandem.weights.shm import SharedMemorySubscriber
+
+    configure_logging("shm-loader", level="warning")
+    subscriber = SharedMemorySubscriber(args.workdir)
+    dest = None
+    for line in sys.stdin:
+        version = int(line)
+        start = time.perf_counter()
+        pairs = subscriber.load(version)
+        if dest is None:
+            dest = {name: t.clone() for name, t in pairs}
+        else:
+            for name, t in pairs:
+                dest[name].copy_(t)
+        del pairs
+        print(f"loaded {time.perf_counter() - start}", flush=True)
+
+
+def bench_shm(tensors, repeat: int, workdir: Path) -> dict[str, list[float]]:
+    """weights.transport: shared_memory, interleaved per round with its ceiling."""
+    import torch
+
+    from tandem.weights.shm import SharedMemoryPublisher
+
+    cpu = [(n, t.cpu()) for n, t in tensors]
+    dest = {n: torch.empty_like(t) for n, t in cpu}
+    for name, t in cpu:  # touched once: a model's parameters are resident
+        dest[name].copy_(t)
+    publisher = SharedMemoryPublisher(workdir, keep=1)
+    loader = subprocess.Popen(
+        [sys.executable, __file__, "--role", "shm-loader", "--workdir", str(workdir),
+         "--threads", str(torch.get_num_threads())],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    names = ("memcpy into a preallocated copy", "shared memory publish (trainer)",
+             "shared memory load (explorer process)", "shared memory publish+load")
+    times: dict[str, list[float]] = {name: [] for name in names}
+
+    def load(version: int) -> float:
+        loader.stdin.write(f"{version}\n")
+        loader.stdin.flush()
+        while (line := loader.stdout.readline()) and not line.startswith("loaded "):
+            pass
+        if not line:
+            raise RuntimeError(f"the shared-memory loader process ended ({loader.wait(30)})")
+        return float(line.split()[1])
+
+    try:
+        for i in range(repeat + 1):  # round 0 warms both ends up and is not counted
+            copy = timed(lambda: [dest[n].copy_(t) for n, t in cpu])
+            publish = timed(lambda: publisher.publish(i, cpu))
+            loaded = load(i)
+            if i > 0:
+                times[names[0]].append(copy)
+                times[names[1]].append(publish)
+                times[names[2]].append(loaded)
+                times[names[3]].append(publish + loaded)
+    finally:
+        loader.stdin.close()
+        loader.wait(30)
+        publisher.close()
     return times
 
 
@@ -434,6 +506,9 @@ def main() -> None:
     if args.role == "receiver":
         receiver_main(args)
         return
+    if args.role == "shm-loader":
+        shm_loader_main(args)
+        return
     if args.role in ("fetch-server", "fetcher"):
         from tandem.common.logging import configure_logging
 
@@ -460,6 +535,8 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="bench-weights-", dir=args.workdir))
     try:
         times = bench_files(tensors, args.repeat, workdir)
+        if not args.device.startswith("cuda"):  # CUDA IPC handles: not written (docs/weights.md)
+            times.update(bench_shm(tensors, args.repeat, workdir))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     try:
@@ -480,6 +557,12 @@ def main() -> None:
     ours = next((k for k in times if k.startswith("tandem broadcast")), None)
     if flat and ours:
         pairs.append((ours, flat))
+    if "shared memory load (explorer process)" in times:
+        pairs += [("shared memory load (explorer process)", "memcpy"),
+                  ("shared memory load (explorer process)", "memcpy into a preallocated copy"),
+                  ("shared memory publish+load", "memcpy")]
+        if ours:
+            pairs.append((ours, "memcpy"))
     for a, b in pairs:
         ratios[f"{a} / {b}"] = rows[a]["median_s"] / rows[b]["median_s"]
 

@@ -1,6 +1,7 @@
 """Kill and pause components of a live `tandem up` run at chosen moments; account for the data.
 
     .venv/bin/python tools/chaos.py [--preset fully_async|one_step_off_policy|both]
+        [--transport shared_fs|shared_memory]
         [--kills "trainer:mid-train,explorer:after-put,reward:mid-score:pause=5,..."
          | --kills-per-component N [--pauses-per-component M --pause-seconds S]
          | --stalls [--pause-seconds 50]]
@@ -38,8 +39,9 @@ master's journal decoded with the project codec, the trace, the checkpoints and 
 acked vs stored vs trained experiences; tasks dispatched vs consumed; tasks lost, rolled out twice (more than one group for one task in
 one epoch) and trained twice (consumed more than once in the final lineage); learner vs master
 steps and the trainer's step mismatches; the final checkpoint step and overwritten checkpoints;
-the longest pause between trainer steps; every component's RSS; processes left behind; and the
-run's result. Prints a table per run and writes JSON.
+the longest pause between trainer steps; every component's RSS; processes left behind; the
+run's weight segments left in /dev/shm (`--transport shared_memory`: versions move through shared
+memory, checkpoint presets only); and the run's result. Prints a table per run and writes JSON.
 """
 
 from __future__ import annotations
@@ -146,7 +148,8 @@ def planned_strikes(per_component: int, seed: int, *, pauses: int = 0,
 
 def write_config(workdir: Path, model_dir: Path, *, preset: str, steps: int, seed: int,
                  restarts: int, batch_size: int, repeat: int, run_timeout: float,
-                 sync_timeout: float = 60.0, liveness: float | None = None) -> Path:
+                 sync_timeout: float = 60.0, liveness: float | None = None,
+                 transport: str = "shared_fs") -> Path:
     """The quickstart task through the full system, reward service on, restarts on."""
     from tandem.master.quickstart import reversal_tasks, write_jsonl
 
@@ -165,6 +168,7 @@ def write_config(workdir: Path, model_dir: Path, *, preset: str, steps: int, see
         "reward": {"functions": {"k12": 1.0}, "service": True},
         # finished groups keep their rows so every group's epoch can be read afterwards
         "buffer": {"keep_consumed": 10**9},
+        "weights": {"transport": transport},
         # debug: the buffer's put/sample/ack lines are the moments this tool strikes at
         "logging": {"level": "debug"},
         "up": {"restart": "on-failure", "max_restarts": restarts, "run_timeout": run_timeout,
@@ -919,9 +923,21 @@ def leftovers(run_dir: Path) -> list[int]:
     return found
 
 
+def leftover_segments(run_dir: Path) -> list[str]:
+    """The run's weight segments still in /dev/shm (weights.transport: shared_memory); after a
+    run, killed trainers included, there must be none."""
+    from tandem.weights.shm import SHM_ROOT, run_key
+
+    if not SHM_ROOT.is_dir():
+        return []
+    return sorted(p.name for p in SHM_ROOT.iterdir()
+                  if p.name.startswith(f"tandem-{run_key(run_dir)}-"))
+
+
 ZERO = ("experiences_lost", "experiences_stored_twice", "experiences_acked_not_trained",
         "tasks_lost", "tasks_dispatched_not_consumed", "tasks_rolled_out_twice",
-        "tasks_trained_twice", "step_mismatches", "checkpoints_overwritten", "leftover_processes")
+        "tasks_trained_twice", "step_mismatches", "checkpoints_overwritten", "leftover_processes",
+        "leftover_segments")
 
 
 def clean(report: dict[str, Any]) -> bool:
@@ -934,7 +950,7 @@ def clean(report: dict[str, Any]) -> bool:
 def run_one(workdir: Path, model_dir: Path, preset: str, strikes: list[Strike], *, steps: int,
             seed: int, batch_size: int = 2, repeat: int = 2, run_timeout: float = 600,
             moment_timeout: float = 30.0, sync_timeout: float = 60.0,
-            liveness: float | None = None,
+            liveness: float | None = None, transport: str = "shared_fs",
             log: Callable[[str], None] = print) -> dict[str, Any]:
     """One preset under `strikes`; the report (also what tests assert on)."""
     workdir.mkdir(parents=True, exist_ok=True)
@@ -944,7 +960,8 @@ def run_one(workdir: Path, model_dir: Path, preset: str, strikes: list[Strike], 
     config_path = write_config(workdir, model_dir, preset=preset, steps=steps, seed=seed,
                                restarts=max(per.values(), default=0) + pauses + 2,
                                batch_size=batch_size, repeat=repeat, run_timeout=run_timeout,
-                               sync_timeout=sync_timeout, liveness=liveness)
+                               sync_timeout=sync_timeout, liveness=liveness,
+                               transport=transport)
     chaos = Chaos(workdir, config_path, strikes, seed=seed, moment_timeout=moment_timeout,
                   log=log)
     log(f"{preset}: {len(strikes)} strikes, {steps} steps, run dir {chaos.run_dir}")
@@ -964,7 +981,10 @@ def run_one(workdir: Path, model_dir: Path, preset: str, strikes: list[Strike], 
     except (OSError, sqlite3.Error) as exc:
         report = {"exit_code": result["exit_code"], "result": f"unaccountable: {exc}",
                   "db_integrity": "unreadable"}
-    report.update(preset=preset, total_steps=steps, seconds=result["seconds"],
+    segments = leftover_segments(chaos.run_dir)
+    report.update(preset=preset, transport=transport, total_steps=steps,
+                  seconds=result["seconds"], leftover_segments=len(segments),
+                  leftover_segment_names=segments,
                   restarts=restarts(result["output"]), leftover_processes=len(left),
                   leftover_commands=left_cmds,
                   strikes=[asdict(s) | {"label": s.label} for s in strikes],
@@ -1002,7 +1022,8 @@ def print_table(reports: list[dict[str, Any]]) -> None:
             ("checkpoints overwritten", "checkpoints_overwritten"),
             ("longest pause between steps (s)", "longest_pause_s"),
             ("strikes done / missed / skipped", None), ("restarts", None),
-            ("leftover processes", "leftover_processes"), ("db integrity", "db_integrity"),
+            ("leftover processes", "leftover_processes"),
+            ("leftover /dev/shm segments", "leftover_segments"), ("db integrity", "db_integrity"),
             ("seconds", "seconds"), ("clean", "clean")]
     head = f"{'':34s}" + "".join(f"{r['preset']:>30s}" for r in reports)
     print(head)
@@ -1051,6 +1072,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stalls", action="store_true",
                         help="SIGSTOP the trainer, the buffer and the master in turn, each "
                              "longer than sync.timeout (30) and transport.liveness (10)")
+    parser.add_argument("--transport", default="shared_fs", choices=("shared_fs", "shared_memory"),
+                        help="weights.transport; shared_memory runs the presets whose "
+                             "sync.method is checkpoint")
     parser.add_argument("--steps", type=int, default=40, help="trainer steps per run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=2, help="tasks per explorer step "
@@ -1081,6 +1105,13 @@ def main(argv: list[str] | None = None) -> int:
         if not (model / "config.json").exists():
             build_tiny_model(model, seed=args.seed)
     presets = PRESETS if args.preset == "both" else (args.preset,)
+    if args.transport == "shared_memory":
+        from tandem.common.sync import PRESETS as PLANS
+
+        presets = tuple(p for p in presets if PLANS[p]["method"] == "checkpoint")
+        if not presets:
+            parser.error(f"--transport shared_memory needs a preset with sync.method "
+                         f"checkpoint (e.g. fully_async), not {args.preset}")
     reports = []
     for preset in presets:
         strikes = (parse_strikes(args.kills) if args.kills else
@@ -1092,7 +1123,7 @@ def main(argv: list[str] | None = None) -> int:
         reports.append(run_one(workdir / preset, model, preset, strikes, steps=args.steps,
                                seed=args.seed, batch_size=args.batch_size, repeat=args.repeat,
                                run_timeout=args.run_timeout, moment_timeout=args.moment_timeout,
-                               **knobs))
+                               transport=args.transport, **knobs))
     print_table(reports)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"command": " ".join(sys.argv), "runs": reports,

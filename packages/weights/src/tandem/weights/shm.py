@@ -299,6 +299,7 @@ class SharedMemorySubscriber:
             if size < 16:
                 raise WeightsError(f"weights version {version}: segment {path} has {size} bytes, "
                                    "too few for a header")
+            # not MAP_POPULATE: measured no faster for a read that touches each page once
             view = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
