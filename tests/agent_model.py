@@ -128,12 +128,27 @@ def train_through_up(run_dir: Path, model_dir: Path, *, name: str, steps: int, t
 SEEN: dict[str, list[dict]] = {}  # task id -> each call as the client saw it (the stream)
 
 
+def record_seen(app) -> None:
+    """Add the route a `streaming_calculator` episode with `report: true` in its task posts
+    each of its calls to (the episode runs in its own process), filling `SEEN`."""
+    from starlette.responses import JSONResponse
+
+    async def seen(request):
+        body = await request.json()
+        SEEN.setdefault(body["task"], []).append(body["call"])
+        return JSONResponse({})
+
+    app.router.add_route("/v1/seen", seen, methods=["POST"])
+
+
 async def streaming_calculator(task: dict, client) -> float:
     """The calculator agent over `stream=True, logprobs=True`: each reply is assembled from its
     chunks (content, tool call deltas, the token ids and logprobs each chunk carried) and sent
-    back as the next request's assistant message, as streaming agents do. Every call is kept in
-    `SEEN[task["id"]]`."""
+    back as the next request's assistant message, as streaming agents do. With `report` in the
+    task, every call is posted to the endpoint's test route (`record_seen`)."""
     import json
+
+    import httpx
 
     from tandem.explorer.environments.calculator import evaluate
 
@@ -163,7 +178,9 @@ async def streaming_calculator(task: dict, client) -> float:
                 slot["name"] += (tc.function.name or "") if tc.function else ""
                 slot["arguments"] += (tc.function.arguments or "") if tc.function else ""
             call["finish_reason"] = choice.finish_reason or call["finish_reason"]
-        SEEN.setdefault(task["id"], []).append(call)
+        if task.get("report"):
+            await client.post("/seen", cast_to=httpx.Response,
+                              body={"task": task["id"], "call": call})
         calls = [call["tool_calls"][k] for k in sorted(call["tool_calls"])]
         message = {"role": "assistant", "content": call["content"]}
         if calls:

@@ -15,7 +15,7 @@ import urllib.request
 import numpy as np
 import openai
 import pytest
-from agent_model import QUESTION, SEEN, TOOLS
+from agent_model import QUESTION, SEEN, TOOLS, record_seen
 from endpoint_helpers import GREEDY, encode, endpoint
 
 from tandem.common.messages.experience import Task
@@ -36,11 +36,12 @@ async def test_streamed_tool_calling_conversations_are_the_models_own_tokens(age
     SEEN.clear()
     for sampling, tasks in [
         (GREEDY, [Task(id="g0", payload={"id": "g0", "prompt": QUESTION, "answer": 84,
-                                         "max_tokens": 90})]),
+                                         "max_tokens": 90, "report": True})]),
         (sampled, [Task(id=f"s{i}", payload={"id": f"s{i}", "prompt": QUESTION, "answer": 84,
-                                             "max_tokens": 24, "max_turns": 3})
+                                             "max_tokens": 24, "max_turns": 3, "report": True})
                    for i in range(3)])]:
         ep = endpoint(agent_engine, sampling=sampling)
+        record_seen(ep.app)  # each episode runs in its own process: it reports its calls here
         await ep.start()
         try:
             workflow = create_workflow("agent", tok, {"fn": "agent_model:streaming_calculator",

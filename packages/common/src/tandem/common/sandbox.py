@@ -365,7 +365,6 @@ class Sandbox:
             cmd += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
         else:
             cmd += ["--unshare-user"]
-        cmd += self._root_args
         # /dev: the few character devices programs use, not bubblewrap's full --dev (devpts,
         # ptmx, console links), which costs several mounts per run
         cmd += ["--proc", "/proc", "--perms", "0755", "--dir", "/dev"]
@@ -387,6 +386,9 @@ class Sandbox:
                     "--bind", str(run_dir / "work"), "/work"]
             for host, inside in binds:
                 cmd += ["--ro-bind", host, inside]
+        # the runtime and the readable paths last, so that one under /tmp or /work (a test's
+        # tmp_path, a checkout in /work) is seen, not hidden by the run's own mounts there
+        cmd += self._root_args
         cmd += ["--chdir", "/work" if not probe else "/", "--clearenv",
                 "--setenv", "PATH", f"{os.path.dirname(self.python)}:/usr/bin:/bin",
                 "--setenv", "HOME", "/work", "--setenv", "TMPDIR", "/tmp",

@@ -2,21 +2,26 @@
 
 The user writes `async def run(task, client: openai.AsyncOpenAI) -> float | dict` and names it
 in `workflow_args.fn` ("package.module:run"). For each task, `repeat_times` episodes run
-concurrently (at most `openai.max_concurrency` at once across the step); each gets a client
-whose API key is its episode id, so the endpoint records its calls. The episode's calls become
-experiences by the rule in `openai_calls` (docs/explorer.md#agent), all with the episode's reward.
+concurrently (at most `openai.max_concurrency` at once across the step), each in its own
+sandboxed process (`agent_sandbox`) holding only its task, the endpoint's URL and a client
+whose API key is its episode id, so the endpoint records its calls and no episode can reach
+another's. The episode's calls become experiences by the rule in `openai_calls`
+(docs/explorer.md#agent), all with the episode's reward.
 
-A function that raises, runs past `workflow_args.timeout`, or returns something that is not a
-reward scores 0 with the reason in the experience's info; the explorer carries on.
+A function that raises, runs past `workflow_args.timeout`, crashes its process, exhausts its
+limits or returns something that is not a reward scores 0 with the reason in the experience's
+info (counted in `tandem_explorer_agent_failures`); the explorer carries on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import inspect
 import itertools
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 from collections.abc import Awaitable, Callable
@@ -28,6 +33,7 @@ from tandem.common.messages.experience import Experience, Task
 from tandem.common.plugins import AGENTS, registered_or_imported
 
 from ..openai_calls import CallRecord, versions_of
+from .agent_sandbox import AgentSandbox, AgentSandboxArgs
 from .base import RolloutContext, Trajectory, Workflow, WorkflowArgs, make_experience
 
 log = structlog.get_logger(__name__)
@@ -40,6 +46,8 @@ class AgentArgs(WorkflowArgs):
                            description="seconds one episode may run before it scores 0")
     max_retries: int = Field(default=2, ge=0,
                              description="the client's retries (a 429 when the endpoint is busy)")
+    sandbox: AgentSandboxArgs = Field(default_factory=AgentSandboxArgs,
+                                      description="the process each episode runs in")
 
 
 @dataclass
@@ -91,6 +99,14 @@ def load_agent(spec: str) -> Callable[..., Any]:
         raise ValueError(f"workflow_args.fn {spec!r} must be an async function "
                          "(async def run(task, client))")
     return fn
+
+
+def address_of(fn: Callable[..., Any], spec: str) -> str:
+    """"module:qualified.name" of `fn`, the way an episode's process imports it."""
+    if "<locals>" in fn.__qualname__ or fn.__module__ in (None, "__main__"):
+        raise ValueError(f"workflow_args.fn {spec!r} must be a module-level function of an "
+                         "importable module: each episode imports it in its own process")
+    return f"{fn.__module__}:{fn.__qualname__}"
 
 
 def score_of(result: Any) -> tuple[float, dict[str, float], str]:
@@ -173,22 +189,69 @@ class Agent(Workflow):
     def __init__(self, tokenizer: Any, args: dict[str, Any] | None = None):
         super().__init__(tokenizer, args)
         self.fn = load_agent(self.args.fn)
+        self.address = address_of(self.fn, self.args.fn)
+        self.failures: Counter[str] = Counter()  # failed episodes by the first word of the reason
+
+    def attach(self, endpoint: Any, *, repeat_times: int, tracer: Any = None,
+               metrics: Any = None) -> None:
+        if metrics is not None:
+            metrics.gauge_fn("agent_failures", "agent episodes that scored 0 for a failure, by "
+                             "kind: timeout, memory, cpu, crashed, raised, returned (running "
+                             "totals)", lambda: dict(self.failures), labels=("kind",))
 
     async def run(self, tasks: list[Task], ctx: RolloutContext) -> list[Experience]:
         endpoint = ctx.endpoint
         if endpoint is None or not endpoint.url:
             raise RuntimeError("the agent workflow needs the explorer's OpenAI endpoint running")
-        try:
-            import openai
-        except ImportError:
-            raise RuntimeError("the agent workflow needs the openai package: "
-                               "pip install 'tandem-explorer[agent]'") from None
-        gate = asyncio.Semaphore(endpoint.config.max_concurrency)
         start = time.time()
-        outcomes = await asyncio.gather(*(
-            self._episode(openai, endpoint, gate, task, k)
-            for task in tasks for k in range(ctx.repeat_times)))
-        wall = time.time() - start
+        outcomes = await self.play(tasks, ctx)
+        for o in outcomes:
+            if o.reason != "ok":
+                self.failures[o.reason.split(":")[0].split()[0]] += 1
+                log.warning("agent.episode_failed", task=o.task.id, episode=o.index,
+                            reason=o.reason)
+        return self.experiences(tasks, outcomes, ctx, time.time() - start)
+
+    async def play(self, tasks: list[Task], ctx: RolloutContext) -> list[_Outcome]:
+        """Every episode of `tasks`, each in its own sandboxed process."""
+        if importlib.util.find_spec("openai") is None:
+            raise RuntimeError("the agent workflow needs the openai package: "
+                               "pip install 'tandem-explorer[agent]'")
+        endpoint = ctx.endpoint
+        slots = endpoint.config.max_concurrency
+        sandbox = AgentSandbox(self.address, self.args.sandbox, timeout=self.args.timeout,
+                               max_retries=self.args.max_retries, slots=slots)
+        gate = asyncio.Semaphore(slots)
+        try:
+            await sandbox.start()
+            return await asyncio.gather(*(
+                self._sandboxed(sandbox, gate, endpoint, task, k)
+                for task in tasks for k in range(ctx.repeat_times)))
+        finally:
+            await sandbox.close()
+
+    @staticmethod
+    async def _sandboxed(sandbox: AgentSandbox, gate: asyncio.Semaphore, endpoint: Any,
+                         task: Task, index: int) -> _Outcome:
+        out = _Outcome(task, index)
+        async with gate:
+            key = endpoint.calls.open()
+            t0 = time.monotonic()
+            try:
+                played = await sandbox.play(key, endpoint.url, dict(task.payload))
+            finally:
+                out.seconds = time.monotonic() - t0
+                out.records = endpoint.calls.close(key)
+        if played.reason == "ok":
+            out.reward, out.components, out.reason = score_of(played.result)
+        else:
+            out.reason = played.reason
+        return out
+
+    def experiences(self, tasks: list[Task], outcomes: list[_Outcome], ctx: RolloutContext,
+                    wall: float) -> list[Experience]:
+        """The experiences of `outcomes` by the rule above, grouped per task in order."""
+        endpoint = ctx.endpoint
         experiences: list[Experience] = []
         for task in tasks:
             mine = [o for o in outcomes if o.task is task]
@@ -206,14 +269,3 @@ class Agent(Workflow):
                           "finish_reasons": [r.finish_reason for r in o.records],
                           "episode_s": o.seconds, "rollout_s": wall}), records))
         return experiences
-
-    async def _episode(self, openai: Any, endpoint: Any, gate: asyncio.Semaphore, task: Task,
-                       index: int) -> _Outcome:
-        out = _Outcome(task, index)
-        result = await play_episode(out, endpoint, gate, openai, self.args,
-                                    lambda client: self.fn(dict(task.payload), client))
-        if out.reason == "ok":
-            out.reward, out.components, out.reason = score_of(result)
-        if out.reason != "ok":
-            log.warning("agent.episode_failed", task=task.id, episode=index, reason=out.reason)
-        return out

@@ -12,7 +12,8 @@ own chat template renders each turn, its tokens are never re-tokenized, and an e
 one experience: the model's turns with action mask 1, the observations and the template's turn
 markers between them with mask 0. Its reward is the environment's (summed, or the last), with
 the components `return`, `last`, `steps` and `terminated`. An environment that raises scores 0
-with the reason in the experience's info.
+with the reason in the experience's info. Unlike `agent`'s episodes, these run in the
+explorer's process: the environment is code the run's config names, trusted like a plugin.
 
 The multi-turn workflow's engine loop is not used because a chat model ends its every turn with
 end-of-sequence, which that loop reads as the end of the episode; the endpoint's chat rendering
@@ -21,7 +22,9 @@ handles a turn that ends so.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
+from collections import Counter
 from typing import Any, Literal
 
 from pydantic import Field
@@ -29,7 +32,7 @@ from pydantic import Field
 from tandem.common.messages.experience import Experience, Task
 
 from ..environments.gym_text import GymEpisode, resolve_gym_env
-from .agent import Agent
+from .agent import Agent, _Outcome, play_episode, score_of
 from .base import RolloutContext, Workflow, WorkflowArgs
 
 
@@ -68,11 +71,32 @@ class Gym(Agent):
             pass  # no signature to check (a builtin): the first episode says
         self.fn = self._play
         self.model = ""
+        self.failures: Counter[str] = Counter()
 
     async def run(self, tasks: list[Task], ctx: RolloutContext) -> list[Experience]:
         if ctx.endpoint is not None:
             self.model = ctx.endpoint.config.model
         return await super().run(tasks, ctx)
+
+    async def play(self, tasks: list[Task], ctx: RolloutContext) -> list[_Outcome]:
+        """Every episode of `tasks` in this process, the environment driven by `_play`."""
+        try:
+            import openai
+        except ImportError:
+            raise RuntimeError("the gym workflow needs the openai package: "
+                               "pip install 'tandem-explorer[agent]'") from None
+        gate = asyncio.Semaphore(ctx.endpoint.config.max_concurrency)
+
+        async def episode(task: Task, index: int) -> _Outcome:
+            out = _Outcome(task, index)
+            result = await play_episode(out, ctx.endpoint, gate, openai, self.args,
+                                        lambda client: self._play(dict(task.payload), client))
+            if out.reason == "ok":
+                out.reward, out.components, out.reason = score_of(result)
+            return out
+
+        return await asyncio.gather(*(episode(task, k) for task in tasks
+                                      for k in range(ctx.repeat_times)))
 
     async def _play(self, payload: dict[str, Any], client: Any) -> dict[str, float]:
         episode = GymEpisode(self.factory(**self.args.env_args), payload, name=self.args.env,
