@@ -5,6 +5,9 @@ Two methods, one ending: both produce an iterator of (name, tensor) for the engi
 
 - checkpoint: `WeightPublisher(run_dir).publish(version, named_tensors)` writes
   `weights/v{N}/` atomically; `WeightSubscriber(run_dir).load(version)` checks and memory-maps it.
+- shared memory (`weights.transport: shared_memory`, one host): `SharedMemoryPublisher(run_dir)
+  .publish(version, named_tensors)` copies a version into a /dev/shm segment;
+  `SharedMemorySubscriber(run_dir).load(version)` maps it and yields views.
 - broadcast: `WeightBroadcaster.open_group(members)` gives a `GroupRendezvous` to announce;
   `WeightReceiver(rendezvous, member).join()` then `.receive()` on each engine worker, while the
   trainer calls `.broadcast(version, named_tensors)`. gloo on CPU, nccl when all ends are CUDA.
@@ -28,11 +31,12 @@ from .checkpoint import (
     version_dir,
 )
 from .group import GroupAbandoned, engine_member, engine_members
+from .shm import SharedMemoryPublisher, SharedMemorySubscriber
 from .tensors import MODEL_DTYPES, WeightsError, load_into, model_dtype, plan_buckets
 
 __all__ = [
     "MODEL_DTYPES", "BroadcastStats", "GroupAbandoned", "GroupRendezvous", "Manifest",
-    "PublishedVersion",
+    "PublishedVersion", "SharedMemoryPublisher", "SharedMemorySubscriber",
     "WeightBroadcaster", "WeightPublisher", "WeightReceiver", "WeightSubscriber", "WeightsError",
     "engine_member", "engine_members", "list_versions", "load_into", "model_dtype",
     "plan_buckets", "version_dir",
