@@ -78,6 +78,7 @@ async def test_hostile_agent_cannot_write_into_another_episode(agent_engine):
         assert thief.info["reward_reason"] == "ok" and thief.info["calls"] == 1
         assert thief.rewards["foreign_keys"] == 0 and thief.rewards["stolen_calls"] == 0
         assert thief.rewards["ports_reached"] == 0
+        assert thief.rewards["processes_seen"] <= 3  # its sandbox's init, runner and itself
     assert ep.calls.mismatches == 0
 
 
