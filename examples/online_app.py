@@ -2,17 +2,17 @@
 
 A scripted "user" asks the quickstart's question (reverse the digits: `rev 472=`) through the
 official `openai` client pointed at the explorer's endpoint, and judges the answer with its own
-feedback rule: reward 1 when it is the number reversed, else 0. Each question is asked
-`--group-size` times (one episode each, grouped by the question's key); each episode is opened
-before its call and rewarded after the answer is judged. Nothing here is tandem's code beyond
-the two episode calls.
+feedback rule: the share of digits in their right place, 1 when the answer is the number
+reversed. Each question is asked `--group-size` times (one episode each, grouped by the
+question's key); each episode is opened before its call and rewarded after the answer is
+judged. Nothing here is tandem's code beyond the two episode calls.
 
     .venv/bin/tandem up examples/online.yaml &
     .venv/bin/python examples/online_app.py --url-file runs/online/openai/explorer-0.url \\
         --data examples/data/reversal-train.jsonl --group-size 8
 
 It runs until the endpoint goes away (the run ended) or `--seconds`; each round's mean reward
-goes to `--log` as a JSON line.
+and accuracy (answers exactly right) go to `--log` as a JSON line.
 """
 
 from __future__ import annotations
@@ -44,14 +44,25 @@ async def attach_reward(client: openai.AsyncOpenAI, episode: str, reward: float,
     return await client.post(f"/episodes/{episode}/reward", body=body, cast_to=object)
 
 
-async def ask(client: openai.AsyncOpenAI, row: dict[str, Any], group: str) -> float:
-    """One conversation: open, ask, judge, reward."""
+async def ask(client: openai.AsyncOpenAI, row: dict[str, Any],
+              group: str) -> tuple[float, float]:
+    """One conversation: open, ask, judge, reward; (reward, right)."""
     episode = await open_episode(client, group)
     reply = await client.with_options(api_key=episode).completions.create(
         model="policy", prompt=row["prompt"], max_tokens=6)
-    reward = 1.0 if reply.choices[0].text.strip() == row["answer"] else 0.0
-    await attach_reward(client, episode, reward)
-    return reward
+    reward, right = feedback(reply.choices[0].text.strip(), row["answer"])
+    await attach_reward(client, episode, reward, right=right)
+    return reward, right
+
+
+def feedback(answer: str, truth: str) -> tuple[float, float]:
+    """The user's rule: (reward, right). The reward is the share of digits in their right place
+    (1 when the answer is right: a partial answer earns partial credit); right is 1 or 0."""
+    if answer == truth:
+        return 1.0, 1.0
+    if len(answer) != len(truth):
+        return 0.0, 0.0
+    return sum(a == b for a, b in zip(answer, truth)) / len(truth), 0.0
 
 
 async def main(url: str, rows: list[dict[str, Any]], *, group_size: int, questions: int,
@@ -65,13 +76,14 @@ async def main(url: str, rows: list[dict[str, Any]], *, group_size: int, questio
         while time.monotonic() < deadline:
             chosen = rng.sample(rows, questions)
             try:
-                rewards = await asyncio.gather(*(
+                judged = await asyncio.gather(*(
                     ask(client, row, f"{row['id']}/{rounds}")
                     for row in chosen for _ in range(group_size)))
             except (openai.APIConnectionError, openai.NotFoundError):
                 break  # the run ended: its endpoint is gone
             line = {"round": rounds, "time": round(time.time(), 3),
-                    "reward_mean": sum(rewards) / len(rewards), "episodes": len(rewards)}
+                    "reward_mean": sum(r for r, _ in judged) / len(judged),
+                    "accuracy": sum(a for _, a in judged) / len(judged), "episodes": len(judged)}
             print(json.dumps(line), flush=True)
             if out is not None:
                 out.write(json.dumps(line) + "\n")

@@ -175,7 +175,7 @@ async def test_a_group_of_expired_episodes_is_dropped_and_the_key_starts_anew(ag
 
 
 async def test_a_step_waits_for_its_groups_within_wait_timeout(agent_engine, tmp_path):
-    ep, workflow, clock, tracer, app = await started(agent_engine, tmp_path)
+    ep, workflow, _, tracer, app = await started(agent_engine, tmp_path)
     workflow.args.wait_timeout = 0.2
     try:
         with pytest.raises(TimeoutError, match="0 of 1 groups.*workflow_args.wait_timeout"):
@@ -185,7 +185,7 @@ async def test_a_step_waits_for_its_groups_within_wait_timeout(agent_engine, tmp
 
 
 async def test_bad_episode_calls_get_a_4xx_naming_what_is_wrong(agent_engine, tmp_path):
-    ep, workflow, clock, tracer, app = await started(agent_engine, tmp_path)
+    ep, _, _, tracer, app = await started(agent_engine, tmp_path)
 
     async def refused(path: str, body: object) -> tuple[int, dict]:
         # as JSON text: Python's encoder writes NaN, which the openai client refuses to send
