@@ -121,3 +121,50 @@ async def test_sandbox_refuses_without_bwrap_and_names_the_key(monkeypatch):
 def test_agent_must_be_importable_by_its_episode():
     with pytest.raises(ValueError, match="module-level function"):
         create_workflow("agent", None, {"fn": "hostile_agents:local_agent"})
+
+
+def _sandboxes() -> set[int]:
+    """This process's live children that are episode sandboxes (bubblewrap, also while its
+    shell joins the slot's cgroup)."""
+    pids: set[int] = set()
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/children") as f:
+            pids |= {int(p) for p in f.read().split()}
+    out = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"bwrap" in f.read():
+                    out.add(pid)
+        except OSError:
+            pass  # gone
+    return out
+
+
+async def test_a_cancelled_rollout_leaves_no_agent_process(agent_engine):
+    # the explorer stopping mid-step cancels its rollout: every episode's process tree goes
+    ep = endpoint(agent_engine)
+    await ep.start()
+    called = asyncio.Event()
+    add, calls = ep.calls.add, []
+
+    def recorded(records):
+        add(records)
+        calls.extend(records)
+        if len(calls) == 2:
+            called.set()
+
+    ep.calls.add = recorded
+    before = _sandboxes()
+    workflow = create_workflow("agent", agent_engine.tokenizer,
+                               {"fn": "hostile_agents:hangs_after_a_call", "timeout": 120})
+    run = asyncio.create_task(workflow.run([Task(id="t", payload={})], ctx(agent_engine, ep)))
+    try:
+        await asyncio.wait_for(called.wait(), 120)  # both episodes made their call and hang
+        assert len(_sandboxes() - before) == 2
+        run.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await run
+    finally:
+        await ep.close()
+    assert _sandboxes() - before == set()
