@@ -120,17 +120,25 @@ async def test_finish_reasons_and_stop_strings(engine):
     assert c.token_ids.tolist() == free.token_ids[:len(c)].tolist()
 
 
+@pytest.mark.parametrize("transport", ["shared_fs", "shared_memory"])
 async def test_a_weight_load_sets_version_and_the_next_call_samples_the_new_weights(
-        engine, contract_model, tmp_path):
+        engine, contract_model, tmp_path, transport):
+    from tandem.common.config.registered import engine_capabilities
+    from tandem.weights import SharedMemoryPublisher
+
+    if transport not in ("shared_fs", *engine_capabilities(engine.kind).weights):
+        pytest.skip(f"{engine.kind} does not declare the {transport} weight path")
     _, model = contract_model
     greedy = SamplingParams(temperature=0.0, max_tokens=8)
     original = {n: p.detach().clone() for n, p in model.named_parameters()}
     changed = {n: p + 0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(i))
                for i, (n, p) in enumerate(original.items())}
-    publisher = WeightPublisher(tmp_path)
+    in_memory = transport == "shared_memory"
+    publisher = (SharedMemoryPublisher if in_memory else WeightPublisher)(tmp_path)
     publisher.publish(1, changed.items())
     publisher.publish(2, original.items())
-    loader = WeightLoader(engine, run_dir=tmp_path, explorer="explorer-0", timeout=60.0)
+    loader = WeightLoader(engine, run_dir=tmp_path, explorer="explorer-0", timeout=60.0,
+                          shared_memory=in_memory)
     try:
         before = await engine.generate([LONG_PROMPT], 1, greedy)  # caches LONG_PROMPT's prefix
         assert worst_gap(model, before, greedy) < TOLERANCE[engine.kind]
@@ -151,6 +159,12 @@ async def test_a_weight_load_sets_version_and_the_next_call_samples_the_new_weig
     finally:
         await loader.load(2, "checkpoint")
         await loader.close()
+        publisher.close()
+        if in_memory:
+            # the publisher started this process's resource tracker (a trainer's ends with it)
+            from multiprocessing import resource_tracker
+
+            resource_tracker._resource_tracker._stop()
     assert engine.version == 2
     again = await engine.generate([LONG_PROMPT], 1, greedy)
     assert again[0][0].token_ids.tolist() == before[0][0].token_ids.tolist()
