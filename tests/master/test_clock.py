@@ -428,3 +428,19 @@ async def test_a_grant_ahead_is_journaled_and_a_restarted_master_replays_it(tmp_
     finally:
         await peer.close()
         await again.close()
+
+
+def test_colocated_explorer_sleeps_after_every_step_but_the_last():
+    # placement.colocate: the trainer trains each step on the explorer's devices; after the
+    # last one nothing would wake the engine for the final evaluation
+    clock = RunClock(SyncPlan(method="checkpoint", interval=1, offset=0), total_steps=3,
+                     colocated="a")
+    sleeps = [m.sleep_after for _, m in clock.join("a") if hasattr(m, "sleep_after")]
+    for step in range(3):
+        clock.explorer_done("a", step, step, step)
+        d = clock.trainer_step_done(step)
+        d += clock.published(step + 1) if step < 2 else []
+        sleeps += [m.sleep_after for t, m in d if t.startswith("barrier.")]
+    assert sleeps == [True, True, False]
+    other = RunClock(SyncPlan(method="checkpoint", interval=1, offset=0), total_steps=3)
+    assert [m.sleep_after for _, m in other.join("a")] == [False]

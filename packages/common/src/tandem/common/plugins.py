@@ -47,6 +47,7 @@ class EngineCapabilities:
     multimodal: bool = False       # image inputs
     tensor_parallel: bool = False  # engine.tensor_parallel_size > 1
     needs_url: bool = False        # engine.url names the server it drives
+    sleep: bool = False            # placement.colocate: releases its weights while the trainer works
 
 
 @dataclass(frozen=True)

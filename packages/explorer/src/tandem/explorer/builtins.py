@@ -10,11 +10,12 @@ from tandem.common.plugins import (
 
 _P = "tandem.explorer"
 
-# it takes tensors in the explorer's process, so it maps shared-memory versions there too
+# it takes tensors in the explorer's process, so it maps shared-memory versions there too;
+# it sleeps by releasing its parameters' storage (placement.colocate)
 ENGINES.register("transformers", f"{_P}.engines:transformers",
                  capabilities=EngineCapabilities(
                      weights=frozenset({"broadcast", "checkpoint", "fetch", "shared_memory"}),
-                     interrupt=True))
+                     interrupt=True, sleep=True))
 ENGINES.register("vllm", f"{_P}.engines:vllm",
                  capabilities=EngineCapabilities(interrupt=True, lora_adapters=True,
                                                  tensor_parallel=True))

@@ -143,6 +143,15 @@ class Engine(ABC):
             on_tokens(i, c.token_ids.tolist(), c.logprobs.tolist(), c.top_logprobs)
         return [c for [c] in out]
 
+    async def sleep(self) -> dict[str, Any]:
+        """Release the weights and KV cache until `wake` (an engine that declares `sleep`,
+        placement.colocate); returns trace attributes."""
+        raise NotImplementedError(f"{type(self).__name__} cannot sleep")
+
+    async def wake(self) -> dict[str, Any]:
+        """Take memory for the weights again; the next load fills it before any generation."""
+        raise NotImplementedError(f"{type(self).__name__} cannot sleep")
+
     def close(self) -> None:
         """Release the model and any worker thread."""
 

@@ -19,6 +19,10 @@ must load weights first), so the engine never waits for a report and a barrier. 
 steps are in flight; their CompleteTasks and ExplorerStepDone go in grant order. Interruptible (`on_new_weights: interrupt`):
 while a step generates, the explorer listens for published versions and loads each newer one
 at once; the engine takes it at its next token boundary and every token records its version.
+Colocated (`placement.colocate`): a barrier with `sleep_after` has the engine sleep once the
+step's experiences are stored and before the step is reported, so the trainer, released by
+that report, never trains beside a resident engine; the next load wakes it (a `sleep` span, then
+`wake` and `sync`).
 
 An explorer the master declared dead (silent past `transport.liveness`, e.g. paused) learns it
 from a refused heartbeat or report (`declared_dead`), registers again and carries on: the
@@ -127,6 +131,7 @@ class Explorer:
         self._owns_engine = engine is None
         self._owns_scorer = scorer is None
         self._closed = False
+        self._asleep = False  # placement.colocate: the engine released its weights
         index = [e.name for e in config.explorers].index(name)
         self.metrics = MetricsEndpoint(config.logging.metrics, "explorer", name, index=index,
                                        run_dir=config.run_dir)
@@ -524,10 +529,11 @@ class Explorer:
         # interruptible: the engine may already hold a newer version than the master granted
         # (loaded mid-step); an older one is never loaded back
         if (barrier.version > engine.version if self.interrupt
-                else barrier.wait or barrier.version != engine.version):
+                else barrier.wait or barrier.version != engine.version or self._asleep):
             if prev is not None:  # weights never change under the step before's generation
                 await _first(prev.generated.wait(), prev.task)
             rendezvous = self._latest_weights.rendezvous if self._latest_weights else None
+            await self._wake(barrier.step, barrier.version)
             with self.tracer.span("sync", step=barrier.step, version=barrier.version,
                                   method=barrier.method) as attrs:
                 stats = await self.loader.load(barrier.version, barrier.method, rendezvous)
@@ -590,6 +596,11 @@ class Explorer:
             await self._put(rest, barrier)
         if prev is not None:
             await prev.task  # reports go in grant order
+        if barrier.sleep_after:
+            # before the report: the report releases the trainer onto this engine's devices
+            with self.tracer.span("sleep", step=barrier.step, version=engine.version) as attrs:
+                attrs.update(await engine.sleep())
+            self._asleep = True
         if self.rejoins != flight.rejoins or self._declared_dead.is_set():
             # declared dead while it ran: its batch was given up (its tasks are rolled out
             # again and stored once), and the master no longer expects its report
@@ -683,13 +694,28 @@ class Explorer:
             log.info("explorer.eval", explorer=self.name, version=version, final=final,
                      taskset=row["taskset"], seconds=row["seconds"], **row["metrics"])
 
+    async def _wake(self, step: int | None, version: int) -> None:
+        """An asleep engine takes memory for `version`, which the caller loads next."""
+        if not self._asleep:
+            return
+        with self.tracer.span("wake", step=step, version=version) as attrs:
+            attrs.update(await self.engine.wake())
+        self._asleep = False
+
     async def _evaluate_at_end(self) -> None:
         """The run is over: evaluate the newest weights this explorer can have. A version
         published as files after its last step is loaded first; a broadcast one cannot be
         (its group is gone), so the held weights are evaluated."""
         latest = self._latest_weights
+        if self._asleep and (latest is None or latest.version <= self.engine.version):
+            # colocated, and the run ended early (the taskset ran dry after a step that put
+            # the engine to sleep): the weights it held went with its sleep
+            log.warning("explorer.eval_skipped", explorer=self.name, version=self.engine.version,
+                        why="the engine is asleep and no newer version was published")
+            return
         if (latest is not None and latest.method == "checkpoint"
                 and latest.version > self.engine.version):
+            await self._wake(self.steps_done, latest.version)
             with self.tracer.span("sync", step=self.steps_done, version=latest.version,
                                   method="checkpoint") as attrs:
                 attrs.update(await self.loader.load(latest.version, "checkpoint"))

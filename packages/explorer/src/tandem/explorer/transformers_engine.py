@@ -10,11 +10,20 @@ An `interruptible` engine takes new weights mid-generation (`explorers[].on_new_
 interrupt`): a load waits in a queue that the decode loop checks at every token boundary; the
 loop loads the weights there, prefills the partial sequences again under them (their KV cache
 belongs to the old weights) and carries on, recording the version that sampled each token.
+
+Asleep (`placement.colocate`, docs/deployment.md): `sleep` releases every parameter's storage
+(each becomes a one-element view broadcast to its shape, so names and shapes stay) and hands the
+memory back to the allocator; the KV cache lives only within a call, so nothing else is held.
+`wake` allocates fresh, uninitialised parameters and refuses to generate until `load_weights`
+fills them: the one copy from the shared-memory segment's views into the model is the only
+copy this side makes, so no third copy of the model exists while it wakes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import queue
 import threading
 import time
@@ -36,6 +45,10 @@ from .sampling import SamplingParams, sample_with_top
 log = structlog.get_logger(__name__)
 
 
+class EngineAsleep(RuntimeError):
+    """Asked to generate while the engine's weights are released (placement.colocate)."""
+
+
 class TransformersEngine(TensorEngine):
     """The embedded default engine, on CPU or one CUDA device."""
 
@@ -55,6 +68,8 @@ class TransformersEngine(TensorEngine):
         self._loads: queue.SimpleQueue[tuple[Callable[[], Iterable], int, Future]] = \
             queue.SimpleQueue()
         self.eos_ids = _eos_ids(model, tokenizer)
+        # "awake", "asleep" (storage released) or "woken" (fresh storage, not yet loaded)
+        self.state = "awake"
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else min(self.eos_ids)
 
@@ -126,6 +141,9 @@ class TransformersEngine(TensorEngine):
         completions)` is called (on this thread) as soon as prompt `i`'s rows are all done, and
         `on_step([(row, token, logprob, top), ...])` after each decode step with the token each
         running row got (row: prompt index * n + sample)."""
+        if self.state != "awake":
+            raise EngineAsleep(f"the transformers engine is {self.state} (placement.colocate): "
+                               "its weights are released until a version is loaded")
         encoded = encode_prompts(self._tokenizer, prompts, n)
         rows = [(p, s) for p in range(len(encoded)) for s in range(n)]
         out: list[list[Completion | None]] = [[None] * n for _ in encoded]
@@ -278,10 +296,52 @@ class TransformersEngine(TensorEngine):
 
     def load_weights(self, weights: Iterable[tuple[str, Any]], version: int) -> int:
         with self._lock:
+            if self.state == "asleep":
+                self.wake_sync()
             loaded = load_named_tensors(self.model, weights)
             self.version = version
+            self.state = "awake"
         log.info("weights.loaded", version=version, tensors=loaded)
         return loaded
+
+    def _parameters(self) -> list[torch.nn.Parameter]:
+        return list(self.model.parameters())  # tied parameters once
+
+    def sleep_sync(self) -> dict[str, Any]:
+        """Release every parameter's storage (between calls: never under a running batch)."""
+        with self._lock:
+            if self.state == "asleep":
+                return {"released_bytes": 0}
+            released = 0
+            for p in self._parameters():
+                released += p.numel() * p.element_size()
+                # a single element seen at every index: the shape stays for `wake`, and a
+                # write into it fails instead of landing anywhere
+                p.data = torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape)
+            self.state = "asleep"
+        _return_freed_memory(self.device)
+        log.info("engine.asleep", version=self.version, released_bytes=released)
+        return {"released_bytes": released}
+
+    def wake_sync(self) -> dict[str, Any]:
+        """Allocate fresh parameters; `load_weights` must fill them before the next call."""
+        with self._lock:
+            if self.state != "asleep":
+                return {"allocated_bytes": 0}
+            allocated = 0
+            for p in self._parameters():
+                p.data = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+                allocated += p.numel() * p.element_size()
+            self.state = "woken"
+        return {"allocated_bytes": allocated}
+
+    async def sleep(self) -> dict[str, Any]:
+        """`sleep_sync` on the engine thread, after the running batch."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self.sleep_sync)
+
+    async def wake(self) -> dict[str, Any]:
+        """`wake_sync` on the engine thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self.wake_sync)
 
     async def update_weights(self, source: Callable[[], Iterable[tuple[str, Any]]],
                              version: int) -> int:
@@ -299,6 +359,18 @@ class TransformersEngine(TensorEngine):
 
     def close(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _return_freed_memory(device: torch.device) -> None:
+    """Hand freed tensor memory back to the system: CUDA's caching allocator keeps it for
+    reuse, and glibc's malloc keeps heap pages below the top of its arenas."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return
+    libc = ctypes.util.find_library("c")
+    trim = getattr(ctypes.CDLL(libc), "malloc_trim", None) if libc else None
+    if trim is not None:  # glibc only; other allocators return large blocks on free
+        trim(0)
 
 
 def _deliver(on_tokens: TokenSink,

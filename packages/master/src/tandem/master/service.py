@@ -23,6 +23,7 @@ from collections.abc import Callable
 import structlog
 
 from tandem.common.config import RunConfig
+from tandem.common.config.placement import colocated_explorer
 from tandem.common.errors import ConfigError, RequestFailed, TandemError
 from tandem.common.heartbeat import Liveness
 from tandem.common.messages.base import Heartbeat, HeartbeatAck, Message, Ok
@@ -128,7 +129,8 @@ class Master:
         # dynamic sampling: top up synchronous steps to groups_per_step informative groups
         self.clock = RunClock(self.plan, self.total_steps,
                               top_up_target=tc.groups_per_step if tc.dynamic_sampling else None,
-                              max_extra=tc.max_oversample)
+                              max_extra=tc.max_oversample,
+                              colocated=colocated_explorer(config))
         # sync.max_staleness: auto: the rule, and the bound with what was measured under it
         self.staleness_rule: StalenessRule | None = (
             config.sync.auto.rule() if config.sync.auto_staleness else None)

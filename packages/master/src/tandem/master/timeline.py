@@ -24,6 +24,10 @@ from tandem.common.trace import read_trace
 from .render import COLOURS, finish_png
 
 BUSY = ("rollout", "train", "sync", "eval")
+# placement.colocate: the explorer's engine releasing its weights (sleep), taking memory for them
+# again (wake), and the time between, when the trainer has its devices (asleep, drawn here)
+ENGINE_STATE = ("sleep", "wake")
+STATE_COLOURS = {"sleep": "#2c3e50", "wake": "#16a085", "asleep": "#aab7c4"}
 WAIT_COLOUR = "#d0d0d0"
 GROUP_COLOUR = "#b8860b"
 
@@ -42,7 +46,7 @@ class Span:
     def colour(self) -> str:
         if self.kind == "sync":
             return COLOURS["nccl" if self.attrs.get("method") == "nccl" else "checkpoint"]
-        return COLOURS.get(self.kind, WAIT_COLOUR)
+        return COLOURS.get(self.kind) or STATE_COLOURS.get(self.kind, WAIT_COLOUR)
 
 
 @dataclass
@@ -103,7 +107,7 @@ def _union(intervals: list[tuple[float, float]]) -> float:
 def load_timeline(run_dir: str | Path) -> RunTimeline:
     """Read `run_dir/trace/*.jsonl` into lanes: explorers, the buffer level, the trainer."""
     raw = read_trace(run_dir)
-    lanes_of_interest = [s for s in raw if s["kind"] in BUSY + ("wait", "group")]
+    lanes_of_interest = [s for s in raw if s["kind"] in BUSY + ENGINE_STATE + ("wait", "group")]
     if not lanes_of_interest:
         raise click.ClickException(f"{run_dir}: the trace has no rollout, train or sync spans")
     t0 = min(s["start"] for s in lanes_of_interest)
@@ -118,8 +122,24 @@ def load_timeline(run_dir: str | Path) -> RunTimeline:
                           s.get("version"), s.get("attrs") or {}))
     explorers.sort()
     makespan = max(s.end for s in spans)
+    spans += _asleep(spans, makespan)
     return RunTimeline(explorers, spans, _buffer_levels(raw, spans, t0), makespan,
                        _staleness_bounds(raw, t0))
+
+
+def _asleep(spans: list[Span], makespan: float) -> list[Span]:
+    """Each explorer's asleep intervals: from a sleep's end to the next wake's start."""
+    out: list[Span] = []
+    for lane in {s.lane for s in spans if s.kind == "sleep"}:
+        marks = sorted((s for s in spans if s.lane == lane and s.kind in ENGINE_STATE),
+                       key=lambda s: s.start)
+        for i, s in enumerate(marks):
+            if s.kind != "sleep":
+                continue
+            wake = next((w for w in marks[i + 1:] if w.kind == "wake"), None)
+            out.append(Span(lane, "asleep", s.end, wake.start if wake else makespan, s.step,
+                            s.version, {"released_bytes": s.attrs.get("released_bytes")}))
+    return out
 
 
 def _staleness_bounds(raw: list[dict], t0: float) -> list[tuple[float, int]]:
@@ -170,10 +190,12 @@ def render_png(tl: RunTimeline, path: str | Path, title: str = "") -> Path:
         if s.kind == "group":
             continue
         y = y_of[s.lane]
-        height = 0.9 if s.kind == "sync" else (0.35 if s.kind == "wait" else 0.7)
+        height = (0.9 if s.kind in ("sync",) + ENGINE_STATE else
+                  0.35 if s.kind == "wait" else 0.2 if s.kind == "asleep" else 0.7)
         ax.broken_barh([(s.start, max(s.end - s.start, tl.makespan / 2000))],
                        (y - height / 2, height), facecolors=s.colour,
-                       edgecolors="black" if s.kind != "wait" else "none", linewidth=0.3,
+                       edgecolors="none" if s.kind in ("wait", "asleep") else "black",
+                       linewidth=0.3,
                        hatch="//" if s.kind == "wait" else None)
         if s.kind in ("rollout", "train") and s.step is not None and \
                 (s.end - s.start) > tl.makespan / 60:
@@ -212,7 +234,11 @@ def render_png(tl: RunTimeline, path: str | Path, title: str = "") -> Path:
     ax.set_xlabel("seconds since the first span")
     ax.set_title(title or f"run timeline - {tl.makespan:.1f} s wall-clock; "
                  "lane labels give each lane's busy share", fontsize=9)
+    asleep = [(label, STATE_COLOURS[kind]) for kind, label in
+              (("sleep", "Sleep"), ("asleep", "Asleep (weights released)"), ("wake", "Wake"))
+              if any(s.kind == kind for s in tl.spans)]
     return finish_png(fig, ax, path, len(lanes), [("Eval", COLOURS["eval"]),
+                                                  *asleep,
                                                   ("Wait", WAIT_COLOUR),
                                                   ("Group streamed", GROUP_COLOUR),
                                                   ("Buffer (groups ready)", COLOURS["buffer"])])
@@ -228,8 +254,10 @@ def render_html(tl: RunTimeline, path: str | Path) -> Path:
     for s in tl.spans:
         if s.kind == "group":
             continue
-        y = lanes.index(s.lane) * lane_h + (4 if s.kind == "sync" else 8)
-        h = lane_h - (8 if s.kind == "sync" else 16)
+        y = lanes.index(s.lane) * lane_h + (4 if s.kind in ("sync",) + ENGINE_STATE else
+                                            14 if s.kind == "asleep" else 8)
+        h = lane_h - (8 if s.kind in ("sync",) + ENGINE_STATE else
+                      28 if s.kind == "asleep" else 16)
         tip = html.escape(f"{s.lane} {s.kind} step={s.step} version={s.version} "
                           f"{s.start:.3f}-{s.end:.3f}s ({s.end - s.start:.3f}s) "
                           f"{json.dumps(s.attrs, default=str)}")
@@ -293,6 +321,10 @@ def summary_rows(tl: RunTimeline) -> list[tuple[str, str]]:
     if tl.staleness_bounds:
         rows.append(("staleness bound (auto)",
                      " -> ".join(str(b) for _, b in tl.staleness_bounds)))
+    for lane in tl.explorers:
+        asleep = _union([(s.start, s.end) for s in tl.lane(lane) if s.kind == "asleep"])
+        if asleep and tl.makespan > 0:
+            rows.append((f"{lane} asleep", f"{asleep / tl.makespan:.0%}"))
     stale = tl.staleness()
     if stale:
         rows.append(("staleness (steps: count)", ", ".join(f"{k}: {v}" for k, v in stale.items())))

@@ -165,6 +165,15 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _colocation_possible(self) -> RunConfig:
+        """placement.colocate: rules across placement, sync, weights and explorers."""
+        from .placement import check_colocation
+
+        if problems := check_colocation(self):
+            raise ValueError("\n".join(problems))
+        return self
+
+    @model_validator(mode="after")
     def _eval_tasksets_answerable(self) -> RunConfig:
         """Every eval task carries the prompt and the answer the evaluating explorer's
         workflow and reward read; checked here so a missing column fails at load, not mid-run."""

@@ -11,6 +11,12 @@ supervisor honours it too.
 overlap (any preset but interval 1 / offset 0), the trainer gets half of them (rounded up) and the
 explorers share the rest; when they strictly alternate, each side gets every core. The control
 plane (master, buffer, reward service) gets one thread: it moves messages, not tensors.
+
+`colocate: [trainer, explorer-0]` time-shares the trainer's devices with one explorer (docs/
+deployment.md, "one node, shared GPUs"): the explorer gets the trainer's `devices`, and the run
+goes as the synchronous figure draws it, rollout, then train, then sync. Between its rollout and
+the next version the explorer's engine sleeps (its weights and KV cache released) and it wakes to
+the new version from shared memory. `check_colocation` says where that cannot work.
 """
 
 from __future__ import annotations
@@ -64,6 +70,14 @@ class PlacementConfig(Section):
     control: ComponentPlacement = Field(
         default_factory=lambda: ComponentPlacement(threads=1),
         description="master, buffer and reward service")
+    colocate: list[str] = Field(
+        default_factory=list,
+        description="[trainer, EXPLORER]: the explorer shares the trainer's devices; its engine "
+                    "sleeps (weights and KV cache released) while the trainer trains and wakes "
+                    "to each new version from shared memory. Needs a strictly alternating plan "
+                    "(sync.offset 0, sync.interval 1), sync.method checkpoint, "
+                    "weights.transport shared_memory, one rollout explorer and an engine that "
+                    "declares sleep; [] = no colocation")
 
 
 @dataclass(frozen=True)
@@ -106,6 +120,54 @@ def overlaps(config: RunConfig) -> bool:
     return not (s.offset == 0 and s.interval == 1)
 
 
+def colocated_explorer(config: RunConfig) -> str | None:
+    """The explorer that time-shares the trainer's devices (`placement.colocate`), if any."""
+    names = [n for n in config.placement.colocate if n != "trainer"]
+    return names[0] if names else None
+
+
+def check_colocation(config: RunConfig) -> list[str]:
+    """Why `placement.colocate` cannot work with this config; one problem per line, each
+    naming the key to change. An engine asleep while the trainer works needs the trainer and
+    the explorer never to overlap, and a way to wake to new weights without a file."""
+    names = config.placement.colocate
+    if not names:
+        return []
+    explorers = [e.name for e in config.explorers]
+    others = [n for n in names if n != "trainer"]
+    if "trainer" not in names or len(others) != 1 or len(set(names)) != len(names):
+        return [f"placement.colocate: {names} must name the trainer and one explorer, e.g. "
+                f"[trainer, {explorers[0]}]"]
+    problems: list[str] = []
+    name = others[0]
+    if name not in explorers:
+        return [f"placement.colocate: no explorer named {name!r} (explorers: {explorers})"]
+    if config.explorer(name).role == "eval":
+        problems.append(f"placement.colocate: {name} has role eval, which loads versions while "
+                        "the trainer trains; colocate a rollout explorer")
+    rollout = [e.name for e in config.rollout_explorers]
+    if len(rollout) > 1:
+        problems.append(f"placement.colocate: one explorer shares the trainer's devices and the "
+                        f"others ({[n for n in rollout if n != name]}) would roll out while it "
+                        "trains; colocated runs take one rollout explorer")
+    s = config.sync
+    if s.offset != 0 or s.interval != 1:
+        problems.append(f"placement.colocate: the explorer sleeps while the trainer trains, "
+                        f"which needs rollout and training to alternate (sync.offset: 0, "
+                        f"sync.interval: 1, e.g. sync.preset: synchronous), not offset "
+                        f"{'null (asynchronous)' if s.offset is None else s.offset} and "
+                        f"interval {s.interval}")
+    if s.method != "checkpoint" or config.weights.transport != "shared_memory":
+        problems.append(f"placement.colocate: the engine wakes to each version from shared "
+                        f"memory; set sync.method: checkpoint and weights.transport: "
+                        f"shared_memory (now {s.method}, {config.weights.transport})")
+    p = config.placement
+    if p.explorers.devices is not None and p.explorers.devices != p.trainer.devices:
+        problems.append(f"placement.explorers.devices: {p.explorers.devices!r}, but a colocated "
+                        f"explorer takes the trainer's ({p.trainer.devices!r}); leave it unset")
+    return problems
+
+
 def resolve_placement(config: RunConfig, cores: int | None = None) -> dict[str, Assignment]:
     """One Assignment per process name: master, buffer, reward, trainer, each explorer."""
     p = config.placement
@@ -125,9 +187,10 @@ def resolve_placement(config: RunConfig, cores: int | None = None) -> dict[str, 
     threads = t.threads if t.threads else (max(1, trainer_cores // t.nproc) if auto else None)
     out["trainer"] = Assignment("trainer", threads, t.devices, t.nproc)
     e = p.explorers
+    shared = colocated_explorer(config)
     for name in names:
         out[name] = Assignment("explorer", e.threads if e.threads else (
-            explorer_cores if auto else None), e.devices)
+            explorer_cores if auto else None), t.devices if name == shared else e.devices)
     return out
 
 

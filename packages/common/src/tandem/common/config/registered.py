@@ -108,6 +108,10 @@ def check_names(config: RunConfig) -> list[str]:
             problems.append(f"{at}.on_new_weights: interrupt needs an engine that declares "
                             f"interrupt ({_having('interrupt')}), not {e.engine.kind}; use "
                             "on_new_weights: finish")
+        if e.name in config.placement.colocate and not caps.sleep:
+            problems.append(f"placement.colocate: {kind} cannot sleep (release its weights "
+                            f"while the trainer trains); use an engine that declares sleep "
+                            f"({_having('sleep')})")
         if config.weights.lora_transfer == "adapter" and not caps.lora_adapters:
             problems.append(f"{kind} cannot load LoRA adapters (weights.lora_transfer: "
                             f"adapter); use an engine that declares lora_adapters "

@@ -205,6 +205,9 @@ class Barrier(Message):
     wait: bool = Field(description="True at a sync point: load `version` before rolling out")
     batch: int = Field(default=0, description="the run-wide batch number (echo it when done)")
     method: Literal["checkpoint", "nccl"] = "checkpoint"
+    sleep_after: bool = Field(
+        default=False, description="placement.colocate: the trainer trains this step on the "
+        "explorer's devices next, so its engine sleeps once the step is reported")
 
 
 @wire("master.trainer.go")
