@@ -314,7 +314,7 @@ def bench_files(tensors, repeat: int, workdir: Path) -> dict[str, list[float]]:
             os.fsync(fd)
             os.close(fd)
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 dest[name].copy_(f.get_tensor(name))
 
     run_dir = workdir / "run"
