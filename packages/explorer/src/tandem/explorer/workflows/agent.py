@@ -62,14 +62,18 @@ class Episode:
 
 
 @dataclass
-class _Outcome(Episode):
+class Outcome(Episode):
+    """An episode and what it scored."""
+
     reward: float = 0.0
     components: dict[str, float] = field(default_factory=dict)
 
 
 async def play_episode(episode: Episode, endpoint: Any, gate: asyncio.Semaphore, openai: Any,
                        args: Any, play: Callable[[Any], Awaitable[Any]]) -> Any:
-    """`play(client)` as `episode`, with an OpenAI client holding that episode's key alone and
+    """`play(client)` as `episode` in this process (the `gym` and `verifiers` workflows, whose
+    loops are tandem's own; `agent` episodes run in `AgentSandbox`), with an OpenAI client
+    holding that episode's key alone and
     `args.timeout` / `args.max_retries`; its result, or None when it ran past the timeout or
     raised (the reason is set: the episode scores 0). The endpoint's records of the episode's
     calls are kept whatever happened."""
@@ -212,7 +216,7 @@ class Agent(Workflow):
                             reason=o.reason)
         return self.experiences(tasks, outcomes, ctx, time.time() - start)
 
-    async def play(self, tasks: list[Task], ctx: RolloutContext) -> list[_Outcome]:
+    async def play(self, tasks: list[Task], ctx: RolloutContext) -> list[Outcome]:
         """Every episode of `tasks`, each in its own sandboxed process."""
         if importlib.util.find_spec("openai") is None:
             raise RuntimeError("the agent workflow needs the openai package: "
@@ -232,8 +236,8 @@ class Agent(Workflow):
 
     @staticmethod
     async def _sandboxed(sandbox: AgentSandbox, gate: asyncio.Semaphore, endpoint: Any,
-                         task: Task, index: int) -> _Outcome:
-        out = _Outcome(task, index)
+                         task: Task, index: int) -> Outcome:
+        out = Outcome(task, index)
         async with gate:
             key = endpoint.calls.open()
             t0 = time.monotonic()
@@ -248,7 +252,7 @@ class Agent(Workflow):
             out.reason = played.reason
         return out
 
-    def experiences(self, tasks: list[Task], outcomes: list[_Outcome], ctx: RolloutContext,
+    def experiences(self, tasks: list[Task], outcomes: list[Outcome], ctx: RolloutContext,
                     wall: float) -> list[Experience]:
         """The experiences of `outcomes` by the rule above, grouped per task in order."""
         endpoint = ctx.endpoint

@@ -32,7 +32,7 @@ from pydantic import Field
 from tandem.common.messages.experience import Experience, Task
 
 from ..environments.gym_text import GymEpisode, resolve_gym_env
-from .agent import Agent, _Outcome, play_episode, score_of
+from .agent import Agent, Outcome, play_episode, score_of
 from .base import RolloutContext, Workflow, WorkflowArgs
 
 
@@ -78,7 +78,7 @@ class Gym(Agent):
             self.model = ctx.endpoint.config.model
         return await super().run(tasks, ctx)
 
-    async def play(self, tasks: list[Task], ctx: RolloutContext) -> list[_Outcome]:
+    async def play(self, tasks: list[Task], ctx: RolloutContext) -> list[Outcome]:
         """Every episode of `tasks` in this process, the environment driven by `_play`."""
         try:
             import openai
@@ -87,8 +87,8 @@ class Gym(Agent):
                                "pip install 'tandem-explorer[agent]'") from None
         gate = asyncio.Semaphore(ctx.endpoint.config.max_concurrency)
 
-        async def episode(task: Task, index: int) -> _Outcome:
-            out = _Outcome(task, index)
+        async def episode(task: Task, index: int) -> Outcome:
+            out = Outcome(task, index)
             result = await play_episode(out, ctx.endpoint, gate, openai, self.args,
                                         lambda client: self._play(dict(task.payload), client))
             if out.reason == "ok":
