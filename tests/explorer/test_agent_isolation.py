@@ -10,8 +10,11 @@ import socket
 
 import pytest
 from endpoint_helpers import GREEDY, encode, endpoint
+from prometheus_client import generate_latest
 
+from tandem.common.config.logs import MetricsConfig
 from tandem.common.messages.experience import Task
+from tandem.common.metrics import MetricsEndpoint
 from tandem.explorer.workflows import RolloutContext, create_workflow
 from tandem.explorer.workflows.agent_sandbox import AgentSandbox, AgentSandboxArgs
 
@@ -91,10 +94,12 @@ async def test_hostile_agent_cannot_write_into_another_episode(agent_engine):
 ])
 async def test_a_failing_agent_costs_its_own_episode(agent_engine, fn, args, reason):
     ep = endpoint(agent_engine)
+    metrics = MetricsEndpoint(MetricsConfig(enabled=True, port=0), "explorer", "explorer-0")
+    workflow = create_workflow("agent", agent_engine.tokenizer,
+                               {"fn": f"hostile_agents:{fn}", "timeout": 60, **args})
+    workflow.attach(ep, repeat_times=2, metrics=metrics)
     await ep.start()
     try:
-        workflow = create_workflow("agent", agent_engine.tokenizer,
-                                   {"fn": f"hostile_agents:{fn}", "timeout": 60, **args})
         failed = await workflow.run([Task(id="t", payload={})], ctx(agent_engine, ep))
         # the explorer and its endpoint carry on: the next step's agents play as usual
         after = create_workflow("agent", agent_engine.tokenizer,
@@ -105,7 +110,9 @@ async def test_a_failing_agent_costs_its_own_episode(agent_engine, fn, args, rea
     assert len(failed) == 2  # the call each made before failing is kept, scored 0
     for e in failed:
         assert e.reward == 0 and e.info["reward_reason"].startswith(reason), e.info
-    assert workflow.failures == {reason.split(":")[0].split()[0]: 2}
+    kind = reason.split(":")[0]
+    assert f'tandem_explorer_agent_failures{{kind="{kind}"}} 2.0' in \
+        generate_latest(metrics.registry).decode()
     assert len(fine) == 2 and {e.info["reward_reason"] for e in fine} == {"ok"}
 
 
