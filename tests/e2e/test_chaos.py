@@ -1,7 +1,9 @@
 """tools/chaos.py in make test: a fully_async run whose explorer dies right after the buffer
 acked its put (before it told the master) and whose trainer dies in the middle of a step still
 finishes with every count at zero: nothing acked is lost, no task is rolled out or trained
-twice, and the learner holds exactly the steps the master counted."""
+twice, and the learner holds exactly the steps the master counted. The same with
+`weights.transport: shared_memory`: the killed trainer's segments go with it (its resource
+tracker unlinks them), the restarted one publishes its version again, and none is left after."""
 
 from __future__ import annotations
 
@@ -18,11 +20,13 @@ STEPS = 16
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("transport", ["shared_fs", "shared_memory"])
 def test_kills_after_a_put_and_mid_step_lose_nothing_and_train_nothing_twice(
-        tmp_path, tiny_model_dir):
+        tmp_path, tiny_model_dir, transport):
     strikes = chaos.parse_strikes("explorer:after-put,trainer:mid-train")
     report = chaos.run_one(tmp_path, tiny_model_dir, "fully_async", strikes, steps=STEPS,
-                           seed=0, run_timeout=200, moment_timeout=60, log=lambda _: None)
+                           seed=0, run_timeout=200, moment_timeout=60, transport=transport,
+                           log=lambda _: None)
     assert [s["status"] for s in report["strikes"]] == ["done", "done"], [
         (s["label"], s["status"], s["evidence"]) for s in report["strikes"]]
     assert report["restarts"].get("explorer-0", 0) >= 1 and report["restarts"].get("trainer", 0) >= 1
