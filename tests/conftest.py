@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # shared test helpers, e.g. component_process
+# the tools the tests drive or share code with (resume_check, chaos, bench_online, ...)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
 from processes import become_subreaper, descendants, kill_and_reap
 

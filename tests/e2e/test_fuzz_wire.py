@@ -3,12 +3,10 @@ the run trains on afterwards and stops cleanly (the short version of tools/fuzz_
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import fuzz_wire
 
 pytestmark = pytest.mark.slow

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Self
@@ -14,7 +13,6 @@ from typing import Self
 import pytest
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
 import resume_check
 from processes import alive, freeze

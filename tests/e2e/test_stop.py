@@ -24,7 +24,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
 import bench_stop
 import resume_check

@@ -25,7 +25,6 @@ from pathlib import Path
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
 import bench_stop
 from processes import freeze

@@ -4,12 +4,9 @@ the per-schedule rows that set each run against its own round's synchronous run.
 from __future__ import annotations
 
 import statistics
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
 import bench_sync
 

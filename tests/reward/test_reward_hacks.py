@@ -4,10 +4,7 @@ applies to, and every honest control still scores 1."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
 import reward_hacks
 

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tools"))
 
 import resume_check
 from cluster import SlurmCluster, free_port
