@@ -122,6 +122,19 @@ def test_versions_are_immutable_and_errors_name_the_segment(run_dir):
     publisher.close()
 
 
+def test_a_version_larger_than_the_free_room_is_refused_naming_it(run_dir):
+    stat = os.statvfs(SHM_ROOT)
+    free = stat.f_bavail * stat.f_frsize
+    publisher = SharedMemoryPublisher(run_dir)
+    # a meta tensor has a size and no storage: nothing is allocated to describe it
+    huge = torch.empty(free // 2 + 2**20, dtype=torch.int16, device="meta")
+    with pytest.raises(WeightsError, match=r"weights version 3 needs .* MiB in /dev/shm, which "
+                                           r"has .* MiB free .*--shm-size.*keep_versions"):
+        publisher.publish(3, [("huge", huge)])
+    assert segments(run_dir) == []
+    publisher.close()
+
+
 def test_retention_keeps_the_newest_and_those_in_use(run_dir):
     in_use = {1}
     publisher = SharedMemoryPublisher(run_dir, keep=2, in_use=lambda: in_use)

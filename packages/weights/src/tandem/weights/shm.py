@@ -25,6 +25,7 @@ the same names from `run_dir` and a version number alone, as they find `weights/
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import mmap
@@ -196,6 +197,7 @@ class SharedMemoryPublisher:
         header = SegmentHeader(version=version, tensors=[
             e.model_copy(update={"offset": e.offset + data_start}) for e in entries], size=size)
         raw = header.model_dump_json().encode()
+        self._check_room(version, size)
         tmp_name = f"tandem-{self.key}-tmp-v{version}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         tmp = self.root / tmp_name
         self._track(tmp_name)  # from before it exists: a kill at any moment leaves nothing
@@ -215,6 +217,12 @@ class SharedMemoryPublisher:
                 os.close(fd)
             self._track(final.name)
             os.rename(tmp, final)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            self._untrack(final.name)
+            if exc.errno == errno.ENOSPC:  # another writer took the room after the check
+                raise WeightsError(self._no_room(version, size)) from None
+            raise
         except BaseException:
             tmp.unlink(missing_ok=True)
             self._untrack(final.name)
@@ -230,6 +238,20 @@ class SharedMemoryPublisher:
             self.announce(published)
         self.prune()
         return published
+
+    def _check_room(self, version: int, size: int) -> None:
+        # tmpfs allocates on write: without room the copy would fail half-way through
+        stat = os.statvfs(self.root)
+        if stat.f_bavail * stat.f_frsize < size:
+            raise WeightsError(self._no_room(version, size))
+
+    def _no_room(self, version: int, size: int) -> str:
+        stat = os.statvfs(self.root)
+        free, total = stat.f_bavail * stat.f_frsize, stat.f_blocks * stat.f_frsize
+        return (f"weights version {version} needs {size / 2**20:.1f} MiB in {self.root}, which "
+                f"has {free / 2**20:.1f} MiB free of {total / 2**20:.1f} MiB; give it more "
+                "(a container's default is 64 MiB: docker --shm-size, a Kubernetes emptyDir "
+                "with medium: Memory) or lower weights.keep_versions")
 
     def prune(self) -> list[int]:
         """Unlink versions older than the newest `keep` that no explorer uses; returns them."""
