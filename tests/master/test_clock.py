@@ -430,17 +430,18 @@ async def test_a_grant_ahead_is_journaled_and_a_restarted_master_replays_it(tmp_
         await again.close()
 
 
-def test_colocated_explorer_sleeps_after_every_step_but_the_last():
+@pytest.mark.parametrize("sleeps_last", [True, False])
+def test_colocated_explorer_sleeps_after_each_step(sleeps_last):
     # placement.colocate: the trainer trains each step on the explorer's devices; after the
-    # last one nothing would wake the engine for the final evaluation
+    # last one too, unless the explorer evaluates at the end (nothing could wake it for that)
     clock = RunClock(SyncPlan(method="checkpoint", interval=1, offset=0), total_steps=3,
-                     colocated="a")
+                     colocated="a", colocated_sleeps_last=sleeps_last)
     sleeps = [m.sleep_after for _, m in clock.join("a") if hasattr(m, "sleep_after")]
     for step in range(3):
         clock.explorer_done("a", step, step, step)
         d = clock.trainer_step_done(step)
         d += clock.published(step + 1) if step < 2 else []
         sleeps += [m.sleep_after for t, m in d if t.startswith("barrier.")]
-    assert sleeps == [True, True, False]
+    assert sleeps == [True, True, sleeps_last]
     other = RunClock(SyncPlan(method="checkpoint", interval=1, offset=0), total_steps=3)
     assert [m.sleep_after for _, m in other.join("a")] == [False]

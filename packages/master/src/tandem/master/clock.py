@@ -130,6 +130,7 @@ class RunClock:
     published_count: Counter = field(default_factory=Counter)  # decisions per topic
     top_up_target: int | None = None  # dynamic sampling: informative groups a step wants
     colocated: str | None = None  # placement.colocate: the explorer whose engine sleeps
+    colocated_sleeps_last: bool = True  # ... after the last step too (no final evaluation)
     max_extra: int = 0  # dynamic sampling: top-up batches one step may get
     informative: dict[int, int] = field(default_factory=dict)  # synchronous: step -> groups
     uncounted: set[int] = field(default_factory=set)  # steps with a batch of unknown signal
@@ -617,9 +618,11 @@ class RunClock:
         # went by in a broadcast and is never sent again
         method = ("checkpoint" if plan.method == "nccl" and go.load and fresh
                   and go.version in self.on_disk else plan.method)
-        # placement.colocate: after this rollout the trainer takes the devices (not after the
-        # last step: nothing would wake the engine for the final evaluation)
-        sleep = slot.name == self.colocated and step + 1 < self.total_steps
+        # placement.colocate: after this rollout the trainer takes the devices (after the last
+        # step too, unless the explorer evaluates at the end: the last version is not
+        # published, so nothing could wake it for that)
+        sleep = slot.name == self.colocated and (step + 1 < self.total_steps
+                                                 or self.colocated_sleeps_last)
         slot.barrier = Barrier(explorer=slot.name, step=step, version=go.version, wait=go.load,
                                batch=batch, method=method, sleep_after=sleep)
         return slot.barrier

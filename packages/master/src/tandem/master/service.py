@@ -23,7 +23,7 @@ from collections.abc import Callable
 import structlog
 
 from tandem.common.config import RunConfig
-from tandem.common.config.placement import colocated_explorer
+from tandem.common.config.placement import colocated_explorer, evaluates_at_end
 from tandem.common.errors import ConfigError, RequestFailed, TandemError
 from tandem.common.heartbeat import Liveness
 from tandem.common.messages.base import Heartbeat, HeartbeatAck, Message, Ok
@@ -130,7 +130,9 @@ class Master:
         self.clock = RunClock(self.plan, self.total_steps,
                               top_up_target=tc.groups_per_step if tc.dynamic_sampling else None,
                               max_extra=tc.max_oversample,
-                              colocated=colocated_explorer(config))
+                              colocated=colocated_explorer(config),
+                              colocated_sleeps_last=not evaluates_at_end(
+                                  config, colocated_explorer(config)))
         # sync.max_staleness: auto: the rule, and the bound with what was measured under it
         self.staleness_rule: StalenessRule | None = (
             config.sync.auto.rule() if config.sync.auto_staleness else None)

@@ -126,6 +126,13 @@ def colocated_explorer(config: RunConfig) -> str | None:
     return names[0] if names else None
 
 
+def evaluates_at_end(config: RunConfig, name: str | None) -> bool:
+    """Whether explorer `name` evaluates the weights it holds when the run ends (a colocated
+    one then stays awake after its last step: the last version is never published)."""
+    e = config.eval
+    return name is not None and e.enabled and e.at_end and config.evaluating_explorer == name
+
+
 def check_colocation(config: RunConfig) -> list[str]:
     """Why `placement.colocate` cannot work with this config; one problem per line, each
     naming the key to change. An engine asleep while the trainer works needs the trainer and

@@ -207,7 +207,8 @@ class Barrier(Message):
     method: Literal["checkpoint", "nccl"] = "checkpoint"
     sleep_after: bool = Field(
         default=False, description="placement.colocate: the trainer trains this step on the "
-        "explorer's devices next, so its engine sleeps once the step is reported")
+        "explorer's devices next, so its engine sleeps once the step is stored, before it is "
+        "reported")
 
 
 @wire("master.trainer.go")
