@@ -12,13 +12,14 @@ explorer-0]`. While it runs, this tool reads the proportional set size (PSS: sha
 between the processes sharing them, so the sum is what the tree holds) of `tandem up` and every
 process under it, every `--interval` seconds, less their mappings of the run's /dev/shm
 segments, and the bytes of those segments, counted once whether mapped or not. After the run,
-each sample is put in the phase the trace says it was taken in (the trainer's `train` spans,
-else rollout/sync). Columns:
+each sample is put in the phase the trace says it was taken in, when it lies wholly inside one
+of the trainer's `train` spans or the explorer's `rollout` spans. Columns:
 
 - peak tree memory: the largest (tree PSS + segment bytes) of any sample, and of the samples
   taken while the trainer trains;
-- explorer PSS in training: the explorer process's median PSS over the samples inside `train`
-  spans (asleep, colocated: the interpreter, torch and the tokenizer, no weights);
+- explorer in training / rolling out: the explorer process's median PSS over the samples inside
+  `train` / `rollout` spans (asleep, colocated: the interpreter, torch and the tokenizer, no
+  weights);
 - trainer step s: the median `train` span, to show what sleeping and waking costs (the `wake`
   and `sleep` spans' medians are given too).
 
@@ -123,11 +124,12 @@ def sample(root: psutil.Process, run_dir: Path, interval: float, out: list, done
             procs = [root, *root.children(recursive=True)]
         except psutil.Error:
             break
+        start = time.time()
         by_role: dict[str, int] = {}
         for p in procs:
             r = role(p)
             by_role[r] = by_role.get(r, 0) + pss(p)
-        out.append({"t": time.time(), "pss": by_role, "shm": shm_bytes(run_dir)})
+        out.append({"t0": start, "t": time.time(), "pss": by_role, "shm": shm_bytes(run_dir)})
         done.wait(interval)
 
 
@@ -156,18 +158,19 @@ def one_run(workdir: Path, model_dir: Path, *, colocate: bool, steps: int, inter
         raise SystemExit(f"tandem up {config} exited {proc.returncode}:\n{output[-3000:]}")
     spans = read_trace(run_dir)
     trains = [(s["start"], s["end"]) for s in spans if s["kind"] == "train"]
+    rollouts = [(s["start"], s["end"]) for s in spans if s["kind"] == "rollout"]
 
-    def in_train(t: float) -> bool:
-        return any(a <= t <= b for a, b in trains)
+    def within(s: dict[str, Any], spans: list[tuple[float, float]]) -> bool:
+        # the whole sample (its processes are read one after another) inside one span
+        return any(a <= s["t0"] and s["t"] <= b for a, b in spans)
 
     def total(s: dict[str, Any]) -> int:
         return sum(s["pss"].values()) + s["shm"]
 
     peak = max(samples, key=total)
-    peak_train = max((s for s in samples if in_train(s["t"])), key=total, default=None)
-    explorer_train = [s["pss"].get("explorer", 0) for s in samples if in_train(s["t"])]
-    explorer_rollout = [s["pss"].get("explorer", 0) for s in samples if not in_train(s["t"])
-                        and s["pss"].get("explorer")]
+    peak_train = max((s for s in samples if within(s, trains)), key=total, default=None)
+    explorer_train = [s["pss"].get("explorer", 0) for s in samples if within(s, trains)]
+    explorer_rollout = [s["pss"].get("explorer", 0) for s in samples if within(s, rollouts)]
 
     def median_span(kind: str) -> float | None:
         d = [s["end"] - s["start"] for s in spans if s["kind"] == kind]
