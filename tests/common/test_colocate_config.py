@@ -26,6 +26,10 @@ def test_colocated_explorer_takes_the_trainers_devices_and_every_core():
     table = resolve_placement(config)
     assert table["explorer-0"].devices == table["trainer"].devices == "0"
     assert table["explorer-0"].threads == table["trainer"].threads == 4  # they alternate
+    # memory freed between phases goes back to the system (measured: docs/benchmarks.md)
+    assert table["trainer"].env()["MALLOC_MMAP_THRESHOLD_"] == "65536"
+    assert table["explorer-0"].env()["MALLOC_MMAP_THRESHOLD_"] == "65536"
+    assert "MALLOC_MMAP_THRESHOLD_" not in table["buffer"].env()
 
 
 def test_no_colocation_by_default():

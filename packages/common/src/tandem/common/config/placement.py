@@ -33,6 +33,10 @@ if TYPE_CHECKING:
     from . import RunConfig
 
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+# placement.colocate: glibc serves a large block from its own mapping, returned to the system on
+# free, instead of from a heap that keeps its high-water mark; read when a process starts, so
+# `tandem up` puts it in the environment of the trainer and the colocated explorer
+COLOCATED_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
 class ComponentPlacement(Section):
@@ -88,12 +92,15 @@ class Assignment:
     threads: int | None
     devices: str | None = None
     nproc: int = 1
+    colocated: bool = False
 
     def env(self) -> dict[str, str]:
         """The environment variables a child process is started with."""
         out = {key: str(self.threads) for key in THREAD_ENV} if self.threads else {}
         if self.devices is not None:
             out["CUDA_VISIBLE_DEVICES"] = self.devices
+        if self.colocated:
+            out.update(COLOCATED_ENV)
         return out
 
     def describe(self) -> str:
@@ -192,12 +199,14 @@ def resolve_placement(config: RunConfig, cores: int | None = None) -> dict[str, 
         out[name] = Assignment("control", control, p.control.devices)
     t = p.trainer
     threads = t.threads if t.threads else (max(1, trainer_cores // t.nproc) if auto else None)
-    out["trainer"] = Assignment("trainer", threads, t.devices, t.nproc)
-    e = p.explorers
     shared = colocated_explorer(config)
+    out["trainer"] = Assignment("trainer", threads, t.devices, t.nproc,
+                                colocated=shared is not None)
+    e = p.explorers
     for name in names:
         out[name] = Assignment("explorer", e.threads if e.threads else (
-            explorer_cores if auto else None), t.devices if name == shared else e.devices)
+            explorer_cores if auto else None), t.devices if name == shared else e.devices,
+            colocated=name == shared)
     return out
 
 
