@@ -1,7 +1,7 @@
 """On-policy distillation against GRPO alone on the quickstart task (reverse three digits), side
 by side in one invocation: the same student, the same steps, through `tandem up`.
 
-    .venv/bin/python tools/bench_distill.py [--steps 20] [--teacher-sft-steps 300]
+    .venv/bin/python tools/bench_distill.py [--steps 40] [--teacher-sft-steps 300]
         [--variants grpo,distill,distill_task] [--lr 3e-4] [--out .bench/distill.json] [--reuse]
 
 One tiny Qwen2 (`tandem quickstart`'s MODEL) and two supervised warm starts from it: the
@@ -98,7 +98,7 @@ def run(root: Path, name: str, steps: int, seed: int, lr: float) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--teacher-sft-steps", type=int, default=300)
     parser.add_argument("--variants", default="grpo,distill,distill_task")
     parser.add_argument("--lr", type=float, default=3e-4, help="every variant's (quickstart's)")
