@@ -8,9 +8,12 @@ trainer's step and every wake before the next load, and the timeline draws them.
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
 import pytest
+from processes import run_group
 
 from tandem.common.config import RunConfig
 from tandem.common.trace import read_trace
@@ -18,7 +21,7 @@ from tandem.master.quickstart import reversal_tasks, write_jsonl
 from tandem.master.timeline import load_timeline
 from tandem.master.up import run_up
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(540)]
 STEPS = 4
 
 
@@ -97,3 +100,22 @@ def test_colocated_run_sleeps_wakes_and_trains_what_separate_copies_train(tmp_pa
     tl = load_timeline(runs[True].run_dir)
     assert len([s for s in tl.spans if s.kind == "asleep"]) == STEPS
     assert (Path(runs[True].run_dir) / "timeline.png").exists()
+
+
+def test_colocated_quickstart_raises_heldout_accuracy(tmp_path):
+    """`tandem quickstart --colocate`, shortened as tests/e2e/test_quickstart.py shortens it:
+    the explorer asleep through every trainer step but the last (it evaluates at the end)."""
+    run_dir = tmp_path / "qs"
+    tandem = Path(sys.executable).parent / "tandem"
+    # about 25 s on 2 quiet cores; the bound leaves room for a busy machine
+    proc = run_group([str(tandem), "quickstart", "--colocate", "--plain", "--run-dir",
+                      str(run_dir), "--steps", "50"], timeout=480)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["colocate"] and result["versions"] == [0, 49], result
+    assert result["after"]["sampled/accuracy"] >= result["before"]["sampled/accuracy"] + 0.1, \
+        result
+    spans = read_trace(run_dir / "grpo")
+    kinds = [s["kind"] for s in spans if s["component"] == "explorer-0"]
+    assert kinds.count("sleep") == kinds.count("wake") == 49, kinds
+    assert (run_dir / "grpo" / "timeline.png").exists()

@@ -110,15 +110,22 @@ def before_after(run_dir: Path) -> tuple[dict, dict]:
 
 def quickstart_config(run_dir: Path, model_dir: Path, taskset: Path, *, preset: str,
                       steps: int, seed: int, explorers: int = 1, lr: float = 3e-4,
-                      heldout: Path | None = None, device: str = "cpu") -> RunConfig:
+                      heldout: Path | None = None, device: str = "cpu",
+                      colocate: bool = False) -> RunConfig:
     """The GRPO run: the same settings the examples/ configs spell out, plus the held-out
     evaluation (before the first step and at the end) when `heldout` is set; `device` is the
-    trainer's and every explorer engine's (cpu, cuda)."""
+    trainer's and every explorer engine's (cpu, cuda); `colocate`: the explorer time-shares the
+    trainer's devices, waking to each version from shared memory (placement.colocate)."""
     names = [f"explorer-{i}" for i in range(explorers)]
+    colocated = ({"placement": {"colocate": ["trainer", names[0]]},
+                  "weights": {"transport": "shared_memory", "keep_versions": 1}}
+                 if colocate else {})
     return RunConfig.model_validate({
         "name": "quickstart", "run_dir": str(run_dir), "seed": seed,
         "model": {"path": str(model_dir)},
-        "sync": {"preset": preset, "timeout": 120},
+        "sync": {"preset": preset, "timeout": 120,
+                 **({"method": "checkpoint"} if colocate else {})},
+        **colocated,
         "master": {"total_steps": steps,
                    "taskset": {"path": str(taskset), "seed": seed, "epochs": 100}},
         "explorers": [{"name": n, "batch_size": 16 // explorers, "repeat_times": 8,
@@ -145,13 +152,20 @@ def quickstart_config(run_dir: Path, model_dir: Path, taskset: Path, *, preset: 
 @click.option("--plain", is_flag=True, help="progress lines instead of a live panel")
 @click.option("--device", default="cpu", show_default=True,
               help="the trainer's and the explorers' device (cuda: the GRPO run on a GPU)")
+@click.option("--colocate", is_flag=True,
+              help="the explorer time-shares the trainer's devices, asleep while it trains "
+                   "(placement.colocate; --preset synchronous)")
 def quickstart(run_dir: str, preset: str, steps: int, sft_steps: int, lr: float, seed: int,
-               plain: bool, device: str) -> None:
+               plain: bool, device: str, colocate: bool) -> None:
     """Run a tiny end-to-end example on CPU (or --device cuda): SFT warm start, then GRPO,
     reward rising."""
     import shutil
 
     from tandem.weights.tiny import build_tiny_model
+
+    if colocate and preset != "synchronous":
+        raise click.UsageError(f"--colocate needs --preset synchronous (rollout and training "
+                               f"alternate), not {preset}")
 
     from .up import run_up
 
@@ -173,7 +187,8 @@ def quickstart(run_dir: str, preset: str, steps: int, sft_steps: int, lr: float,
     click.echo(f"3/4 GRPO through the full system ({preset}, {steps} trainer steps)")
     config = quickstart_config(root / "grpo", root / "model-sft", taskset, preset=preset,
                                steps=steps, seed=seed, lr=lr, heldout=heldout_set,
-                               explorers=preset_explorers(preset), device=device)
+                               explorers=preset_explorers(preset), device=device,
+                               colocate=colocate)
     code = run_up(config, live=False if plain else None, prog="tandem quickstart")
     if code != 0:
         sys.exit(code)
@@ -189,5 +204,6 @@ def quickstart(run_dir: str, preset: str, steps: int, sft_steps: int, lr: float,
     click.echo(f"    total {time.monotonic() - started:.0f} s; run dir {root}")
     (root / "result.json").write_text(json.dumps(
         {"before": before, "after": after, "versions": [first["version"], last["version"]],
-         "seconds": time.monotonic() - started, "preset": preset, "steps": steps,
+         "seconds": time.monotonic() - started, "preset": preset, "colocate": colocate,
+         "steps": steps,
          "sft_steps": sft_steps, "params": params}, indent=2))

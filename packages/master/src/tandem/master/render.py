@@ -162,7 +162,7 @@ def finish_png(fig, ax, path: str | Path, lanes: int, extra: list[tuple[str, str
                ("Sync. weight (Checkpoint)", COLOURS["checkpoint"]), *extra]
     ax.legend(handles=[Patch(color=colour, label=label) for label, colour in entries],
               loc="upper center", bbox_to_anchor=(0.5, -0.35 if lanes < 5 else -0.2),
-              ncol=len(entries), fontsize=8, frameon=False)
+              ncol=min(len(entries), 6), fontsize=8, frameon=False)
     ax.grid(axis="x", linewidth=0.3, alpha=0.5)
     fig.tight_layout()
     path = Path(path)
