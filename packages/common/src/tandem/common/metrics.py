@@ -28,7 +28,8 @@ from .errors import ConfigError
 
 log = structlog.get_logger(__name__)
 
-SPAN_KINDS = ("train", "rollout", "wait", "sync", "eval")
+# sleep / wake: a colocated explorer's engine releasing and retaking its weights
+SPAN_KINDS = ("train", "rollout", "wait", "sync", "eval", "sleep", "wake")
 SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
