@@ -78,7 +78,7 @@ def test_colocated_run_sleeps_wakes_and_trains_what_separate_copies_train(tmp_pa
 
     spans = read_trace(runs[True].run_dir)
     mine = sorted((s for s in spans if s["component"] == "explorer-0"), key=lambda s: s["start"])
-    of = lambda kind: {s["step"]: s for s in mine if s["kind"] == kind}  # noqa: E731
+    of = lambda kind: {s["step"]: s for s in mine if s["kind"] == kind}
     sleeps, wakes, loads, rollouts = of("sleep"), of("wake"), of("sync"), of("rollout")
     trains = {s["step"]: s for s in spans if s["kind"] == "train"}
     # asleep after every step (no final evaluation here: tests/master/test_clock.py has the
