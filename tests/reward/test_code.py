@@ -160,10 +160,7 @@ async def test_cancelling_an_evaluation_kills_the_run(reward_config, processes_m
         with pytest.raises(asyncio.CancelledError):
             await task
         # the kernel ends a PID namespace's processes after its first one dies, not in the
-        # same instant: gone within a second, not just eventually
-        deadline = time.monotonic() + 1.0
-        while processes_mentioning(base) and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
+        # same instant: the cancelled run returns once they have gone
         assert processes_mentioning(base) == []
 
 

@@ -52,6 +52,10 @@ _RESERVED = {
     sandbox_runner.FILE_TOO_LARGE: "file_size",
     sandbox_runner.NOT_REACHED: "not_reached",
 }
+# seconds a killed run's processes get to exit before the sandbox goes on and says which remain
+KILL_WAIT = 5.0
+
+
 def install_hint(key: str) -> str:
     return ("install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap; Fedora: dnf "
             f"install bubblewrap) or set {key}.isolation to none for trusted code only")
@@ -512,7 +516,10 @@ class Sandbox:
 
     async def _kill(self, proc: asyncio.subprocess.Process, slot: int) -> None:
         """Kill the tree: the namespace's first process (the kernel then kills the rest),
-        bubblewrap, the process group, and whatever is still in the slot's cgroup."""
+        bubblewrap, the process group, and whatever is still in the slot's cgroup; return once
+        every process of the tree seen before the kill has exited (a SIGKILLed process takes a
+        moment to go, longer on a loaded machine), at most KILL_WAIT seconds."""
+        tree = _tree(proc.pid)
         if proc.returncode is None:
             for pid in _children(proc.pid):
                 try:
@@ -530,6 +537,11 @@ class Sandbox:
         await proc.wait()
         if self.cgroups is not None:
             self.cgroups.kill_all(slot)
+        deadline = time.monotonic() + KILL_WAIT
+        while (alive := [pid for pid in tree if _alive(pid)]) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        if alive:
+            log.warning("sandbox.slow_exit", pids=alive, seconds=KILL_WAIT)
 
     def close_sync(self) -> None:
         if self.cgroups is not None:
@@ -551,3 +563,22 @@ def _children(pid: int) -> list[int]:
     except OSError:
         return []
     return [int(p) for p in text.split()]
+
+
+def _tree(pid: int) -> list[int]:
+    """Every process below `pid`, children first."""
+    found, frontier = [], [pid]
+    while frontier:
+        below = _children(frontier.pop())
+        found += below
+        frontier += below
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` still runs (a zombie has exited: only its parent's wait is left)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][:1]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
