@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # shared test helpers, e.g. comp
 # the tools the tests drive or share code with (resume_check, chaos, bench_online, ...)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
-from processes import become_subreaper, descendants, kill_and_reap
+from processes import become_subreaper, descendants, kill_and_reap, reap_orphans, track_spawns
 
 
 def pytest_pyfunc_call(pyfuncitem):
@@ -29,6 +29,7 @@ def pytest_pyfunc_call(pyfuncitem):
 
 def pytest_configure(config):
     become_subreaper()  # orphans (a torchrun rank whose torchrun died) come back to pytest
+    track_spawns()  # ... and once exited, reap_orphans tells them from pytest's own children
 
 
 @pytest.fixture(autouse=True)
@@ -41,6 +42,7 @@ def no_leftover_processes():
         return
     before = set(descendants())
     yield
+    reap_orphans()
     start = time.monotonic()
     while True:
         left = {pid: cmd for pid, cmd in descendants().items() if pid not in before}

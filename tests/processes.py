@@ -26,6 +26,63 @@ def become_subreaper() -> None:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
 
 
+# Every process this one started itself (subprocess, asyncio's subprocesses, multiprocessing):
+# their waits belong to whoever started them. Any other child is an orphan re-parented here.
+_spawned: set[int] = set()
+
+
+def track_spawns() -> None:
+    """Record the pid of each process this one starts through subprocess.Popen (asyncio's
+    subprocesses use it too) or multiprocessing, for `reap_orphans`."""
+    import multiprocessing.popen_fork
+    import multiprocessing.popen_forkserver
+    import multiprocessing.popen_spawn_posix
+
+    def recording(launch):
+        def launch_and_record(self, *args, **kwargs):
+            try:
+                return launch(self, *args, **kwargs)
+            finally:
+                if getattr(self, "pid", None):
+                    _spawned.add(self.pid)
+        return launch_and_record
+
+    subprocess.Popen._execute_child = recording(subprocess.Popen._execute_child)
+    for module in (multiprocessing.popen_fork, multiprocessing.popen_spawn_posix,
+                   multiprocessing.popen_forkserver):
+        module.Popen._launch = recording(module.Popen._launch)
+
+
+def zombie_children() -> set[int]:
+    """This process's children that exited and wait for its wait."""
+    me, found = os.getpid(), set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text().rsplit(") ", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if stat[0] == "Z" and int(stat[1]) == me:
+            found.add(int(entry.name))
+    return found
+
+
+def reap_orphans() -> list[int]:
+    """Reap the exited orphans re-parented to this process (it is their subreaper): a process
+    whose parent died before it (what a SIGKILL of `tandem up` leaves, or a sandbox whose
+    namespace was torn down) stays a zombie here until waited for, and nobody else will. The
+    children this process started itself are left to their own waits. Returns the pids reaped."""
+    reaped = []
+    for pid in sorted(zombie_children() - _spawned):
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                reaped.append(pid)
+        except ChildProcessError:
+            pass
+    return reaped
+
+
 def descendants() -> dict[int, str]:
     """Every live (not zombie) process below this one: pid -> command line."""
     parents: dict[int, int] = {}
