@@ -197,3 +197,52 @@ def test_up_reports_no_success_while_the_checkpoint_is_behind_the_count(tmp_path
     assert newest_checkpoint(root) == (8, root / "step_00000008")
     assert checkpoint_short(status(8), root) is None
     assert checkpoint_short(None, root) is None
+
+
+async def test_a_run_killed_before_any_checkpoint_is_retrained_from_the_start_on_resume(
+        tmp_path, zmq_sockets_closed):
+    """Everything killed once the master counted the last step, before the trainer wrote any
+    checkpoint: the restarted master re-sends its Stop, which a trainer resuming from model.path
+    (0 steps) must not take as its own. Its TrainerResumed(0) re-opens the run, withdraws that
+    Stop from later snapshots, and steps 0..3 are trained again before the run ends."""
+    config = make_config(tmp_path, "master.total_steps=4", "master.final_checkpoint_wait=60")
+    master = Master(config)
+    serving = asyncio.create_task(master.serve())
+    await master.start()
+    try:
+        newest = await asyncio.wait_for(asyncio.gather(
+            explorer_loop(master, "explorer-0", []), dying_trainer(master, checkpoint_every=99)),
+            20)
+        assert newest[1] == 0  # no checkpoint of any step
+    finally:
+        serving.cancel()
+        await asyncio.gather(serving, return_exceptions=True)
+        await master.close()  # the SIGKILL of everything: the journal is all that is left
+
+    again = Master(config.model_copy(deep=True))
+    serving = asyncio.create_task(again.serve())
+    await again.start()
+    try:
+        peer = Peer(again, "trainer", "trainer", ["trainer", "stop"])
+        registered = await peer.start()
+    except BaseException:
+        await again.close()
+        raise
+    try:
+        assert registered.trainer_steps == 4
+        stale = await peer.next("stop")  # the restarted master's Stop, from the snapshot
+        assert stale.steps == 4 and not stale.ends(0) and stale.ends(4)
+        await peer.rpc.call(TrainerResumed(step=0), timeout=2)
+        assert not again.status().counters.stopped
+        assert again.publisher.snapshot(["stop"]) == []  # a late joiner is not told to stop
+        for step in range(4):
+            go = await peer.next("trainer")
+            assert (go.TYPE, go.step) == ("master.trainer.go", step)
+            await peer.rpc.call(TrainerStepDone(step=step, version=step + 1), timeout=2)
+        assert (await peer.next("stop")).ends(4)
+        await peer.rpc.call(TrainerCheckpointed(step=4), timeout=2)
+        await asyncio.wait_for(serving, 10)
+    finally:
+        await peer.close()
+        await again.close()
+    assert again.clock.trainer_done == 4 and again.trainer_checkpoint == 4

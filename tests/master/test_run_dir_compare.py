@@ -3,6 +3,8 @@ difference, which may change on `--resume`, and the one line each case prints.""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from tandem.common.config import load_config
@@ -13,6 +15,7 @@ from tandem.common.runrecord import (
     check_against,
     differences,
     flatten,
+    newest_checkpoint,
     operational,
     recorded_config,
 )
@@ -79,6 +82,24 @@ def test_the_same_config_continues_or_is_finished():
     done = check_against(record(), config("logging.level=debug"), resume=False)
     assert done.finished and done.line("runs/x").startswith(
         "run run-1 in runs/x is finished (8 of 8 trainer steps); nothing to do")
+
+
+def test_a_run_counted_to_the_end_without_its_checkpoint_goes_on(tmp_path):
+    """Everything killed between the master's last count and the trainer's checkpoint: the
+    journal says 8 of 8, the disk holds 5 (or nothing). The run is not finished; its trainer
+    retrains the steps after its checkpoint."""
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "step_00000005").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step_00000005" / "trainer_state.json").write_text('{"step": 5}')
+    (run_dir / "checkpoints" / "step_00000008").mkdir()  # not complete: no trainer_state.json
+    assert newest_checkpoint(run_dir / "checkpoints") == (5, run_dir / "checkpoints" /
+                                                          "step_00000005")
+    short = replace(check_against(record(), config(), resume=True), checkpointed=5)
+    assert not short.finished
+    assert short.line("runs/x") == ("continuing run run-1 in runs/x at step 8 of 8 (the newest "
+                                    "checkpoint holds 5: steps 5..7 are retrained)")
+    assert not replace(short, checkpointed=0).finished
+    assert replace(short, checkpointed=8).finished
 
 
 def test_a_change_without_resume_names_each_key_and_both_ways_out():

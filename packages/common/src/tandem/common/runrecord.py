@@ -11,7 +11,10 @@ and `tandem up`) calls `join_run` before it starts anything:
   changed by their rule: the run goes on;
 - any other difference: `RunDirTaken`, one line naming the run dir, each key with both values
   and the two ways out;
-- a finished run: `JoinedRun.finished`, and the caller exits 0 without starting anything.
+- a finished run (every step counted, and the newest trainer checkpoint holds them all, design
+  P3): `JoinedRun.finished`, and the caller exits 0 without starting anything. A run whose
+  count is complete but whose checkpoint is short (everything was killed before the last one
+  was written) goes on: its trainer retrains the steps after its checkpoint.
 
 Reading is lenient (the frames stop at the first one that does not read back whole): the
 master's replay, not this check, decides what is damage.
@@ -20,9 +23,10 @@ master's replay, not this check, decides what is damage.
 from __future__ import annotations
 
 import fnmatch
+import json
 import struct
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from collections.abc import Callable
@@ -179,17 +183,38 @@ def journal_path(config: RunConfig) -> Path:
     return Path(config.run_dir) / config.master.journal
 
 
+def newest_checkpoint(root: Path) -> tuple[int, Path | None]:
+    """The steps the newest complete trainer checkpoint under `root` holds, and its folder
+    ((0, None): none), from its `trainer_state.json` (the layout of `tandem.trainer.checkpoint`,
+    read here without importing torch)."""
+    best: tuple[int, Path | None] = (0, None)
+    for folder in root.glob("step_*"):
+        try:
+            step = int(json.loads((folder / "trainer_state.json").read_text())["step"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not complete (a checkpoint is renamed into place once written)
+        best = max(best, (step, folder), key=lambda b: b[0])
+    return best
+
+
 @dataclass(frozen=True)
 class JoinedRun:
-    """The run a CLI joins: `record` as the journal has it, the length it goes on to."""
+    """The run a CLI joins: `record` as the journal has it, the length it goes on to, and the
+    steps its newest trainer checkpoint holds (None: the disk was not looked at)."""
 
     record: RunRecord
     total_steps: int
     changed: tuple[Difference, ...]
+    checkpointed: int | None = None
+
+    @property
+    def short(self) -> bool:
+        """The newest checkpoint holds fewer steps than the journal counted."""
+        return self.checkpointed is not None and self.checkpointed < self.record.trainer_steps
 
     @property
     def finished(self) -> bool:
-        return self.record.trainer_steps >= self.total_steps
+        return self.record.trainer_steps >= self.total_steps and not self.short
 
     def line(self, run_dir: str) -> str:
         r = self.record
@@ -198,9 +223,12 @@ class JoinedRun:
                     f"{self.total_steps} trainer steps); nothing to do. To train it longer: "
                     f"--resume --set master.total_steps=N (N > {self.total_steps}); for a new "
                     "run: a new run_dir")
-        changes = "; ".join(str(d) for d in self.changed)
+        notes = [str(d) for d in self.changed]
+        if self.short:
+            notes.append(f"the newest checkpoint holds {self.checkpointed}: steps "
+                         f"{self.checkpointed}..{r.trainer_steps - 1} are retrained")
         return (f"continuing run {r.run_id} in {run_dir} at step {r.trainer_steps} of "
-                f"{self.total_steps}" + (f" ({changes})" if changes else ""))
+                f"{self.total_steps}" + (f" ({'; '.join(notes)})" if notes else ""))
 
 
 def check_against(record: RunRecord, config: RunConfig, *, resume: bool) -> JoinedRun:
@@ -240,9 +268,13 @@ def join_run(config: RunConfig, *, resume: bool) -> JoinedRun | None:
     """The run in `config.run_dir` that `config` joins (None: none yet); `RunDirTaken` when the
     run dir holds a run this config may not join."""
     record = read_run_record(journal_path(config))
-    return None if record is None else check_against(record, config, resume=resume)
+    if record is None:
+        return None
+    joined = check_against(record, config, resume=resume)
+    step, _ = newest_checkpoint(Path(config.run_dir) / "checkpoints")
+    return replace(joined, checkpointed=step)
 
 
 __all__ = ["FRAME_HEAD", "OPERATIONAL", "RESUMABLE", "Difference", "JoinedRun", "RunDirTaken",
-           "RunRecord", "check_against", "differences", "flatten", "join_run", "operational",
-           "read_run_record", "recorded_config"]
+           "RunRecord", "check_against", "differences", "flatten", "join_run", "newest_checkpoint",
+           "operational", "read_run_record", "recorded_config"]

@@ -495,12 +495,13 @@ class RunClock:
                 # back may go now
                 out += self._grant_all()
         if self.trainer_done >= self.total_steps:
-            self.stop = Stop(reason=f"done: {self.total_steps} trainer steps")
+            self.stop = Stop(reason=f"done: {self.total_steps} trainer steps",
+                             steps=self.trainer_done)
         elif (self.exhausted and not self.producing and self.trainer_go == self.trainer_done
               and not any(s.running is not None for s in self.alive)
               and not self._trainer_ready(self.trainer_go)):
             self.stop = Stop(reason=f"taskset exhausted after {self.trainer_done} of "
-                                    f"{self.total_steps} trainer steps")
+                                    f"{self.total_steps} trainer steps", steps=self.trainer_done)
         if self.stop is not None:
             self.stopped = True
             out.append(("stop", self.stop))

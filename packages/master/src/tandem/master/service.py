@@ -744,6 +744,7 @@ class Master:
             if not self.clock.stopped and self._ending is not None:
                 self._ending.cancel()  # the run goes on: the steps after it are retrained
                 self._ending = None
+                self.publisher.withdraw("stop")  # a late joiner's snapshot must not end it
             self._note_checkpoint()
             log.info("trainer.resumed", step=msg.step, master_had=before,
                      retrain=f"{msg.step}..{before - 1}" if before > msg.step else "nothing",

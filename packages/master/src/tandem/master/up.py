@@ -16,7 +16,6 @@ checkpoint.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
@@ -35,6 +34,7 @@ from tandem.common.config.transport import move_secrets_to_env
 from tandem.common.errors import PeerDead, RequestFailed, TandemError
 from tandem.common.messages.master import Status
 from tandem.common.rundir import private_run_dir
+from tandem.common.runrecord import newest_checkpoint
 from tandem.common.sockets import free_port
 from tandem.common.trace import JsonlTail, Tracer
 
@@ -161,20 +161,6 @@ def headline(metrics: dict[str, float]) -> str:
     if passes:
         shown[passes[-1][1]] = metrics[passes[-1][1]]
     return ", ".join(f"{k.replace('/accuracy', ' acc')} {v:.2f}" for k, v in shown.items())
-
-
-def newest_checkpoint(root: Path) -> tuple[int, Path | None]:
-    """The steps the newest complete trainer checkpoint under `root` holds, and its folder
-    ((0, None): none), from its `trainer_state.json` (the layout of `tandem.trainer.checkpoint`,
-    read here without importing torch)."""
-    best: tuple[int, Path | None] = (0, None)
-    for folder in root.glob("step_*"):
-        try:
-            step = int(json.loads((folder / "trainer_state.json").read_text())["step"])
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # not complete (a checkpoint is renamed into place once written)
-        best = max(best, (step, folder), key=lambda b: b[0])
-    return best
 
 
 def checkpoint_short(status: Status | None, checkpoints: Path) -> str | None:

@@ -410,8 +410,15 @@ class Trainer:
             except WaitTimeout:
                 continue
             if isinstance(event.body, Stop):
-                log.info("trainer.stop", reason=event.body.reason)
-                self._run_over = event.body.ok
+                stop = event.body
+                if not stop.ends(self.step):
+                    # re-sent by a restarted master before this trainer's resume re-opened
+                    # the run: the steps after its checkpoint are trained again first
+                    log.info("trainer.stop_ignored", reason=stop.reason, stop_steps=stop.steps,
+                             step=self.step)
+                    continue
+                log.info("trainer.stop", reason=stop.reason)
+                self._run_over = stop.ok
                 return None
             go = event.body
             if not isinstance(go, TrainerGo) or go.step <= self._trained_through:

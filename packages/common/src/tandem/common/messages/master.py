@@ -233,10 +233,19 @@ class TrainerGo(Message):
 
 @wire("master.stop")
 class Stop(Message):
-    """Master to all (topic `stop`): the run is over (done, or failed with `reason`)."""
+    """Master to all (topic `stop`): the run is over (done, or failed with `reason`) at `steps`
+    trainer steps counted. A trainer that resumed from a checkpoint holding fewer steps retrains
+    them (its `TrainerResumed` re-opens the run), so a done Stop of more steps than it holds is
+    not its own: one a restarted master re-sent before the resume reached it."""
 
     reason: str
     ok: bool = True
+    steps: int | None = None
+
+    def ends(self, trainer_steps: int) -> bool:
+        """Whether this Stop ends a trainer whose learner holds `trainer_steps` steps: a
+        failure always does; a done Stop of more steps than it holds does not."""
+        return not self.ok or self.steps is None or self.steps <= trainer_steps
 
 
 class _Report(BaseModel):
