@@ -2,8 +2,6 @@
 steps on the tiny model: one micro-batch or several, one process or two gloo ranks, the same
 update; and the mismatch a top-p sampler leaves without `trainer.sampler_truncation`."""
 
-import json
-import os
 
 import numpy as np
 import pytest
@@ -11,10 +9,8 @@ import torch
 
 from tandem.trainer.learner import Learner
 
-from batch_json import write_batch
-from test_distributed import torchrun
+from ddp_check import assert_two_ranks_match_one
 
-WORKER = os.path.join(os.path.dirname(__file__), "corrections_dist_worker.py")
 
 # every built-in correction at once, bands wide enough that some tokens stay in each
 ALL = [{"name": "truncated_is", "cap": 1.5}, {"name": "masked_is", "lo": 0.4, "hi": 2.5},
@@ -145,17 +141,7 @@ def test_two_ranks_correct_exactly_what_one_process_corrects(
         tiny_model_path, fixed_batch, make_config, with_model_logprobs, tmp_path):
     batch = off_policy(with_model_logprobs(fixed_batch))
     trainer = {**TRAINER, "loss": "cispo_clip", "micro_batch_tokens": 24}
-    (tmp_path / "trainer.json").write_text(json.dumps(trainer))
-    torchrun(WORKER, tiny_model_path, write_batch(batch, tmp_path), tmp_path, timeout=150)
-    single = Learner(make_config(tiny_model_path, **trainer))
-    expected = [single.step(batch) for _ in range(2)]
-    got = torch.load(tmp_path / "ddp.pt", weights_only=True)
-    reference = single.policy_state_dict()
-    for name, tensor in got.items():
-        torch.testing.assert_close(tensor, reference[name], rtol=1e-4, atol=1e-5)
-    metrics = json.loads((tmp_path / "ddp.json").read_text())
-    for step in (0, 1):
-        for key in ("loss/policy", "optim/grad_norm", "correction/all/masked_frac",
-                    "correction/all/ess", "correction/m2po/masked_frac", "length/filtered"):
-            assert metrics[step][key] == pytest.approx(expected[step][key], rel=1e-4,
-                                                       abs=1e-6), (step, key)
+    assert_two_ranks_match_one(tiny_model_path, trainer, batch, make_config, tmp_path,
+                               ("loss/policy", "optim/grad_norm", "correction/all/masked_frac",
+                                "correction/all/ess", "correction/m2po/masked_frac",
+                                "length/filtered"))

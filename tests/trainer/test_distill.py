@@ -5,7 +5,6 @@ two gloo ranks, the same update."""
 
 import json
 import math
-import os
 import shutil
 
 import numpy as np
@@ -19,10 +18,8 @@ from tandem.trainer.algorithms import ADVANTAGES, AdvantageInputs
 from tandem.trainer.algorithms.distill import teacher_metrics
 from tandem.trainer.learner import Learner
 
-from batch_json import write_batch
-from test_distributed import torchrun
+from ddp_check import assert_two_ranks_match_one
 
-WORKER = os.path.join(os.path.dirname(__file__), "corrections_dist_worker.py")
 
 # two sequences of one group; the third column is off the mask
 STUDENT = torch.tensor([[-1.0, -2.0, -9.0], [-0.5, -0.1, -9.0]])
@@ -222,17 +219,6 @@ def test_two_ranks_distill_exactly_what_one_process_distills(
     batch = with_model_logprobs(fixed_batch)
     trainer = {**TRAINER, "off_policy": {"proximal": True},
                "teacher": {"path": str(teacher_path), "task_weight": 0.5}}
-    (tmp_path / "trainer.json").write_text(json.dumps(trainer))
-    torchrun(WORKER, tiny_model_path, write_batch(batch, tmp_path), tmp_path, timeout=150)
-    single = Learner(make_config(tiny_model_path, **trainer))
-    expected = [single.step(batch) for _ in range(2)]
-    got = torch.load(tmp_path / "ddp.pt", weights_only=True)
-    reference = single.policy_state_dict()
-    for name, tensor in got.items():
-        torch.testing.assert_close(tensor, reference[name], rtol=1e-4, atol=1e-5)
-    metrics = json.loads((tmp_path / "ddp.json").read_text())
-    for step in (0, 1):
-        for key in ("teacher/reverse_kl", "teacher/reverse_kl_seq_max", "advantage/mean",
-                    "loss/policy", "optim/grad_norm"):
-            assert metrics[step][key] == pytest.approx(expected[step][key], rel=1e-4,
-                                                       abs=1e-6), (step, key)
+    assert_two_ranks_match_one(tiny_model_path, trainer, batch, make_config, tmp_path,
+                               ("teacher/reverse_kl", "teacher/reverse_kl_seq_max",
+                                "advantage/mean", "loss/policy", "optim/grad_norm"))
