@@ -115,8 +115,7 @@ def main() -> None:
 
     import shutil
 
-    from tandem.master.quickstart import MODEL, reversal_tasks, warm_start, write_jsonl
-    from tandem.weights.tiny import build_tiny_model
+    from tandem.master.quickstart import prepare, reversal_tasks, warm_start
 
     root = Path(args.root)
     train, heldout = reversal_tasks(args.seed)
@@ -125,10 +124,7 @@ def main() -> None:
             shutil.rmtree(root / name, ignore_errors=True)
     else:
         shutil.rmtree(root, ignore_errors=True)
-        write_jsonl(train, root / "data" / "train.jsonl")
-        write_jsonl(heldout, root / "data" / "heldout.jsonl")
-        build_tiny_model(root / "model-init", seed=args.seed, **MODEL)
-        warm_start(root / "model-init", root / "model-sft", train, steps=80, seed=args.seed)
+        prepare(root, seed=args.seed)
         warm_start(root / "model-init", root / "model-teacher", train,
                    steps=args.teacher_sft_steps, seed=args.seed)
     teacher_greedy = greedy_accuracy(root / "model-teacher", heldout)

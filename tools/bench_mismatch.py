@@ -68,8 +68,7 @@ def main() -> None:
 
     import shutil
 
-    from tandem.master.quickstart import MODEL, reversal_tasks, warm_start, write_jsonl
-    from tandem.weights.tiny import build_tiny_model
+    from tandem.master.quickstart import prepare
 
     root = Path(args.root)
     if args.reuse and (root / "model-sft").exists():
@@ -77,10 +76,7 @@ def main() -> None:
             shutil.rmtree(root / name, ignore_errors=True)
     else:
         shutil.rmtree(root, ignore_errors=True)
-        train, _ = reversal_tasks(args.seed)
-        write_jsonl(train, root / "data" / "train.jsonl")
-        build_tiny_model(root / "model-init", seed=args.seed, **MODEL)
-        warm_start(root / "model-init", root / "model-sft", train, steps=80, seed=args.seed)
+        prepare(root, seed=args.seed)
     rows = [run(root, name, args.steps, args.seed, args.top_p, truncate)
             for name, truncate in (("full_softmax", False), ("sampler_truncation", True))]
 

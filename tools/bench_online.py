@@ -54,14 +54,10 @@ class OnlineRun:
 
 def warm_started(root: Path, seed: int) -> tuple[Path, Path]:
     """The quickstart's model after its short SFT, and the training rows as JSONL."""
-    from tandem.master.quickstart import MODEL, reversal_tasks, warm_start, write_jsonl
-    from tandem.weights.tiny import build_tiny_model
+    from tandem.master.quickstart import prepare
 
-    train, _ = reversal_tasks(seed)
-    data = write_jsonl(train, root / "train.jsonl")
-    build_tiny_model(root / "init", seed=seed, **MODEL)
-    warm_start(root / "init", root / "sft", train, steps=80, seed=seed)
-    return root / "sft", data
+    prepare(root, seed=seed)
+    return root / "model-sft", root / "data" / "train.jsonl"
 
 
 def run_online(root: Path, model: Path, data: Path, *, steps: int, seed: int = 0,

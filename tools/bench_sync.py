@@ -174,16 +174,10 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
 
 def build_model(cache: Path, seed: int) -> Path:
     """The quickstart's warm-started tiny model and its train / held-out tasks, built once."""
-    from tandem.master.quickstart import MODEL, reversal_tasks, warm_start, write_jsonl
-    from tandem.weights.tiny import build_tiny_model
+    from tandem.master.quickstart import prepare
 
-    if (cache / "model-sft" / "config.json").exists():
-        return cache
-    train, heldout = reversal_tasks(seed)
-    write_jsonl(train, cache / "train.jsonl")
-    write_jsonl(heldout, cache / "heldout.jsonl")
-    build_tiny_model(cache / "model-init", seed=seed, **MODEL)
-    warm_start(cache / "model-init", cache / "model-sft", train, steps=80, seed=seed)
+    if not (cache / "model-sft" / "config.json").exists():
+        prepare(cache, seed=seed)
     return cache
 
 
@@ -195,7 +189,7 @@ def overrides(schedule: str, ratio: float, *, run_dir: Path, cache: Path, steps:
     explorers = len(yaml.safe_load(config.read_text())["explorers"])
     trainer_keys, explorer_keys = RATIOS[ratio]
     sets = [f"run_dir={run_dir}", f"model.path={cache / 'model-sft'}",
-            f"master.taskset.path={cache / 'train.jsonl'}", f"master.total_steps={steps}",
+            f"master.taskset.path={cache / 'data' / 'train.jsonl'}", f"master.total_steps={steps}",
             # a loaded machine otherwise declares a busy component dead, and other runs may
             # hold the fixed /metrics ports
             "transport.liveness=60", "logging.metrics.port=0",
@@ -208,7 +202,7 @@ def overrides(schedule: str, ratio: float, *, run_dir: Path, cache: Path, steps:
         # gives each side of synchronous every core, since they alternate)
         sets += [f"placement.trainer.threads={threads}", f"placement.explorers.threads={threads}"]
     if evaluate:  # after the last step only: the start is the same warm start for every run
-        sets += [f"eval.tasksets=[{{name: heldout, path: {cache / 'heldout.jsonl'}}}]",
+        sets += [f"eval.tasksets=[{{name: heldout, path: {cache / 'data' / 'heldout.jsonl'}}}]",
                  "eval.at_start=false"]
     return config, sets
 

@@ -74,16 +74,11 @@ def main() -> None:
 
     import shutil
 
-    from tandem.master.quickstart import MODEL, reversal_tasks, warm_start, write_jsonl
-    from tandem.weights.tiny import build_tiny_model
+    from tandem.master.quickstart import prepare
 
     root = Path(args.root)
     shutil.rmtree(root, ignore_errors=True)
-    train, heldout = reversal_tasks(args.seed)
-    write_jsonl(train, root / "data" / "train.jsonl")
-    write_jsonl(heldout, root / "data" / "heldout.jsonl")
-    build_tiny_model(root / "model-init", seed=args.seed, **MODEL)
-    warm_start(root / "model-init", root / "model-sft", train, steps=80, seed=args.seed)
+    prepare(root, seed=args.seed)
     rows = [run_variant(root, name, args.steps, args.seed) for name in args.variants.split(",")]
 
     print(f"\nquickstart task, {args.steps} synchronous GRPO steps after an 80-step SFT warm start")

@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from collections.abc import Callable
 
 import click
 
@@ -97,6 +98,29 @@ def warm_start(model_dir: Path, out_dir: Path, rows: list[dict], *, steps: int, 
     return float(loss.detach())
 
 
+def prepare(root: Path, *, seed: int = 0, sft_steps: int = 80,
+            say: Callable[[str], None] = lambda _: None) -> tuple[int, float]:
+    """The quickstart's first two steps under `root`: `data/train.jsonl` and
+    `data/heldout.jsonl`, `model-init` (a tiny Qwen2 and a character tokenizer) and `model-sft`
+    (it after `sft_steps` of SFT); `say` hears what is being done. Returns the model's parameter
+    count and the last SFT loss.
+    The benchmarks that start from the quickstart's model call it too."""
+    from tandem.weights.tiny import build_tiny_model
+
+    train, heldout = reversal_tasks(seed)
+    write_jsonl(train, root / "data" / "train.jsonl")
+    write_jsonl(heldout, root / "data" / "heldout.jsonl")
+    say(f"1/4 building a tiny Qwen2 and a character tokenizer in {root / 'model-init'}")
+    model, _ = build_tiny_model(root / "model-init", seed=seed, **MODEL)
+    params = sum(p.numel() for p in model.parameters())
+    say(f"    {params / 1e6:.2f}M parameters; task: reverse the digits "
+        f"({len(train)} training prompts, {len(heldout)} held out)")
+    say(f"2/4 SFT warm start, {sft_steps} steps")
+    loss = warm_start(root / "model-init", root / "model-sft", train, steps=sft_steps, seed=seed)
+    say(f"    loss {loss:.3f}")
+    return params, loss
+
+
 def before_after(run_dir: Path) -> tuple[dict, dict]:
     """The first and the last evaluation of the held-out taskset in run_dir/eval.jsonl."""
     path = run_dir / "eval.jsonl"
@@ -161,8 +185,6 @@ def quickstart(run_dir: str, preset: str, steps: int, sft_steps: int, lr: float,
     reward rising."""
     import shutil
 
-    from tandem.weights.tiny import build_tiny_model
-
     if colocate and preset != "synchronous":
         raise click.UsageError(f"--colocate needs --preset synchronous (rollout and training "
                                f"alternate), not {preset}")
@@ -173,17 +195,8 @@ def quickstart(run_dir: str, preset: str, steps: int, sft_steps: int, lr: float,
     if root.exists():
         shutil.rmtree(root)
     started = time.monotonic()
-    train, heldout = reversal_tasks(seed)
-    taskset = write_jsonl(train, root / "data" / "train.jsonl")
-    heldout_set = write_jsonl(heldout, root / "data" / "heldout.jsonl")
-    click.echo(f"1/4 building a tiny Qwen2 and a character tokenizer in {root / 'model-init'}")
-    model, _ = build_tiny_model(root / "model-init", seed=seed, **MODEL)
-    params = sum(p.numel() for p in model.parameters())
-    click.echo(f"    {params / 1e6:.2f}M parameters; task: reverse the digits "
-               f"({len(train)} training prompts, {len(heldout)} held out)")
-    click.echo(f"2/4 SFT warm start, {sft_steps} steps")
-    loss = warm_start(root / "model-init", root / "model-sft", train, steps=sft_steps, seed=seed)
-    click.echo(f"    loss {loss:.3f}")
+    params, _ = prepare(root, seed=seed, sft_steps=sft_steps, say=click.echo)
+    taskset, heldout_set = root / "data" / "train.jsonl", root / "data" / "heldout.jsonl"
     click.echo(f"3/4 GRPO through the full system ({preset}, {steps} trainer steps)")
     config = quickstart_config(root / "grpo", root / "model-sft", taskset, preset=preset,
                                steps=steps, seed=seed, lr=lr, heldout=heldout_set,
