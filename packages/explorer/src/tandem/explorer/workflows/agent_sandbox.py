@@ -168,7 +168,8 @@ class _Bridge:
                 pipes.discard(task)
                 return
             try:
-                await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+                await asyncio.gather(agent_worker.pipe(reader, up_writer),
+                                     agent_worker.pipe(up_reader, writer))
             finally:
                 pipes.discard(task)
 
@@ -184,14 +185,3 @@ class _Bridge:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.server.wait_closed(), 5.0)
         self.path.unlink(missing_ok=True)
-
-
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    try:
-        while data := await reader.read(65536):
-            writer.write(data)
-            await writer.drain()
-    except OSError:
-        pass
-    finally:
-        writer.close()

@@ -19,7 +19,9 @@ import os
 import sys
 
 
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Copy `reader` to `writer` until EOF (both ends of a forwarded connection use it: here
+    and in the explorer's bridge, `agent_sandbox`)."""
     try:
         while data := await reader.read(65536):
             writer.write(data)
@@ -37,7 +39,7 @@ async def _forward(socket_path: str, reader: asyncio.StreamReader,
     except OSError:
         writer.close()
         return
-    await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+    await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
 
 
 def _load(spec: str):
