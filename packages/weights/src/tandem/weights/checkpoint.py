@@ -45,13 +45,18 @@ class ShardEntry(BaseModel):
     xxh3_64: str = Field(description="hex xxh3-64 of the whole file")
 
 
-class ManifestTensor(BaseModel):
-    """One tensor of a version and the shard that holds it."""
+class TensorEntry(BaseModel):
+    """One tensor of a published version, as every transport's index names it."""
 
     model_config = ConfigDict(extra="forbid")
     name: str
     dtype: str
     shape: list[int]
+
+
+class ManifestTensor(TensorEntry):
+    """One tensor of a version and the shard that holds it."""
+
     shard: int = Field(ge=0)
 
 

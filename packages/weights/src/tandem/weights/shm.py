@@ -42,7 +42,7 @@ import structlog
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .checkpoint import PublishedVersion, _check_no_aliases
+from .checkpoint import PublishedVersion, TensorEntry, _check_no_aliases
 from .tensors import WeightsError, check_unique_names, dtype_name, torch_dtype
 
 log = structlog.get_logger(__name__)
@@ -54,13 +54,9 @@ _ALIGN = 64
 _RTYPE = "shared_memory"  # the resource tracker unlinks these with shm_unlink
 
 
-class SegmentTensor(BaseModel):
+class SegmentTensor(TensorEntry):
     """One tensor of a segment: where its bytes start."""
 
-    model_config = ConfigDict(extra="forbid")
-    name: str
-    dtype: str
-    shape: list[int]
     offset: int = Field(ge=0)
 
 
