@@ -207,8 +207,29 @@ def run_group(argv: list[str], timeout: float, **kwargs) -> subprocess.Completed
                 pass
             try:
                 out, err = proc.communicate(timeout=wait)
-                break
             except subprocess.TimeoutExpired:
                 continue
+            # the leader is gone; the rest of its group got the same signal and may still be
+            # on its way out (longer on a loaded machine): gone too before this returns
+            deadline = time.monotonic() + wait
+            while _group(proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if not _group(proc.pid):
+                break
         raise subprocess.TimeoutExpired(argv, timeout, output=out, stderr=err) from None
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def _group(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group `pgid`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(") ", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] not in "ZX":
+            found.append(int(entry.name))
+    return found

@@ -1,15 +1,18 @@
-"""The no-leftover check sees what a test leaves anywhere below pytest, orphans included."""
+"""The no-leftover check sees what a test leaves anywhere below pytest, orphans included; the
+exited orphans pytest (their subreaper) inherits are reaped, its own children left to their
+waits."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from processes import descendants, kill_and_reap, run_group
+from processes import descendants, kill_and_reap, reap_orphans, run_group, zombie_children
 
 # A child that starts a grandchild and exits at once, printing the grandchild's pid: the shape of
 # torchrun killed while its ranks run on.
@@ -45,7 +48,11 @@ def test_grandchildren_of_a_live_child_are_listed():
                              stdout=subprocess.PIPE, text=True)
     try:
         grandchild = int(child.stdout.readline())
-        found = descendants()
+        # exec closes Popen's error pipe (Popen returns, the child prints) before it has set
+        # up the new program's arguments: /proc/PID/cmdline reads empty for that moment
+        deadline = time.monotonic() + 30
+        while not (found := descendants()).get(grandchild) and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert child.pid in found and grandchild in found
         assert "time.sleep(60)" in found[grandchild]
     finally:
@@ -63,3 +70,30 @@ def test_run_group_past_its_timeout_stops_the_grandchildren_too():
                   timeout=2)
     assert timed_out.value.output.strip().isdigit()  # what it printed before the timeout
     assert set(descendants()) - before == set()
+
+
+# forks a grandchild that outlives its parent, then exits once re-parented (to pytest)
+EXITING_ORPHAN = """
+import os, time
+parent = os.getpid()
+if os.fork() == 0:
+    while os.getppid() == parent:
+        time.sleep(0.01)
+    os._exit(0)
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="/proc and PR_SET_CHILD_SUBREAPER")
+def test_exited_orphans_are_reaped_and_our_own_children_keep_their_exit_codes():
+    own = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    parent = subprocess.Popen([sys.executable, "-c", EXITING_ORPHAN])
+    assert parent.wait(30) == 0
+    deadline = time.monotonic() + 30
+    while len(zombie_children() - {parent.pid}) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)  # the orphan and `own` both exited and wait for a parent's wait
+    orphans = zombie_children() - {own.pid, parent.pid}
+    assert len(orphans) == 1, orphans
+
+    assert reap_orphans() == sorted(orphans)
+    assert zombie_children() == {own.pid}
+    assert own.wait(10) == 3  # still ours to wait for, with its own exit code

@@ -175,18 +175,23 @@ class Cgroups:
             pass
         return 0
 
-    def kill_all(self, slot: int) -> None:
-        """SIGKILL whatever is still in the slot's cgroup (nothing may outlive a run)."""
+    def pids(self, slot: int) -> set[int]:
+        """The processes in the slot's cgroups."""
+        found: set[int] = set()
         for path in self.procs_files(slot):
             try:
-                pids = [int(p) for p in Path(path).read_text().split()]
+                found.update(int(p) for p in Path(path).read_text().split())
             except OSError:
                 continue
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
+        return found
+
+    def kill_all(self, slot: int) -> None:
+        """SIGKILL whatever is still in the slot's cgroup (nothing may outlive a run)."""
+        for pid in self.pids(slot):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
 
     def close(self) -> None:
         for base in self.dirs.values():
@@ -517,8 +522,9 @@ class Sandbox:
     async def _kill(self, proc: asyncio.subprocess.Process, slot: int) -> None:
         """Kill the tree: the namespace's first process (the kernel then kills the rest),
         bubblewrap, the process group, and whatever is still in the slot's cgroup; return once
-        every process of the tree seen before the kill has exited (a SIGKILLed process takes a
-        moment to go, longer on a loaded machine), at most KILL_WAIT seconds."""
+        every process of the tree seen before the kill, and of the slot's cgroup, has exited (a
+        SIGKILLed process takes a moment to go, longer on a loaded machine; one bubblewrap
+        started after the look at the tree is in the cgroup), at most KILL_WAIT seconds."""
         tree = _tree(proc.pid)
         if proc.returncode is None:
             for pid in _children(proc.pid):
@@ -538,10 +544,18 @@ class Sandbox:
         if self.cgroups is not None:
             self.cgroups.kill_all(slot)
         deadline = time.monotonic() + KILL_WAIT
-        while (alive := [pid for pid in tree if _alive(pid)]) and time.monotonic() < deadline:
+        while (alive := self._left(tree, proc.pid, slot)) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         if alive:
             log.warning("sandbox.slow_exit", pids=alive, seconds=KILL_WAIT)
+
+    def _left(self, tree: list[int], session: int, slot: int) -> list[int]:
+        """What still runs of a killed run: its tree as seen before the kill, bubblewrap's
+        session (a child it was forking at the kill), its cgroup (what runs inside)."""
+        pids = set(tree) | _session(session)
+        if self.cgroups is not None:
+            pids |= self.cgroups.pids(slot)
+        return sorted(pid for pid in pids if _alive(pid))
 
     def close_sync(self) -> None:
         if self.cgroups is not None:
@@ -572,6 +586,21 @@ def _tree(pid: int) -> list[int]:
         below = _children(frontier.pop())
         found += below
         frontier += below
+    return found
+
+
+def _session(sid: int) -> set[int]:
+    """The processes of session `sid`."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(") ", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[3]) == sid:  # state, ppid, pgrp, session
+            found.add(int(entry.name))
     return found
 
 
