@@ -164,6 +164,36 @@ async def test_cancelling_an_evaluation_kills_the_run(reward_config, processes_m
         assert processes_mentioning(base) == []
 
 
+async def test_a_cancel_while_the_process_starts_still_kills_it(reward_config,
+                                                                processes_mentioning,
+                                                                monkeypatch):
+    """The cancel lands after the sandbox's process exists but before asyncio has connected its
+    pipes (create_subprocess_exec has not returned): the process must not outlive it. The
+    moment is held open by the test, not raced."""
+    spawned, release = asyncio.Event(), asyncio.Event()
+    real = asyncio.create_subprocess_exec
+
+    async def held_open(*args, **kwargs):
+        proc = await real(*args, **kwargs)
+        spawned.set()
+        await release.wait()
+        return proc
+
+    async with running(reward_config, processes_mentioning) as code:
+        base = str(code.sandbox._base)
+        monkeypatch.setattr(asyncio, "create_subprocess_exec", held_open)
+        sleeper = ScoreItem(response="import time\ntime.sleep(3600)",
+                            truth={"tests": [{"input": "", "output": ""}]})
+        task = asyncio.create_task(code.score(sleeper))
+        await asyncio.wait_for(spawned.wait(), 60)
+        task.cancel()
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        monkeypatch.undo()
+        assert processes_mentioning(base) == []
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="per-slot uids are used when running as root")
 async def test_runs_under_the_slot_uid(reward_config, processes_mentioning):
     async with running(reward_config, processes_mentioning) as code:

@@ -42,6 +42,7 @@ from tandem.common.config.reward import CodeSandboxConfig
 from tandem.common.errors import TandemError
 
 from . import sandbox_runner
+from .spawn import spawn
 
 log = structlog.get_logger(__name__)
 
@@ -454,9 +455,10 @@ class Sandbox:
         wall = cfg.wall_seconds if wall_seconds is None else min(cfg.wall_seconds, wall_seconds)
         oom_before = self.cgroups.oom_kills(slot) if self.cgroups else 0
         start = time.monotonic()
-        proc = await asyncio.create_subprocess_exec(
+        proc = await spawn(
             *cmd, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, cwd=str(work), env=env, start_new_session=True)
+            stderr=asyncio.subprocess.PIPE, cwd=str(work), env=env, start_new_session=True,
+            on_cancel=lambda started: self._kill(started, slot))
         out, err = bytearray(), bytearray()
         over = asyncio.Event()
         readers = [asyncio.create_task(self._read(proc.stdout, out, over)),

@@ -19,6 +19,7 @@ from tandem.common.config.reward import RewardConfig
 from tandem.common.plugins import loaded_plugins
 from tandem.common.errors import TandemError
 from tandem.common.messages.reward import Score, ScoreItem
+from tandem.common.spawn import kill, spawn
 
 from .frames import HEADER, pack, unpack
 
@@ -49,9 +50,7 @@ class _Worker:
         return unpack(await self.proc.stdout.readexactly(size))
 
     async def kill(self) -> None:
-        if self.proc.returncode is None:
-            self.proc.kill()
-        await self.proc.wait()
+        await kill(self.proc)
 
 
 class WorkerPool:
@@ -88,9 +87,9 @@ class WorkerPool:
     async def _spawn(self) -> _Worker:
         env = dict(os.environ)
         env["PYTHONUNBUFFERED"] = "1"
-        proc = await asyncio.create_subprocess_exec(
+        proc = await spawn(
             sys.executable, "-m", "tandem.reward.worker", stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, env=env)
+            stdout=asyncio.subprocess.PIPE, env=env, on_cancel=kill)
         worker = _Worker(proc)
         self._all.add(worker)
         try:
