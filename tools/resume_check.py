@@ -98,17 +98,23 @@ def batches_done(run_dir: Path) -> int:
     return len({r.batch for r in journal(run_dir) if type(r).__name__ == "ExplorerStepDone"})
 
 
-def master_steps(run_dir: Path, *, resumes: int = 0) -> int:
-    """Trainer steps the master counted so far (its journal, read as it grows); 0 until the
-    journal holds `resumes` TrainerResumed records (a trainer's first start sends one too)."""
+def master_steps(run_dir: Path, *, resumes: int = 0, since: int = 0) -> int:
+    """Trainer steps the master counted so far (its journal, read as it grows), from its record
+    `since` on; 0 until those records hold `resumes` TrainerResumed records (a trainer's first
+    start sends one too)."""
     counted, seen = 0, 0
-    for r in journal(run_dir):
+    for r in journal(run_dir)[since:]:
         kind = type(r).__name__
         if kind == "TrainerStepDone":
             counted = max(counted, r.step + 1)
         elif kind == "TrainerResumed":
             counted, seen = min(counted, r.step), seen + 1
     return counted if seen >= resumes else 0
+
+
+def trainers_resumed(records: list) -> list[int]:
+    """The steps of the TrainerResumed records among `records`: one per trainer that joined."""
+    return [r.step for r in records if type(r).__name__ == "TrainerResumed"]
 
 
 def up_process(config: Path, *resume: str) -> subprocess.Popen:
@@ -226,13 +232,14 @@ def kill_cycles(config: Path, run_dir: Path, kills: list[int], *,
     `tandem up --resume` after each; the last one runs to the end. Per incarnation: where it
     was killed, and its exit code when it ended by itself."""
     cycles, outputs = [], []
+    mark = 0  # the journal's records before this incarnation
     proc = up_process(config)
-    for incarnation, k in enumerate(kills, start=1):
-        # counted by this incarnation's trainer: the journal's count before its TrainerResumed
-        # is the killed one's (a kill that overshot its target would strike again at once,
-        # before this trainer even registered)
+    for k in kills:
+        # counted by this incarnation's trainer, in the records after the killed one's: the
+        # count before its TrainerResumed is the killed one's (a kill that overshot its target
+        # would strike again at once, before this trainer even registered)
         deadline = time.monotonic() + run_timeout
-        while (master_steps(run_dir, resumes=incarnation) < k and proc.poll() is None
+        while (master_steps(run_dir, resumes=1, since=mark) < k and proc.poll() is None
                and time.monotonic() < deadline):
             time.sleep(0.1)
         if proc.poll() is not None:  # it ended (failed) before the kill
@@ -240,14 +247,17 @@ def kill_cycles(config: Path, run_dir: Path, kills: list[int], *,
             cycles.append({"killed_at": None, "exit_code": code})
             outputs.append(out)
             break
-        counted = master_steps(run_dir, resumes=incarnation)
+        counted = master_steps(run_dir, resumes=1, since=mark)
         kill_everything(proc)
         outputs.append(proc.stdout.read())
-        cycles.append({"killed_at": counted, "checkpoint": newest_checkpoint_step(run_dir)})
+        records = journal(run_dir)  # whole records only: what the next master goes on from
+        cycles.append({"killed_at": counted, "checkpoint": newest_checkpoint_step(run_dir),
+                       "trainers_resumed": trainers_resumed(records[mark:])})
+        mark = len(records)
         proc = up_process(config, "--resume")
     code, out = finish(proc, run_timeout)
     outputs.append(out)
-    cycles.append({"exit_code": code})
+    cycles.append({"exit_code": code, "trainers_resumed": trainers_resumed(journal(run_dir)[mark:])})
     text = "\n".join(outputs)
     report = {"cycles": cycles, "exit_code": code,
               "interrupted_at": [c.get("killed_at") for c in cycles[:-1]],

@@ -268,4 +268,7 @@ def test_kill_all_and_resume_three_times_never_names_a_version_set_aside(tmp_pat
     assert [c.get("killed_at") is not None for c in report["cycles"]] == [True] * 3 + [False]
     assert report["versions_not_found"] == 0, report.get("output_tail")
     assert resume_check.verdict(report, None) == [], (report, report.get("output_tail"))
-    assert len(report["retrain_log"]) == 4  # the first start and three resumes
+    # each incarnation's kill waited for its own trainer (the journal's records after the
+    # killed one's), so each had one: the first start and three resumes, each logged
+    assert [c["trainers_resumed"] for c in report["cycles"]] == [[0]] * 4, report["cycles"]
+    assert len(report["retrain_log"]) == 4, report["retrain_log"]
