@@ -20,6 +20,12 @@ config key the caller passes, and for a bad row the file, the row (counted from 
 file, a CSV header not counted) and the column. pyarrow and `datasets` are imported only by
 the readers that need them. The order of the tasks is the order of the files (sorted by name)
 and of the rows in each, so the same config always gives the same taskset.
+
+Images (docs/vision.md): a task's `images` (the format's `images` column) and the image parts
+of its `messages` are read here, once, and checked and normalised (`tandem.common.images`):
+the task then holds `images`, a list of normalised PNG bytes, and its messages hold
+`{"type": "image"}` where each image was. A bad image skips its task, not the run: a one-line
+warning names the file, row, task and column, and the caller gets the same line in `skipped`.
 """
 
 from __future__ import annotations
@@ -31,12 +37,17 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Callable
 
+import structlog
+
 from .errors import ConfigError
+from .images import BadImage, image_parts, is_image_part, load_image, placeholder_messages
 from .plugins import TASKSET_FORMATS, TASKSET_READERS
 from .registry import plugin_scope, reset_plugin_scope
 
 # The keys of a formatted task, as the `single_turn` workflow reads them by default.
-TASK_KEYS = ("prompt", "messages", "system", "answer", "reward_args", "id")
+TASK_KEYS = ("prompt", "messages", "system", "answer", "reward_args", "id", "images")
+
+log = structlog.get_logger(__name__)
 
 class BadRow(ValueError):
     """A row that cannot become a task: a format raises it naming the column and what is wrong
@@ -53,6 +64,7 @@ class Source:
 
     name: str
     rows: list[dict[str, Any]]
+    folder: Path | None = None  # where relative image paths of its rows are found
 
 
 # -- loading ----------------------------------------------------------------------------------
@@ -68,14 +80,15 @@ def load_rows(path: str, split: str | None = None, *, key: str = "master.taskset
 
 
 def load_tasks(path: str, split: str | None = None, *, key: str = "master.taskset",
-               reader: str | None = None, format: Any = None, id_field: str | None = None
-               ) -> list[dict[str, Any]]:
+               reader: str | None = None, format: Any = None, id_field: str | None = None,
+               skipped: list[str] | None = None) -> list[dict[str, Any]]:
     """Every task of a taskset, in order: the rows `reader` reads (by suffix or folder shape
     when None), each made a task by `format` (a `TasksetFormat`; None: the row as it is).
 
     A task's id is under `task_id_key(format, id_field)`; every task must carry one there,
     and no two the same. Any problem is a one-line ConfigError naming `key`, and for a bad
-    row its file, row number and column."""
+    row its file, row number and column. A task whose image is bad is left out, its one-line
+    reason logged and appended to `skipped`."""
     formatter = None if format is None else TASKSET_FORMATS.get(format.name, f"{key}.format.name")
     sources = read_sources(path, split, key=key, reader=reader)
     id_key = task_id_key(format, id_field)
@@ -87,6 +100,16 @@ def load_tasks(path: str, split: str | None = None, *, key: str = "master.taskse
             where = f"{source.name} row {n}"
             task = row if formatter is None else _format(formatter, row, format, len(tasks),
                                                          key=key, where=where)
+            try:
+                task = _with_images(task, format, source.folder)
+            except _TaskImageError as exc:
+                tid = task.get(id_key) if id_key is not None else None
+                line = (f"{key}: {where}{f' (task {str(tid)!r})' if tid is not None else ''}: "
+                        f"column {exc.column!r} image {exc.index}: {exc.problem}; task skipped")
+                log.warning("taskset.bad_image", error=line)
+                if skipped is not None:
+                    skipped.append(line)
+                continue
             if id_key is not None:
                 if task.get(id_key) is None:
                     raise ConfigError([f"{id_at}: {where}: no {id_key!r} (has {_columns(task)})"])
@@ -99,6 +122,45 @@ def load_tasks(path: str, split: str | None = None, *, key: str = "master.taskse
     if not tasks:
         raise ConfigError([f"{key}.path: {path} holds no tasks"])
     return tasks
+
+
+class _TaskImageError(Exception):
+    def __init__(self, column: str, index: int, problem: str):
+        self.column, self.index, self.problem = column, index, problem
+
+
+def _with_images(task: dict[str, Any], fmt: Any, base: Path | None) -> dict[str, Any]:
+    """The task with its images read and normalised (`images`: PNG bytes, in order: the
+    `images` column's first, then the messages' parts); the task as it is without any."""
+    given = task.get("images")
+    messages = task.get("messages")
+    parts = image_parts(messages) if isinstance(messages, list) else []
+    if given is None and not parts:
+        return task
+    images_col = (fmt.images if fmt is not None and getattr(fmt, "images", None) else "images")
+    messages_col = (fmt.messages if fmt is not None and getattr(fmt, "messages", None)
+                    else "messages")
+    values = [] if given is None else (list(given) if isinstance(given, (list, tuple))
+                                       else [given])
+    loaded = []
+    for i, value in enumerate([*values, *parts], 1):
+        column = images_col if i <= len(values) else messages_col
+        number = i if i <= len(values) else i - len(values)
+        try:
+            loaded.append(load_image(value, base))
+        except BadImage as exc:
+            raise _TaskImageError(column, number, str(exc)) from None
+    task = dict(task, images=loaded)
+    if parts:
+        task["messages"] = placeholder_messages(messages)
+    return task
+
+
+def task_has_images(task: dict[str, Any]) -> bool:
+    """Whether a loaded task carries images."""
+    return bool(task.get("images")) or any(
+        is_image_part(p) for m in task.get("messages") or [] if isinstance(m, dict)
+        for p in (m.get("content") if isinstance(m.get("content"), list) else []))
 
 
 def task_id_key(format: Any, id_field: str | None) -> str | None:
@@ -151,7 +213,9 @@ def _read(name: str, path: str, split: str | None, key: str) -> Source:
         if not isinstance(row, dict):
             raise ConfigError([f"{key}.path: {label} row {n}: a task must be a mapping of "
                                f"column to value, got {type(row).__name__}"])
-    return Source(label, rows)
+    where = Path(path)
+    return Source(label, rows, where.parent if where.is_file() else
+                  where if where.is_dir() else None)
 
 
 def _files(folder: Path, suffixes: tuple[str, ...], key: str) -> list[Path]:
@@ -330,6 +394,10 @@ def columns_format(row: dict[str, Any], fmt: Any, index: int) -> dict[str, Any]:
             task["system"] = system
         elif task["messages"][0]["role"] != "system":
             task["messages"].insert(0, {"role": "system", "content": system})
+    if getattr(fmt, "images", None):
+        value = _value(row, fmt.images, "images", null=True)
+        if value is not None:
+            task["images"] = _json_text(value, list)
     if fmt.answer:
         task["answer"] = _value(row, fmt.answer, "answer")
     if fmt.args is not None:
@@ -446,5 +514,6 @@ __all__ = [
     "read_parquet",
     "read_saved_dataset",
     "read_sources",
+    "task_has_images",
     "task_id_key",
 ]

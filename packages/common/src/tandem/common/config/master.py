@@ -26,6 +26,10 @@ class TasksetFormat(Section):
     system: str | None = Field(default=None, description="system prompt of every task")
     system_column: str | None = Field(default=None,
                                       description="column holding each task's system prompt")
+    images: str | None = Field(
+        default=None, description="column holding the task's images: a path relative to the "
+                                  "taskset's folder, bytes, a datasets/Parquet image cell, or a "
+                                  "list of them (docs/vision.md)")
     answer: str | None = Field(default=None,
                                description="column holding the gold answer the reward checks")
     id: str | None = Field(default=None, description="column holding unique task ids; else the "
