@@ -10,7 +10,7 @@ EDITABLE := $(foreach p,$(PKGS),-e packages/$(p)[test])
 COMMA := ,
 MAIN_EDITABLE := $(subst packages/explorer[test],packages/explorer[test$(COMMA)verifiers],$(EDITABLE))
 
-.PHONY: run test test-vllm test-slurm install clean bwrap slurm
+.PHONY: run test test-vllm test-slurm install clean bwrap slurm bench-peer
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -82,5 +82,27 @@ slurm:
 test-slurm: $(STAMP) slurm
 	$(BIN)/python -m pytest -m slurm
 
+# The peer benchmark (tools/bench_peer.py, docs/benchmarks.md "tandem vs TRL"): Hugging Face TRL
+# in its own venv, so that its dependencies (accelerate, datasets, pandas, pyarrow) never enter
+# tandem's, and tandem's own venv is the one a user gets.
+TRL_VENV  := .venv-trl
+TRL_BIN   := $(TRL_VENV)/bin
+TRL_STAMP := $(TRL_VENV)/.tandem-installed
+
+$(TRL_STAMP): $(wildcard packages/*/pyproject.toml)
+	$(PYTHON) -m venv $(TRL_VENV)
+	$(TRL_BIN)/python -m pip install -q --upgrade pip
+	# torch first, pinned and served locally (an unpinned torch pulls the CUDA build)
+	$(TRL_BIN)/pip install -q torch==2.13.0
+	$(TRL_BIN)/pip install -q trl==1.16.0
+	# tandem's packages (the quickstart's data and k12 reward) editable, with everything TRL
+	# installed held at its version
+	$(TRL_BIN)/pip freeze --exclude-editable > $(TRL_VENV)/constraints.txt
+	$(TRL_BIN)/pip install -q -c $(TRL_VENV)/constraints.txt $(EDITABLE)
+	touch $(TRL_STAMP)
+
+bench-peer: $(STAMP) $(TRL_STAMP)
+	$(BIN)/python tools/bench_peer.py --trl-python $(TRL_BIN)/python
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(TRL_VENV) runs .pytest_cache .hypothesis
