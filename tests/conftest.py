@@ -83,6 +83,16 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_vlm_dir(tmp_path_factory) -> Path:
+    """A tiny random Qwen2-VL + its processor (tandem.weights.tiny_vlm), built once per session."""
+    from tandem.weights.tiny_vlm import build_tiny_vlm
+
+    path = tmp_path_factory.mktemp("tiny-vlm")
+    build_tiny_vlm(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def agent_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
     """The tiny model taught the calculator conversation (tests/agent_model.py), trained once per
     session for the endpoint tests and the agent run through `tandem up` alike: they only read

@@ -11,7 +11,8 @@ Two methods, one ending: both produce an iterator of (name, tensor) for the engi
 - broadcast: `WeightBroadcaster.open_group(members)` gives a `GroupRendezvous` to announce;
   `WeightReceiver(rendezvous, member).join()` then `.receive()` on each engine worker, while the
   trainer calls `.broadcast(version, named_tensors)`. gloo on CPU, nccl when all ends are CUDA.
-- `hf` (tokenizer loading from a model folder), `tiny` (the tiny Qwen2 the tests build) and
+- `hf` (tokenizer loading from a model folder), `tiny` (the tiny Qwen2 the tests build),
+  `tiny_vlm` (a tiny Qwen2-VL and its processor, built the same way) and
   `lora` (LoRA adapters folded into full weights: the trainer's published weights and
   `tandem eval` on an adapter checkpoint).
 
