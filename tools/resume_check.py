@@ -16,8 +16,9 @@ Per preset, with default settings (`trainer.checkpoint_every: 0`, `up.stop_timeo
 | sigkill       | SIGKILL to `tandem up` and every component at that moment (no exit checkpoint: |
 |               | the trainer restarts from model.path and retrains), then `tandem up --resume`  |
 | sigkill-cycles| the same three times (at `--stop-at`, then 2 and 4 steps later, each once the  |
-|               | master counted that many), `--resume` after each: every resumed trainer moves  |
-|               | the lost lineage's versions aside while explorers register (issue 32 item 5)   |
+|               | incarnation's trainer counted that many, then frozen at once), `--resume` after|
+|               | each: every resumed trainer moves the lost lineage's versions aside while      |
+|               | explorers register (issue 32 item 5)                                           |
 
 Each run is accounted from its run dir alone: the final learner step (the newest checkpoint's
 trainer_state.json), the steps the master counted (its journal), every group's uses and the
@@ -128,6 +129,17 @@ def children_of(pid: int) -> list[int]:
     except OSError:
         return []
     return [int(p) for p in text.split()]
+
+
+def freeze_trainer(proc: subprocess.Popen) -> None:
+    """SIGSTOP `tandem up`'s trainer, so it steps no further while everything is killed."""
+    for pid in children_of(proc.pid):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if any(Path(a.decode(errors="replace")).name == "tandem-trainer" for a in argv):
+                os.kill(pid, signal.SIGSTOP)
+        except OSError:  # gone already
+            continue
 
 
 def kill_everything(proc: subprocess.Popen) -> None:
@@ -247,11 +259,12 @@ def kill_cycles(config: Path, run_dir: Path, kills: list[int], *,
             cycles.append({"killed_at": None, "exit_code": code})
             outputs.append(out)
             break
-        counted = master_steps(run_dir, resumes=1, since=mark)
+        freeze_trainer(proc)  # no step after the one seen: the kill lands where it was aimed
         kill_everything(proc)
         outputs.append(proc.stdout.read())
         records = journal(run_dir)  # whole records only: what the next master goes on from
-        cycles.append({"killed_at": counted, "checkpoint": newest_checkpoint_step(run_dir),
+        cycles.append({"killed_at": master_steps(run_dir, resumes=1, since=mark),
+                       "checkpoint": newest_checkpoint_step(run_dir),
                        "trainers_resumed": trainers_resumed(records[mark:])})
         mark = len(records)
         proc = up_process(config, "--resume")

@@ -259,16 +259,21 @@ def test_kill_all_and_resume_three_times_never_names_a_version_set_aside(tmp_pat
                                                                           tiny_model_dir):
     """Issue 32 item 5: after a SIGKILL of everything the master replays versions of a lineage
     the resumed trainer (from model.path: no checkpoint was written) moves aside. Each kill
-    lands once the master counted 2, 4 and 6 steps, each `--resume` with the default
-    `up.restart`; no explorer is told to load a version that is gone, and the run ends with
-    every step trained once."""
+    lands once the trainer of that incarnation counted 2, 4 and 6 steps (frozen at once, so
+    it steps no further), each `--resume` with the default `up.restart`; no explorer is told
+    to load a version that is gone, and the run ends with every step trained once."""
+    steps = 14
     report = resume_check.run_scenario(tmp_path, tiny_model_dir, "fully_async",
-                                       "sigkill-cycles", steps=10, stop_at=2, seed=0,
+                                       "sigkill-cycles", steps=steps, stop_at=2, seed=0,
                                        run_timeout=240)
-    assert [c.get("killed_at") is not None for c in report["cycles"]] == [True] * 3 + [False]
+    cycles = report["cycles"]
+    assert [c.get("killed_at") is not None for c in cycles] == [True] * 3 + [False], cycles
     assert report["versions_not_found"] == 0, report.get("output_tail")
     assert resume_check.verdict(report, None) == [], (report, report.get("output_tail"))
-    # each incarnation's kill waited for its own trainer (the journal's records after the
-    # killed one's), so each had one: the first start and three resumes, each logged
-    assert [c["trainers_resumed"] for c in report["cycles"]] == [[0]] * 4, report["cycles"]
-    assert len(report["retrain_log"]) == 4, report["retrain_log"]
+    # Each incarnation's kill waited for its own trainer (the journal's records after the
+    # killed one's), so each with steps left had one, which logged how it resumed. A kill
+    # that still landed after the final checkpoint (the freeze comes after the count is read)
+    # leaves the next `--resume` a finished run: it starts nothing.
+    expected = [[0]] + [[] if c["checkpoint"] == steps else [0] for c in cycles[:-1]]
+    assert [c["trainers_resumed"] for c in cycles] == expected, cycles
+    assert len(report["retrain_log"]) == sum(map(len, expected)), report["retrain_log"]
