@@ -34,9 +34,11 @@ def _bytes(array: np.ndarray) -> bytes:
     return np.ascontiguousarray(array).tobytes()
 
 
-def to_row(exp: Experience) -> tuple[str, str, bytes, bytes, bytes, bytes, int, bytes | None]:
-    """(id, group_id, meta, tokens, action_mask, logprobs, nbytes, token_versions) for an
-    INSERT; token_versions is NULL when every token is at `policy_version`."""
+def to_row(exp: Experience) -> tuple[str, str, bytes, bytes, bytes, bytes, int, bytes | None,
+                                     str | None]:
+    """(id, group_id, meta, tokens, action_mask, logprobs, nbytes, token_versions, images) for
+    an INSERT; token_versions is NULL when every token is at `policy_version`, images (the
+    image hashes, space-separated) when the prompt shows none."""
     meta = {name: getattr(exp, name) for name in _META_FIELDS}
     try:
         packed = msgpack.packb(meta, default=_plain, use_bin_type=True)
@@ -44,11 +46,13 @@ def to_row(exp: Experience) -> tuple[str, str, bytes, bytes, bytes, bytes, int, 
         raise BadPut(f"experience {exp.id}: info or rewards cannot be stored: {exc}") from None
     return (exp.id, exp.group_id, packed, _bytes(exp.tokens), _bytes(exp.action_mask),
             _bytes(exp.logprobs), exp.nbytes,
-            None if exp.token_versions is None else _bytes(exp.token_versions))
+            None if exp.token_versions is None else _bytes(exp.token_versions),
+            " ".join(exp.images) or None)
 
 
 def from_row(id_: str, group_id: str, meta: bytes, tokens: bytes, action_mask: bytes,
-             logprobs: bytes, token_versions: bytes | None = None) -> Experience:
+             logprobs: bytes, token_versions: bytes | None = None,
+             images: str | None = None) -> Experience:
     """The experience a row holds; trusted (we wrote it), so built without re-validation."""
     fields = msgpack.unpackb(meta, raw=False, strict_map_key=False)
     return Experience.model_construct(
@@ -58,4 +62,5 @@ def from_row(id_: str, group_id: str, meta: bytes, tokens: bytes, action_mask: b
         logprobs=np.frombuffer(logprobs, dtype=_FLOAT32),
         token_versions=(None if token_versions is None
                         else np.frombuffer(token_versions, dtype=_INT32)),
+        images=images.split() if images else [],
         **fields)

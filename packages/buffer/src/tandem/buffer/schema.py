@@ -51,6 +51,7 @@ CREATE INDEX IF NOT EXISTS groups_done ON groups(done_seq)
 CREATE TABLE IF NOT EXISTS leases (lease_id TEXT PRIMARY KEY, expires_at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS uses (group_id TEXT NOT NULL, step INTEGER NOT NULL);
 CREATE INDEX IF NOT EXISTS uses_step ON uses(step);
+CREATE TABLE IF NOT EXISTS images (hash TEXT PRIMARY KEY, data BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 INSERT OR IGNORE INTO counters VALUES
     ('unconsumed', 0), ('dropped_stale', 0), ('kept_done', 0), ('done_seq', 0),
@@ -64,6 +65,8 @@ _ADDED = (
     ("leases", "holder", "TEXT"),  # the consumer the lease was handed to
     # int32 per response token; NULL: every token at the experience's policy_version
     ("experiences", "token_versions", "BLOB"),
+    # the content hashes of the prompt's images (table images), space-separated; NULL: none
+    ("experiences", "images", "TEXT"),
 )
 _AFTER = "CREATE INDEX IF NOT EXISTS leases_holder ON leases(holder) WHERE holder IS NOT NULL;"
 

@@ -13,6 +13,7 @@ import time
 from collections import deque
 from pathlib import Path
 
+import numpy as np
 import structlog
 
 from tandem.common.config import RunConfig
@@ -231,7 +232,8 @@ class Buffer:
             del self._parked[peer]
 
     async def on_put(self, msg: PutExperiences, ctx: CallContext) -> PutResult:
-        outcome = await self.store.put(msg.experiences, self._group_sizes(msg))
+        outcome = await self.store.put(msg.experiences, self._group_sizes(msg),
+                                       {k: v.tobytes() for k, v in msg.images.items()})
         self._m_puts.labels("stored").inc(outcome.stored)
         self._m_puts.labels("duplicate").inc(outcome.duplicates)
         self._m_puts.labels("dropped_stale").inc(outcome.dropped_stale)
@@ -305,7 +307,9 @@ class Buffer:
                   experiences=len(lease.experiences), dropped_stale=lease.dropped_stale + dropped)
         return SampleResult(lease_id=lease.lease_id, expires_at=lease.expires_at,
                             experiences=lease.experiences, group_ids=lease.group_ids,
-                            dropped_stale=lease.dropped_stale + dropped)
+                            dropped_stale=lease.dropped_stale + dropped,
+                            images={k: np.frombuffer(v, dtype=np.uint8)
+                                    for k, v in lease.images.items()})
 
     async def on_ack(self, msg: AckLease, ctx: CallContext) -> Ok:
         await self.store.ack(msg.lease_id, msg.step)

@@ -12,7 +12,7 @@ import asyncio
 import time
 import uuid
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 from collections.abc import Callable
@@ -21,6 +21,7 @@ import msgpack
 import structlog
 
 from tandem.common.config import BufferConfig
+from tandem.common.images import image_hash
 from tandem.common.messages import BufferStats, Experience
 
 from . import schema
@@ -54,6 +55,7 @@ class PreparedPut:
     rewards: list[float]
     infos: list[dict]
     given: int  # experiences in the request, repeats included
+    images: dict[str, bytes] = field(default_factory=dict)  # checked against their hashes
 
 
 class LeasedRows(NamedTuple):
@@ -65,6 +67,7 @@ class LeasedRows(NamedTuple):
     rows: list[tuple]
     dropped_stale: int
     holder: str | None
+    images: dict[str, bytes]
 
 
 class SqliteStore(ExperienceStore):
@@ -114,12 +117,13 @@ class SqliteStore(ExperienceStore):
 
     # ---- the ExperienceStore interface ------------------------------------------------------
 
-    async def put(self, experiences: list[Experience], group_sizes: list[int]) -> PutOutcome:
+    async def put(self, experiences: list[Experience], group_sizes: list[int],
+                  images: dict[str, bytes] | None = None) -> PutOutcome:
         # Only commits that store experiences need an fsync: a lease or ack lost to a power
         # failure re-serves a group once (at-least-once), while a lost put would lose data the
         # explorer was told is safe. A process crash loses neither (WAL, even unsynced).
-        return await self.writer.call(self._op_put, self.prepare_put(experiences, group_sizes),
-                                      durable=True)
+        return await self.writer.call(
+            self._op_put, self.prepare_put(experiences, group_sizes, images), durable=True)
 
     async def sample(self, num_groups: int, *, policy: str | None = None,
                      min_version: int | None = None, max_version: int | None = None,
@@ -137,7 +141,8 @@ class SqliteStore(ExperienceStore):
         """The lease, its experiences deserialised off the writer thread."""
         return Lease(lease_id=leased.lease_id, expires_at=leased.expires_at,
                      group_ids=leased.group_ids, dropped_stale=leased.dropped_stale,
-                     experiences=[from_row(*row) for row in leased.rows], holder=leased.holder)
+                     experiences=[from_row(*row) for row in leased.rows], holder=leased.holder,
+                     images=leased.images)
 
     async def ack(self, lease_id: str, step: int | None = None) -> None:
         await self.writer.call(self._op_ack, lease_id, step)
@@ -173,11 +178,20 @@ class SqliteStore(ExperienceStore):
         await asyncio.to_thread(self.close_sync)
 
     @staticmethod
-    def prepare_put(experiences: list[Experience], group_sizes: list[int]) -> PreparedPut:
-        """Serialise a put off the writer thread (the first of repeated ids wins)."""
+    def prepare_put(experiences: list[Experience], group_sizes: list[int],
+                    images: dict[str, bytes] | None = None) -> PreparedPut:
+        """Serialise a put off the writer thread (the first of repeated ids wins); each image
+        must be the bytes its content hash names (a wrong one would poison every experience
+        that refers to it)."""
         if len(group_sizes) != len(experiences):
             raise ValueError(f"{len(experiences)} experiences but {len(group_sizes)} group sizes")
         put = PreparedPut([], [], [], [], [], [], len(experiences))
+        for key, data in (images or {}).items():
+            data = bytes(data)
+            if image_hash(data) != key:
+                raise BadPut(f"image {key}: its {len(data)} bytes hash to {image_hash(data)}; "
+                             "an image is named by the hash of its normalised bytes")
+            put.images[key] = data
         seen: set[str] = set()
         for exp, size in zip(experiences, group_sizes):
             if exp.id in seen:
@@ -253,6 +267,7 @@ class SqliteStore(ExperienceStore):
                              f"group_size is {size}")
             plans.append((group_id, group, members))
             inserts.extend(rows[i] for i in members)
+        self._store_images(inserts, put.images)
         unconsumed = counter(conn, "unconsumed")
         if unconsumed + len(inserts) > self.capacity:
             raise BufferFull(
@@ -261,7 +276,7 @@ class SqliteStore(ExperienceStore):
                 retry_after=self.retry_after)
         conn.executemany(
             "INSERT INTO experiences (id, group_id, meta, tokens, action_mask, logprobs, nbytes, "
-            "token_versions) VALUES (?, ?, ?, ?, ?, ?, ?, ?)", inserts)
+            "token_versions, images) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", inserts)
         for group_id, group, members in plans:
             added = len(members)
             nbytes = sum(rows[i][6] for i in members)
@@ -317,11 +332,37 @@ class SqliteStore(ExperienceStore):
             conn.execute(f"UPDATE groups SET state = 'leased', lease_id = ? "
                          f"WHERE group_id IN ({marks(chunk)})", (lease_id, *chunk))
             rows.extend(conn.execute(
-                f"SELECT id, group_id, meta, tokens, action_mask, logprobs, token_versions, seq "
-                f"FROM experiences "
+                f"SELECT id, group_id, meta, tokens, action_mask, logprobs, token_versions, "
+                f"images, seq FROM experiences "
                 f"WHERE group_id IN ({marks(chunk)})", chunk))
-        rows.sort(key=lambda r: (rank[r[1]], r[7]))
-        return LeasedRows(lease_id, expires_at, chosen, [r[:7] for r in rows], dropped, holder)
+        rows.sort(key=lambda r: (rank[r[1]], r[8]))
+        return LeasedRows(lease_id, expires_at, chosen, [r[:8] for r in rows], dropped, holder,
+                          self._images_of(rows))
+
+    def _store_images(self, inserts: list[tuple], given: dict[str, bytes]) -> None:
+        """Store the images the inserted rows refer to, once each; BadPut naming an image that
+        is neither given nor stored."""
+        wanted = {h: row[0] for row in inserts if row[8] for h in row[8].split()}
+        if not wanted:
+            return
+        absent = [h for h in wanted if h not in given]
+        for chunk in chunks(absent):
+            stored = {r[0] for r in self._conn.execute(
+                f"SELECT hash FROM images WHERE hash IN ({marks(chunk)})", chunk)}
+            for h in chunk:
+                if h not in stored:
+                    raise BadPut(f"experience {wanted[h]} refers to image {h}, which the put "
+                                 "does not carry and the buffer does not hold")
+        self._conn.executemany("INSERT OR IGNORE INTO images (hash, data) VALUES (?, ?)",
+                               [(h, given[h]) for h in wanted if h in given])
+
+    def _images_of(self, rows: list[tuple]) -> dict[str, bytes]:
+        hashes = sorted({h for r in rows if r[7] for h in r[7].split()})
+        out: dict[str, bytes] = {}
+        for chunk in chunks(hashes):
+            out.update(self._conn.execute(
+                f"SELECT hash, data FROM images WHERE hash IN ({marks(chunk)})", chunk))
+        return out
 
     def _op_ack(self, lease_id: str, step: int | None) -> None:
         conn = self._conn

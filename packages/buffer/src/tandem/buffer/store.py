@@ -34,7 +34,7 @@ Semantics (docs/design.md §6), the same for every implementation:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tandem.common.errors import TandemError
 from tandem.common.messages import BufferStats, Experience
@@ -126,6 +126,7 @@ class Lease:
     experiences: list[Experience]
     dropped_stale: int = 0
     holder: str | None = None
+    images: dict[str, bytes] = field(default_factory=dict)  # every image they refer to, once
 
 
 @dataclass(slots=True)
@@ -141,8 +142,11 @@ class ExperienceStore(ABC):
     """A durable store of experiences with group sampling under leases (module docstring)."""
 
     @abstractmethod
-    async def put(self, experiences: list[Experience], group_sizes: list[int]) -> PutOutcome:
-        """Store experiences; `group_sizes[i]` is the size of the group of `experiences[i]`."""
+    async def put(self, experiences: list[Experience], group_sizes: list[int],
+                  images: dict[str, bytes] | None = None) -> PutOutcome:
+        """Store experiences; `group_sizes[i]` is the size of the group of `experiences[i]`.
+        `images`: bytes by content hash of the images they refer to, stored once each; every
+        image an experience refers to must be given or stored already."""
 
     @abstractmethod
     async def sample(self, num_groups: int, *, policy: str | None = None,

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from .base import Message, Ok, Request, wire
+from .base import Array, Message, Ok, Request, wire
 from .experience import Experience
 
 
@@ -38,6 +38,11 @@ class PutExperiences(Request):
 
     experiences: list[Experience]
     group_size: int | None = Field(default=None, ge=1, description="experiences per group")
+    images: dict[str, Array("uint8", 1)] = Field(
+        default_factory=dict,
+        description="normalised PNG bytes by content hash, of the images the experiences "
+                    "refer to that the buffer may not hold yet: each once per put (raw frames, "
+                    "never lists); the buffer checks each hash against its bytes")
 
 
 @wire("buffer.sample.reply")
@@ -49,6 +54,10 @@ class SampleResult(Message):
     experiences: list[Experience]
     group_ids: list[str]
     dropped_stale: int = Field(default=0, description="experiences dropped by min_version")
+    images: dict[str, Array("uint8", 1)] = Field(
+        default_factory=dict,
+        description="normalised PNG bytes of every image the experiences refer to, by content "
+                    "hash, each once however many experiences share it")
 
 
 @wire("buffer.sample", reply=SampleResult)

@@ -59,6 +59,10 @@ class Experience(BaseModel):
     token_versions: Array("int32", 1) | None = Field(
         default=None, description="the version that produced each response token; None: all "
         "of them `policy_version` (weights loaded mid-generation make it a mix)")
+    images: list[str] = Field(
+        default_factory=list, description="content hashes (tandem.common.images.image_hash) of "
+        "the images the prompt shows, in order; their bytes travel beside the experiences, once "
+        "(PutExperiences.images, SampleResult.images), and the buffer stores each once")
     explorer: str = ""
     created_at: float = Field(default_factory=time.time)
     info: dict[str, Any] = Field(default_factory=dict)

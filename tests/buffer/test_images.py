@@ -1,0 +1,88 @@
+"""Image experiences through a served buffer (docs/vision.md): an image is stored once by its
+content hash however many experiences and puts refer to it, a re-put stores nothing new, a
+restarted buffer still holds it, and a sample carries each image once, as raw bytes."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import sqlite3
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from tandem.common.errors import RequestFailed
+from tandem.common.images import image_hash, normalise
+from tandem.common.messages import PutExperiences, SampleGroups
+
+from buffer_helpers import Running, config_for, make_group
+
+
+def picture(color) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (16, 16), color).save(out, format="PNG")
+    return normalise(out.getvalue())
+
+
+def with_images(group, *hashes):
+    return [e.model_copy(update={"images": list(hashes)}) for e in group]
+
+
+def stored_images(tmp_path) -> list[tuple[str, int]]:
+    conn = sqlite3.connect(tmp_path / "buffer.sqlite")
+    try:
+        return conn.execute("SELECT hash, length(data) FROM images ORDER BY hash").fetchall()
+    finally:
+        conn.close()
+
+
+def test_an_image_is_stored_once_and_sampled_once(tmp_path):
+    red, blue = picture((255, 0, 0)), picture((0, 0, 255))
+    r, b = image_hash(red), image_hash(blue)
+    g1 = with_images(make_group("t1", 4), r)
+    g2 = with_images(make_group("t2", 4), r, b)
+    images = {r: np.frombuffer(red, np.uint8), b: np.frombuffer(blue, np.uint8)}
+
+    async def go():
+        async with Running(config_for(tmp_path)) as buf:
+            first = await buf.call(PutExperiences(experiences=g1, group_size=4,
+                                                  images={r: images[r]}))
+            again = await buf.call(PutExperiences(experiences=g1, group_size=4,
+                                                  images={r: images[r]}))
+            # the red picture is held already: a put need not carry it again
+            second = await buf.call(PutExperiences(experiences=g2, group_size=4,
+                                                   images={b: images[b]}))
+            return first, again, second
+
+    first, again, second = asyncio.run(go())
+    assert (first.stored, again.stored, again.duplicates, second.stored) == (4, 0, 4, 4)
+    assert stored_images(tmp_path) == sorted([(r, len(red)), (b, len(blue))])
+
+    async def sample():  # a fresh buffer process's view: the file is all there is
+        async with Running(config_for(tmp_path)) as buf:
+            return await buf.call(SampleGroups(num_groups=2))
+
+    lease = asyncio.run(sample())
+    assert sorted(lease.images) == sorted([r, b])
+    assert all(v.dtype == np.uint8 for v in lease.images.values())
+    assert lease.images[r].tobytes() == red and lease.images[b].tobytes() == blue
+    assert {tuple(e.images) for e in lease.experiences} == {(r,), (r, b)}
+
+
+@pytest.mark.parametrize("case", ["unknown", "wrong_hash"])
+def test_a_put_with_a_missing_or_false_image_is_refused_whole(tmp_path, case):
+    red = picture((255, 0, 0))
+    group = with_images(make_group("t", 2), image_hash(red))
+    images = {} if case == "unknown" else {image_hash(red): np.frombuffer(b"other", np.uint8)}
+
+    async def go():
+        async with Running(config_for(tmp_path)) as buf:
+            with pytest.raises(RequestFailed) as err:
+                await buf.call(PutExperiences(experiences=group, group_size=2, images=images))
+            return err.value
+
+    err = asyncio.run(go())
+    assert err.code == "bad_request"
+    assert ("does not carry" in str(err)) if case == "unknown" else ("hash to" in str(err))
+    assert stored_images(tmp_path) == []
