@@ -120,3 +120,37 @@ async def test_a_snapshot_replays_topics_in_the_order_they_were_published(zmq_so
         await client.close()
         await pub.close()
         await server.close()
+
+
+class _CountingTopic(str):
+    """A topic name that counts how often a snapshot tests it against a prefix."""
+
+    checks = 0
+
+    def startswith(self, *args) -> bool:
+        type(self).checks += 1
+        return super().startswith(*args)
+
+
+async def test_a_snapshot_looks_only_at_the_topics_it_asks_for(zmq_sockets_closed):
+    """Every subscriber waiting for an event asks for a snapshot each second; one that tested
+    every topic made the master's idle work grow as the square of its explorers (one barrier
+    topic each; tools/bench_scale.py). Among 1000 topics, asking for two looks at those two."""
+    pub = Publisher("tcp://127.0.0.1:0", name="master", transport=T)
+    await pub.start()
+    try:
+        for i in range(1000):
+            await pub.publish(_CountingTopic(f"barrier.e{i}."),
+                              Barrier(explorer=f"e{i}", step=0, version=0, wait=False))
+        await pub.publish(_CountingTopic("stop"), Stop(reason="done"))
+        pub.withdraw("barrier.e500.")
+        _CountingTopic.checks = 0
+        entries = pub.snapshot(["barrier.e7.", "stop", "barrier.e500."])
+        assert [e.topic for e in entries] == ["barrier.e7.", "stop"]
+        assert _CountingTopic.checks <= 6  # at most the match and its neighbour per prefix
+        # a prefix still matches every topic under it, in publish order
+        assert [e.topic for e in pub.snapshot(["barrier.e99"])] == [
+            "barrier.e99.", *(f"barrier.e99{k}." for k in range(10))]
+        assert len(pub.snapshot()) == 1000
+    finally:
+        await pub.close()

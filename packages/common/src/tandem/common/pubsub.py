@@ -8,6 +8,7 @@ asks for the current state instead of waiting for the next event.
 
 from __future__ import annotations
 
+import bisect
 import time
 import uuid
 from collections import deque
@@ -47,6 +48,10 @@ class Publisher:
         self._seq: dict[str, int] = {}
         # topic -> (seq, message, publish order): a snapshot replays in the order published
         self._latest: dict[str, tuple[int, Message, int]] = {}
+        # the topics of `_latest`, sorted, so the topics under a prefix are one range: every
+        # waiting subscriber asks for a snapshot each second, and a scan of all topics per ask
+        # made a master's idle work grow with the square of its explorers (tools/bench_scale.py)
+        self._topics: list[str] = []
         self._published = 0
 
     async def start(self) -> str:
@@ -65,6 +70,8 @@ class Publisher:
         seq = self._seq.get(topic, 0) + 1
         self._seq[topic] = seq
         self._published += 1
+        if topic not in self._latest:
+            bisect.insort(self._topics, topic)
         self._latest[topic] = (seq, msg, self._published)
         frames = codec.encode_event(msg, uuid.uuid4().hex, seq,
                                     inline_threshold=self.factory.transport.inline_threshold)
@@ -74,17 +81,24 @@ class Publisher:
     def withdraw(self, topic: str) -> None:
         """`topic`'s newest event no longer stands (a grant taken back): snapshots leave it out
         until the next one is published."""
-        self._latest.pop(topic, None)
+        if self._latest.pop(topic, None) is not None:
+            self._topics.pop(bisect.bisect_left(self._topics, topic))
 
     def snapshot(self, prefixes: list[str] | None = None) -> list[SnapshotEntry]:
         """The newest event of every topic matching one of `prefixes` (all when empty), in the
         order they were published: a late joiner acts on them as a live subscriber would have
         (the weights group announced before the barrier that loads from it)."""
+        topics: set[str] | dict = set() if prefixes else self._latest
+        for prefix in prefixes or ():
+            i = bisect.bisect_left(self._topics, prefix)
+            while i < len(self._topics) and self._topics[i].startswith(prefix):
+                topics.add(self._topics[i])
+                i += 1
         return [
             SnapshotEntry(topic=topic, seq=seq, type=msg.TYPE,
                           body=msg.model_dump(mode="python", round_trip=True))
-            for topic, (seq, msg, _) in sorted(self._latest.items(), key=lambda kv: kv[1][2])
-            if not prefixes or any(topic.startswith(p) for p in prefixes)
+            for topic, (seq, msg, _) in sorted(((t, self._latest[t]) for t in topics),
+                                               key=lambda kv: kv[1][2])
         ]
 
     def serve_snapshots(self, server) -> None:
