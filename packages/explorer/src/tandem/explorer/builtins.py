@@ -15,7 +15,7 @@ _P = "tandem.explorer"
 ENGINES.register("transformers", f"{_P}.engines:transformers",
                  capabilities=EngineCapabilities(
                      weights=frozenset({"broadcast", "checkpoint", "fetch", "shared_memory"}),
-                     interrupt=True, sleep=True))
+                     interrupt=True, sleep=True, multimodal=True))
 ENGINES.register("vllm", f"{_P}.engines:vllm",
                  capabilities=EngineCapabilities(interrupt=True, lora_adapters=True,
                                                  tensor_parallel=True))

@@ -20,7 +20,21 @@ import numpy as np
 from .sampling import SamplingParams
 
 FinishReason = Literal["eos", "stop", "length"]
-Prompt = str | Sequence[int]
+
+
+@dataclass(frozen=True)
+class ImagePrompt:
+    """A prompt that shows images (docs/vision.md): token ids holding one image placeholder per
+    image, where the chat template put each image content part, and the images' normalised PNG
+    bytes in that order, named by their content hashes. An engine that takes images widens
+    each placeholder to its image's tokens; a completion's `prompt_ids` are the widened ids."""
+
+    ids: Sequence[int]
+    images: Sequence[bytes]
+    hashes: Sequence[str]
+
+
+Prompt = str | Sequence[int] | ImagePrompt
 # `on_tokens(row, token_ids, logprobs, top_logprobs)`: a row's newly sampled tokens, on the loop
 TokenSink = Callable[[int, list[int], list[float], list[list[tuple[int, float]]] | None], Any]
 
@@ -64,6 +78,9 @@ def encode_prompts(tokenizer: Any, prompts: Sequence[Prompt], n: int, *,
         raise ValueError(f"n must be >= 1, got {n}")
     encoded = []
     for index, prompt in enumerate(prompts):
+        if isinstance(prompt, ImagePrompt):
+            raise ValueError(f"prompt {index} shows images and this engine takes text only "
+                             "(engines that take images: docs/vision.md)")
         ids = (tokenizer(prompt).input_ids if isinstance(prompt, str)
                else [int(t) for t in prompt])
         if not ids:

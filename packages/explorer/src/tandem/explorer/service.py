@@ -39,14 +39,16 @@ import time
 from collections import deque
 from typing import Any
 
+import numpy as np
 import structlog
 
 from tandem.common.config import RunConfig
 from tandem.common.errors import PeerDead, RequestFailed, TandemError, WaitTimeout
 from tandem.common.groups import informative_groups
 from tandem.common.heartbeat import Heartbeater
+from tandem.common.images import image_hash
 from tandem.common.messages.buffer import PutExperiences
-from tandem.common.messages.experience import Experience
+from tandem.common.messages.experience import Experience, Task
 from tandem.common.messages.master import (
     Barrier,
     CompleteTasks,
@@ -557,6 +559,7 @@ class Explorer:
         t0 = time.time()
         streamed: set[str] = set()
         scored = 0
+        images = _images_of(lease.tasks)
         if self.streaming:
             async def put_group(group: list[Experience]) -> None:
                 nonlocal scored
@@ -565,7 +568,7 @@ class Explorer:
                 if scored == len(lease.tasks):
                     flight.generated_at = time.time()
                     flight.generated.set()
-                await self._put(group, barrier)
+                await self._put(group, barrier, images)
                 streamed.update(e.group_id for e in group)
                 self.tracer.record("group", t0, time.time(), step=barrier.step,
                                    version=group[0].policy_version, group=group[0].group_id,
@@ -593,7 +596,7 @@ class Explorer:
         # groups the workflow did not stream (it cannot, or streaming is off) go now
         rest = [e for e in settle_group_versions(experiences) if e.group_id not in streamed]
         if rest:
-            await self._put(rest, barrier)
+            await self._put(rest, barrier, images)
         if prev is not None:
             await prev.task  # reports go in grant order
         if barrier.sleep_after:
@@ -721,15 +724,22 @@ class Explorer:
                 attrs.update(await self.loader.load(latest.version, "checkpoint"))
         await self._evaluate(step=self.steps_done, final=True)
 
-    async def _put(self, experiences: list[Experience], barrier: Barrier) -> None:
-        """Put to the buffer and wait for its ack; a `full` buffer is retried until put_timeout."""
+    async def _put(self, experiences: list[Experience], barrier: Barrier,
+                   images: dict[str, bytes]) -> None:
+        """Put to the buffer and wait for its ack; a `full` buffer is retried until put_timeout.
+        Each put carries the bytes of the images its experiences show, once each (`images`:
+        the step's tasks' images by content hash)."""
         # groups are repeat_times experiences, except where a workflow says otherwise (an
         # agent's episode that became one experience per call): one put per group size
         sizes: dict[int, list[Experience]] = {}
         for e in experiences:
             sizes.setdefault(int(e.info.get("group_size", self.cfg.repeat_times)), []).append(e)
         for size, part in sizes.items():
-            await self._put_sized(PutExperiences(experiences=part, group_size=size), barrier)
+            shown = {h for e in part for h in e.images}
+            await self._put_sized(PutExperiences(
+                experiences=part, group_size=size,
+                images={h: np.frombuffer(images[h], dtype=np.uint8) for h in sorted(shown)}),
+                barrier)
 
     async def _put_sized(self, msg: PutExperiences, barrier: Barrier) -> None:
         deadline = time.monotonic() + self.cfg.put_timeout
@@ -752,6 +762,11 @@ class Explorer:
                 await asyncio.sleep(wait)
                 self.tracer.record("wait", start, time.time(), step=barrier.step,
                                    version=barrier.version, reason="buffer_full")
+
+
+def _images_of(tasks: list[Task]) -> dict[str, bytes]:
+    """The normalised bytes of the tasks' images (docs/vision.md) by content hash."""
+    return {image_hash(b): b for t in tasks for b in t.payload.get("images") or ()}
 
 
 class _Flight:

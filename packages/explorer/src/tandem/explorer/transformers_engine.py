@@ -38,8 +38,10 @@ import torch
 
 from tandem.weights import model_dtype
 from tandem.weights.hf import load_tokenizer
+from tandem.weights.vision import (
+    ImageInputs, VisionInputs, load_model, restrict, rope_positions)
 
-from .engine import Completion, Prompt, TensorEngine, TokenSink, encode_prompts
+from .engine import Completion, ImagePrompt, Prompt, TensorEngine, TokenSink, encode_prompts
 from .sampling import SamplingParams, sample_with_top
 
 log = structlog.get_logger(__name__)
@@ -53,7 +55,8 @@ class TransformersEngine(TensorEngine):
     """The embedded default engine, on CPU or one CUDA device."""
 
     def __init__(self, model: Any, tokenizer: Any, *, device: str = "cpu", max_batch: int = 64,
-                 version: int = 0, seed: int = 0, interruptible: bool = False):
+                 version: int = 0, seed: int = 0, interruptible: bool = False,
+                 vision: VisionInputs | None = None):
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
         self._tokenizer = tokenizer
@@ -72,13 +75,15 @@ class TransformersEngine(TensorEngine):
         self.state = "awake"
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else min(self.eos_ids)
+        # a vision-language model's image processor: prompts may show images (docs/vision.md)
+        self.vision = vision
+        self._unsampleable = (torch.tensor(vision.unsampleable, device=self.device)
+                              if vision is not None else None)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str = "cpu", dtype: str = "float32",
                         max_batch: int = 64, **options: Any) -> TransformersEngine:
         """Load a model folder from disk (config, safetensors, tokenizer); never a hub."""
-        from transformers import AutoModelForCausalLM
-
         path = Path(path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(
@@ -94,9 +99,10 @@ class TransformersEngine(TensorEngine):
             # process-wide: an explorer process runs one engine
             torch.set_num_threads(int(threads))
         tokenizer = load_tokenizer(path)
-        model = AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=torch_dtype, local_files_only=True, attn_implementation=attn)
-        return cls(model, tokenizer, device=device, max_batch=max_batch, seed=seed)
+        model = load_model(path, dtype=torch_dtype, local_files_only=True,
+                           attn_implementation=attn)
+        return cls(model, tokenizer, device=device, max_batch=max_batch, seed=seed,
+                   vision=VisionInputs.of(path, model))
 
     @property
     def tokenizer(self) -> Any:
@@ -144,6 +150,7 @@ class TransformersEngine(TensorEngine):
         if self.state != "awake":
             raise EngineAsleep(f"the transformers engine is {self.state} (placement.colocate): "
                                "its weights are released until a version is loaded")
+        prompts, images = self._with_images(prompts)
         encoded = encode_prompts(self._tokenizer, prompts, n)
         rows = [(p, s) for p in range(len(encoded)) for s in range(n)]
         out: list[list[Completion | None]] = [[None] * n for _ in encoded]
@@ -162,10 +169,34 @@ class TransformersEngine(TensorEngine):
 
                 self._take_loads()  # between chunks too: a load never waits for the whole call
                 self._generate_chunk([encoded[p] for p, _ in chunk], sampling, generator,
-                                     finished, None if on_step is None else
+                                     finished, [images[p] for p, _ in chunk],
+                                     None if on_step is None else
                                      (lambda batch, start=start: on_step(
                                          [(start + j, *rest) for j, *rest in batch])))
         return out  # type: ignore[return-value]
+
+    def _with_images(self, prompts: Sequence[Prompt]
+                     ) -> tuple[list[Prompt], list[tuple[ImageInputs, str] | None]]:
+        """Prompts with each image prompt's placeholders widened to its images' tokens, and
+        each prompt's image inputs (None: text only) with a key naming its images."""
+        out: list[Prompt] = []
+        images: list[tuple[ImageInputs, str] | None] = []
+        for i, p in enumerate(prompts):
+            if not isinstance(p, ImagePrompt):
+                if (self.vision is not None and not isinstance(p, str)
+                        and self.vision.image_token_id in p):
+                    raise ValueError(f"prompt {i} holds image placeholder tokens but no images "
+                                     "(an ImagePrompt carries them)")
+                out.append(p)
+                images.append(None)
+                continue
+            if self.vision is None:
+                raise ValueError(f"prompt {i} shows images but {type(self.model).__name__} "
+                                 "has no vision tower (model.path: a vision-language model)")
+            inputs = self.vision.process(p.images, p.hashes)
+            out.append(self.vision.expand(p.ids, inputs))
+            images.append((inputs, " ".join(p.hashes)))
+        return out, images
 
     def _generator(self, sampling: SamplingParams) -> torch.Generator:
         # Each call gets its own stream: reproducible for a given seed, different across calls.
@@ -175,13 +206,19 @@ class TransformersEngine(TensorEngine):
         generator.manual_seed(seed)
         return generator
 
-    def _prefill(self, prompts: list[list[int]]) -> tuple[Any, torch.Tensor, torch.Tensor,
-                                                          torch.Tensor]:
-        """(cache, next-token logits, attention mask, next position) of each sequence, left-padded;
-        each distinct sequence is prefilled once, rows sampling the same one share its cache."""
-        unique: dict[tuple[int, ...], int] = {}
-        row_of = [unique.setdefault(tuple(p), len(unique)) for p in prompts]
-        distinct = list(unique)
+    def _prefill(self, prompts: list[list[int]],
+                 images: list[tuple[ImageInputs, str] | None]
+                 ) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(cache, next-token logits, attention mask, next position, rotary delta) of each
+        sequence, left-padded; each distinct sequence (its tokens and images) is prefilled once,
+        rows sampling the same one share its cache. With images, positions are the model's
+        multimodal ones and a later token's is its text position plus the row's delta."""
+        unique: dict[tuple, int] = {}
+        row_of = [unique.setdefault((tuple(p), im[1] if im else None), len(unique))
+                  for p, im in zip(prompts, images)]
+        first = {k: images[row_of.index(i)] for i, k in enumerate(unique)}
+        distinct = [k[0] for k in unique]
+        shown = [first[k] for k in unique]
         width = max(len(p) for p in distinct)
         ids = torch.full((len(distinct), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(distinct), width), dtype=torch.long)
@@ -193,21 +230,38 @@ class TransformersEngine(TensorEngine):
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
-        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
-                            past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        vision = ImageInputs.cat([s[0] if s else None for s in shown])
+        delta = None
+        if vision is None:
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                                past_key_values=cache, use_cache=True,
+                                logits_to_keep=1).logits[:, -1]
+        else:
+            vision = vision.to(self.device)
+            rope, delta = rope_positions(self.model, ids, mask, vision)
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=rope,
+                                pixel_values=vision.pixel_values.to(self.model.dtype),
+                                image_grid_thw=vision.grid_thw, past_key_values=cache,
+                                use_cache=True, logits_to_keep=1).logits[:, -1]
         select = torch.tensor(row_of, device=self.device)
         if len(distinct) != len(prompts) or row_of != list(range(len(prompts))):
             cache.batch_select_indices(select)
             logits, mask = logits[select], mask[select]
-        return cache, logits, mask, positions[select, -1] + 1
+            delta = None if delta is None else delta[select]
+        return cache, self._restrict(logits), mask, positions[select, -1] + 1, delta
+
+    def _restrict(self, logits: torch.Tensor) -> torch.Tensor:
+        """A vision-language model's logits without its placeholder tokens (never sampled)."""
+        return restrict(logits, self._unsampleable)
 
     def _generate_chunk(self, prompts: list[list[int]], sampling: SamplingParams,
                         generator: torch.Generator,
                         finished: Callable[[int, Completion], None],
+                        images: list[tuple[ImageInputs, str] | None],
                         on_step: Callable[[list[tuple[int, int, float, Any]]], None] | None
                         ) -> None:
         t0 = time.perf_counter()
-        cache, logits, mask, next_pos = self._prefill(prompts)
+        cache, logits, mask, next_pos, delta = self._prefill(prompts, images)
         t_prefill = time.perf_counter()
 
         stops = _StopMatcher(sampling.stop, self._tokenizer)
@@ -262,18 +316,22 @@ class TransformersEngine(TensorEngine):
                 # new weights at this token boundary: the cache is the old weights' view of the
                 # partial sequences, so they are prefilled again under the new ones
                 active = [active[j] for j in keep]
-                cache, logits, mask, next_pos = self._prefill(
-                    [prompts[r] + tokens[r] for r in active])
+                cache, logits, mask, next_pos, delta = self._prefill(
+                    [prompts[r] + tokens[r] for r in active], [images[r] for r in active])
                 continue
             if len(keep) != len(active):
                 index = torch.tensor(keep, device=self.device)
                 cache.batch_select_indices(index)
                 tok, mask, next_pos = tok[index], mask[index], next_pos[index]
+                delta = None if delta is None else delta[index]
                 active = [active[j] for j in keep]
             mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
-            logits = self.model(input_ids=tok[:, None], attention_mask=mask,
-                                position_ids=next_pos[:, None], past_key_values=cache,
-                                use_cache=True).logits[:, -1]
+            position = next_pos[:, None]
+            if delta is not None:  # multimodal rotary positions: each section at text + delta
+                position = (position + delta).unsqueeze(0).expand(3, -1, -1)
+            logits = self._restrict(self.model(
+                input_ids=tok[:, None], attention_mask=mask, position_ids=position,
+                past_key_values=cache, use_cache=True).logits[:, -1])
             next_pos = next_pos + 1
 
     def _take_loads(self) -> bool:

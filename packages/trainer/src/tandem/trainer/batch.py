@@ -15,6 +15,23 @@ import torch
 from torch import Tensor
 
 from tandem.common.messages.experience import Experience
+from tandem.weights.vision import ImageInputs
+
+
+@dataclass
+class RowImages:
+    """Each row's images (content hashes, in the order of its placeholders) and the model
+    inputs of every image, built once per step however many rows show it."""
+
+    rows: list[list[str]]
+    inputs: dict[str, ImageInputs]
+
+    def select(self, index: Tensor) -> RowImages:
+        return RowImages([self.rows[i] for i in index.tolist()], self.inputs)
+
+    def batch_inputs(self) -> ImageInputs | None:
+        """The rows' images concatenated in row order, as the model consumes placeholders."""
+        return ImageInputs.cat([self.inputs[h] for row in self.rows for h in row])
 
 
 @dataclass
@@ -38,6 +55,7 @@ class TrainBatch:
     old_values: Tensor | None = None
     returns: Tensor | None = None
     weights: Tensor | None = None
+    images: RowImages | None = None  # a vision-language batch: what each row's prompt shows
     extra: dict = field(default_factory=dict)
 
     @property
@@ -59,6 +77,8 @@ class TrainBatch:
                 value = value[index]
                 if value.dim() == 2:
                     value = value[:, : width if f.name in ("tokens", "attention") else width - 1]
+            elif isinstance(value, RowImages):
+                value = value.select(index)
             out[f.name] = value
         return replace(self, **out)
 
@@ -68,11 +88,13 @@ class TrainBatch:
 
 
 def build_batch(experiences: Sequence[Experience], pad_id: int = 0,
-                sampling: tuple[int, float] = (0, 1.0)) -> TrainBatch:
+                sampling: tuple[int, float] = (0, 1.0),
+                images: dict[str, ImageInputs] | None = None) -> TrainBatch:
     """Pad experiences into a `TrainBatch`; raises ValueError naming a malformed experience.
 
     Each row's top-k / top-p are those its explorer recorded (`info.sampling`), else
-    `sampling`; a row is truncated when its `info.finish_reason` is `length`."""
+    `sampling`; a row is truncated when its `info.finish_reason` is `length`. `images`: the
+    model inputs of the images the experiences show, by content hash (each one needed)."""
     if not experiences:
         raise ValueError("build_batch: no experiences")
     lengths = [int(e.tokens.shape[0]) for e in experiences]
@@ -99,7 +121,15 @@ def build_batch(experiences: Sequence[Experience], pad_id: int = 0,
         behaviour[i, p - 1: length - 1] = e.logprobs
         token_versions[i, p - 1: length - 1] = e.versions_of_tokens()
         groups[i] = group_index.setdefault(e.group_id, len(group_index))
+    shown = None
+    if any(e.images for e in experiences):
+        missing = sorted({h for e in experiences for h in e.images} - set(images or {}))
+        if missing:
+            raise ValueError(f"build_batch: image {missing[0]} of the batch did not arrive "
+                             f"({len(missing)} missing); the buffer sends each with the sample")
+        shown = RowImages([list(e.images) for e in experiences], dict(images or {}))
     return TrainBatch(
+        images=shown,
         tokens=torch.from_numpy(tokens), attention=torch.from_numpy(attention),
         mask=torch.from_numpy(mask), behaviour=torch.from_numpy(behaviour),
         rewards=torch.tensor([e.reward for e in experiences], dtype=torch.float32),

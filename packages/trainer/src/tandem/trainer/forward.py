@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from tandem.weights.vision import ImageInputs, restrict, rope_positions, unsampleable_ids
+
 
 @dataclass
 class Truncation:
@@ -102,10 +104,16 @@ class Actor(nn.Module):
         self.model = model
         self.value_head = value_head
         self.fp32_logits = fp32_logits
+        # a vision-language model's placeholder tokens, which its engine never samples
+        self.unsampleable = unsampleable_ids(model.config)
 
     def forward(self, tokens: Tensor, attention: Tensor, temperature: float = 1.0,
-                entropy: str | None = None, truncation: Truncation | None = None) -> ForwardOut:
-        if self.fp32_logits:
+                entropy: str | None = None, truncation: Truncation | None = None,
+                images: ImageInputs | None = None) -> ForwardOut:
+        if images is not None:
+            logits, hidden = vision_logits(self.model, tokens, attention, images,
+                                           hidden=self.value_head is not None)
+        elif self.fp32_logits:
             hidden = self.model.get_decoder()(input_ids=tokens, attention_mask=attention,
                                               use_cache=False).last_hidden_state
             # out of autocast: the fp32 lm_head weight on fp32 hidden states, fp32 logits
@@ -115,9 +123,23 @@ class Actor(nn.Module):
             out = self.model(input_ids=tokens, attention_mask=attention, use_cache=False,
                              output_hidden_states=self.value_head is not None)
             logits, hidden = out.logits, (out.hidden_states[-1] if self.value_head else None)
+        if self.unsampleable:
+            logits = restrict(logits, torch.tensor(self.unsampleable))
         logp, ent = token_logprobs(logits[:, :-1], tokens[:, 1:], temperature, entropy,
                                    truncation)
         values = None
         if self.value_head is not None:
             values = self.value_head(hidden[:, :-1].float())
         return ForwardOut(logp, ent, values)
+
+
+def vision_logits(model: nn.Module, tokens: Tensor, attention: Tensor, images: ImageInputs,
+                  hidden: bool = False) -> tuple[Tensor, Tensor | None]:
+    """Logits (and the last hidden state) of a vision-language batch: the rows' images in row
+    order fill their placeholders, at the model's multimodal positions, as the engine saw them."""
+    images = images.to(tokens.device)
+    positions, _ = rope_positions(model, tokens, attention, images)
+    out = model(input_ids=tokens, attention_mask=attention, position_ids=positions,
+                pixel_values=images.pixel_values.to(next(model.parameters()).dtype),
+                image_grid_thw=images.grid_thw, use_cache=False, output_hidden_states=hidden)
+    return out.logits, (out.hidden_states[-1] if hidden else None)

@@ -14,7 +14,7 @@ import random
 import time
 from contextlib import nullcontext
 from pathlib import Path
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import structlog
@@ -26,6 +26,8 @@ from tandem.common.config import RunConfig
 from tandem.common.errors import ConfigError
 from tandem.common.messages.experience import Experience
 from tandem.weights.lora import adapter_state, merged_state
+from tandem.weights.vision import (
+    ImageInputs, VisionInputs, load_model, restrict, unsampleable_ids, vision_tower)
 
 from . import checkpoint as ckpt
 from .algorithms import (
@@ -39,7 +41,7 @@ from .batch import (
     TrainBatch, build_batch, mini_batch_rows, plan_micro_batches, preference_pairs, shard_rows,
     staleness_metrics)
 from .distributed import DistInfo, gradient_sync, resolve_device, wrap
-from .forward import Actor, Truncation, token_logprobs
+from .forward import Actor, Truncation, token_logprobs, vision_logits
 from .lora import add_adapters
 from .metrics import MetricAccumulator, combine_updates
 from .teacher import Teacher
@@ -63,8 +65,6 @@ class Learner:
 
     def __init__(self, config: RunConfig, *, dist_info: DistInfo | None = None,
                  resume_from: str | Path | None = None):
-        from transformers import AutoModelForCausalLM
-
         self.config = config
         tc = self.tc = config.trainer
         self.dist = dist_info or DistInfo()
@@ -94,19 +94,32 @@ class Learner:
         lora = self.lora = config.model.lora
         if lora is not None:
             # the base is always model.path; a checkpoint holds the adapters only
-            model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=torch.float32)
+            model = load_model(config.model.path, dtype=torch.float32)
+            if vision_tower(model) is not None and not tc.freeze_vision:
+                raise ConfigError(["trainer.freeze_vision: model.lora adapts the language model "
+                                   "only; set trainer.freeze_vision: true to train it on a "
+                                   "vision-language model (docs/vision.md)"])
             model = add_adapters(model, lora, config.model.path,
                                  self.resume_from / "adapter" if self.resume_from else None)
         else:
             model_path = self.resume_from / "model" if self.resume_from else Path(config.model.path)
-            model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
-        self.pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+            model = load_model(model_path, dtype=torch.float32)
+        # a vision-language model: the images' inputs rebuilt from their bytes, as the engine
+        # built them (docs/vision.md)
+        self.vision = VisionInputs.of(config.model.path, model)
+        if self.vision is not None and tc.freeze_vision:
+            vision_tower(model).requires_grad_(False)
+        self._unsampleable = (torch.tensor(unsampleable_ids(model.config))
+                              if self.vision is not None else None)
+        text = model.config.get_text_config()  # a vision-language model's language half
+        pad = getattr(text, "pad_token_id", None)
+        self.pad_id = pad if pad is not None else 0
         if tc.gradient_checkpointing:
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False})
         value_head = None
         if tc.needs_value_head:
-            value_head = ValueHead(model.config.hidden_size)
+            value_head = ValueHead(text.hidden_size)
             if self.resume_from:
                 ckpt.load_value_head(value_head, self.resume_from)
         self.actor = Actor(model, value_head, fp32_logits=tc.fp32_logits).to(self.device)
@@ -116,7 +129,7 @@ class Learner:
         if tc.needs_reference:
             ref_path = tc.kl.reference_path or config.model.path
             ref_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-            self.reference = AutoModelForCausalLM.from_pretrained(ref_path, dtype=ref_dtype)
+            self.reference = load_model(ref_path, dtype=ref_dtype)
             self.reference.to(self.device).eval().requires_grad_(False)
         self.teacher: Teacher | None = None
         if tc.teacher is not None:
@@ -144,13 +157,17 @@ class Learner:
         """Weights version: the number of optimiser steps folded into the current weights."""
         return self.step_count
 
-    def step(self, experiences: Sequence[Experience]) -> dict[str, float]:
-        """One trainer step on these experiences (whole groups); returns its metrics."""
+    def step(self, experiences: Sequence[Experience],
+             images: Mapping[str, bytes] | None = None) -> dict[str, float]:
+        """One trainer step on these experiences (whole groups); returns its metrics.
+        `images`: the normalised bytes of the images they show, by content hash (the
+        buffer's sample carries them)."""
         if self.mode == "released":
             raise RuntimeError("Learner.step after release(): this learner has left training")
         tc = self.tc
         start = time.perf_counter()
-        batch = build_batch(experiences, self.pad_id, self.sampling)
+        batch = build_batch(experiences, self.pad_id, self.sampling,
+                            self._image_inputs(experiences, images or {}))
         if self.dist.enabled:  # experience info does not travel to the other ranks: rank 0's
             rows = torch.stack([batch.top_k.double(), batch.top_p.double(),
                                 batch.truncated.double()])
@@ -226,6 +243,29 @@ class Learner:
         metrics["time/step_s"] = elapsed
         metrics["throughput/tokens_per_s"] = float(batch.lengths.sum()) / elapsed
         return metrics
+
+    def _image_inputs(self, experiences: Sequence[Experience], images: Mapping[str, bytes]
+                      ) -> dict[str, ImageInputs] | None:
+        """The model inputs of each image the experiences show, built once per step from its
+        bytes; each row's placeholders checked against its images."""
+        shown = sorted({h for e in experiences for h in e.images})
+        if not shown:
+            return None
+        if self.vision is None:
+            raise ValueError(f"experience {next(e.id for e in experiences if e.images)} shows "
+                             f"images, but model.path {self.config.model.path} has no vision "
+                             "tower")
+        missing = [h for h in shown if h not in images]
+        if missing:
+            raise ValueError(f"image {missing[0]} ({len(missing)} of {len(shown)}) of the "
+                             "step's experiences did not arrive with the sample")
+        inputs = {h: self.vision.process([images[h]]) for h in shown}
+        for e in experiences:
+            if e.images:
+                self.vision.check(e.tokens[:e.prompt_len].tolist(),
+                                  ImageInputs.cat([inputs[h] for h in e.images]),
+                                  f"experience {e.id}")
+        return inputs
 
     def _update(self, batch: TrainBatch, unit: int, mismatch: bool = False) -> dict[str, float]:
         """One optimiser update on `batch` (the step's batch or one mini-batch of it): forward
@@ -321,7 +361,7 @@ class Learner:
                         continue
                     mb = batch.select(mine[i]).to(self.device)
                     out = self.wrapped(mb.tokens, mb.attention, self.temperature, None,
-                                       self._truncation(mb))
+                                       self._truncation(mb), _images(mb))
                 width = mb.mask.shape[1]
                 if prox is not None:
                     prox[mine[i], :width] = out.logprobs.float().cpu()
@@ -331,8 +371,13 @@ class Learner:
             for rows in mine:
                 mb = batch.select(rows).to(self.device)
                 with self._autocast():
-                    logits = self.reference(input_ids=mb.tokens, attention_mask=mb.attention,
-                                            use_cache=False).logits
+                    if mb.images is not None:
+                        logits, _ = vision_logits(self.reference, mb.tokens, mb.attention,
+                                                  _images(mb))
+                    else:
+                        logits = self.reference(input_ids=mb.tokens, attention_mask=mb.attention,
+                                                use_cache=False).logits
+                    logits = restrict(logits, self._unsampleable)
                 logp, _ = token_logprobs(logits[:, :-1], mb.tokens[:, 1:], self.temperature,
                                          truncation=self._truncation(mb))
                 ref[rows, : mb.mask.shape[1]] = logp.float().cpu()
@@ -384,7 +429,7 @@ class Learner:
         tc = self.tc
         entropy = "loss" if tc.entropy_coef > 0 else ("metric" if tc.entropy_metric else None)
         out = self.wrapped(mb.tokens, mb.attention, self.temperature, entropy,
-                           self._truncation(mb))
+                           self._truncation(mb), _images(mb))
         anchor = mb.proximal if mb.proximal is not None else mb.behaviour
         needs = self.needs
         # the loss gets what it declared and nothing else (a KL term's reference is not its)
@@ -471,3 +516,8 @@ class Learner:
         if self.mode == "ddp":
             self.wrapped = self.actor
             self.mode = "released"
+
+
+def _images(mb: TrainBatch) -> ImageInputs | None:
+    """The images a micro-batch's rows show, in row order (None: text only)."""
+    return mb.images.batch_inputs() if mb.images is not None else None

@@ -15,6 +15,7 @@ from torch import nn
 
 from tandem.common.config import LoraConfig
 from tandem.common.errors import ConfigError
+from tandem.weights.vision import vision_tower
 
 
 def _check_targets(model: nn.Module, lora: LoraConfig, where: str) -> None:
@@ -41,4 +42,6 @@ def add_adapters(model: nn.Module, lora: LoraConfig, where: str,
         return PeftModel.from_pretrained(model, str(resume_from), is_trainable=True)
     return get_peft_model(model, PeftLoraConfig(
         r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-        target_modules=list(lora.target_modules), bias="none"))
+        target_modules=list(lora.target_modules), bias="none",
+        # a vision-language model's vision tower is never adapted: LoRA is the language model's
+        exclude_modules=r".*\.visual\..*" if vision_tower(model) is not None else None))

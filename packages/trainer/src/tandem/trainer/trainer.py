@@ -152,15 +152,21 @@ class Trainer:
     # -- without sockets -----------------------------------------------------------------------
 
     def train_step(self, experiences: Sequence[Experience], *, step: int | None = None,
-                   extra_batches: int = 0) -> dict[str, float]:
+                   extra_batches: int = 0, images: dict[str, bytes] | None = None
+                   ) -> dict[str, float]:
         """One step on these experiences; under torchrun, rank 0 calls it and the others follow.
-        `extra_batches`: the master's top-up batches in them (dynamic sampling)."""
+        `extra_batches`: the master's top-up batches in them (dynamic sampling); `images`: the
+        bytes of the images they show, by content hash (docs/vision.md)."""
+        if self.dist.enabled and any(e.images for e in experiences):
+            raise TandemError("trainer: experiences with images under torchrun are not built "
+                              "yet (the images do not travel to the other ranks); train a "
+                              "vision-language model in one process (docs/vision.md)")
         if self.dist.enabled:
             dd.send_command(dd.STEP)
             experiences = dd.broadcast_experiences(list(experiences))
         step = self.learner.step_count if step is None else step
         start = time.time()
-        metrics = self.learner.step(experiences)
+        metrics = self.learner.step(experiences, images)
         discarded = {}
         if self.tc.dynamic_sampling:
             metrics["dynamic_sampling/extra_batches"] = float(extra_batches)
@@ -437,8 +443,9 @@ class Trainer:
         self._in_use = list(go.in_use)
         groups = go.groups or self.tc.groups_per_step
         sample = await self._unless_stopped(self._sample(groups, go.step))
-        metrics = await asyncio.to_thread(self.train_step, sample.experiences, step=go.step,
-                                          extra_batches=go.extra_batches)
+        metrics = await asyncio.to_thread(
+            self.train_step, sample.experiences, step=go.step, extra_batches=go.extra_batches,
+            images={h: v.tobytes() for h, v in sample.images.items()})
         self._trained_through = go.step
         metrics["buffer/dropped_stale"] = float(sample.dropped_stale)
         await self._buffer.call(AckLease(lease_id=sample.lease_id, step=go.step),

@@ -343,6 +343,10 @@ class TrainerConfig(Section):
     precision: Literal["auto", "fp32", "bf16"] = Field(
         default="auto", description="auto: bf16 autocast on CUDA, fp32 on CPU")
     gradient_checkpointing: bool = Field(default=False, description="recompute activations")
+    freeze_vision: bool = Field(
+        default=False, description="a vision-language model: train the language model only, "
+                                   "its vision tower fixed (needed with model.lora, which "
+                                   "adapts the language model only; docs/vision.md)")
     parallel: Literal["auto", "fsdp", "ddp"] = Field(
         default="auto", description="under torchrun: auto = FSDP2 on CUDA, DDP on CPU")
     seed: int | None = Field(default=None, description="default: the run's seed")

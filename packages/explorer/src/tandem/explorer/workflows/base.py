@@ -80,6 +80,7 @@ class Trajectory:
     action_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int | None] = field(default_factory=list)  # None: not known per token
+    images: list[str] = field(default_factory=list)  # content hashes of the prompt's images
 
     def add(self, ids, logprobs=None, *, action: bool, versions=None) -> None:
         """Append response tokens; `versions`: the weights version that sampled each (a
@@ -126,6 +127,7 @@ def make_experience(task: Task, index: int, traj: Trajectory, ctx: RolloutContex
         rewards={k: float(v) for k, v in rewards.items()},
         policy_version=version,
         token_versions=token_versions,
+        images=list(traj.images),
         explorer=ctx.explorer,
         created_at=time.time(),
         info={"group_size": ctx.repeat_times, "repeat_index": index, "step": ctx.step,

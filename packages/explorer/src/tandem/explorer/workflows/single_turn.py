@@ -2,7 +2,10 @@
 
 A task is a prompt (`prompt_key`, with the task's own system prompt under `system_key`) or a
 chat (`messages_key`: a list of {role, content}), as `master.taskset.format` makes them; the
-prompt goes through the model's chat template, or the plain template without one."""
+prompt goes through the model's chat template, or the plain template without one. A task with
+`images` (normalised PNG bytes, docs/vision.md) becomes an `ImagePrompt`: its chat with an image
+part per image (a prompt's images go before its text in one user message), so the template
+writes one placeholder per image, which the engine widens."""
 
 from __future__ import annotations
 
@@ -12,10 +15,11 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from tandem.common.images import image_hash
 from tandem.common.messages.experience import Experience, Task
 from tandem.common.messages.reward import ScoreItem
 
-from ..engine import Completion
+from ..engine import Completion, ImagePrompt, Prompt
 from ..templates import PromptTemplate, message_text
 from .base import (
     RolloutContext, Trajectory, Workflow, WorkflowArgs, make_experience, settle_group_versions)
@@ -60,9 +64,22 @@ class SingleTurn(Workflow):
             f"task {task.id!r} has no {a.prompt_key!r} field nor a {a.messages_key!r} list "
             f"(has {sorted(payload)}); set workflow_args.prompt_key or master.taskset.format")
 
-    def render(self, task: Task) -> list[int]:
-        """The task's prompt token ids."""
+    def render(self, task: Task) -> Prompt:
+        """The task's prompt token ids, or an `ImagePrompt` for a task that shows images."""
         payload, a = task.payload, self.args
+        images = payload.get("images")
+        if images:
+            if a.prompt_key not in payload and isinstance(payload.get(a.messages_key), list):
+                messages = payload[a.messages_key]
+            else:
+                system = payload.get(a.system_key)
+                messages = ([{"role": "system", "content": system}]
+                            if isinstance(system, str) and system else [])
+                messages.append({"role": "user", "content": [
+                    *({"type": "image"} for _ in images),
+                    {"type": "text", "text": self.prompt_of(task)}]})
+            return ImagePrompt(self.template.render_messages(messages), list(images),
+                               [image_hash(i) for i in images])
         if a.prompt_key not in payload and isinstance(payload.get(a.messages_key), list):
             return self.template.render_messages(payload[a.messages_key])
         system = payload.get(a.system_key)
@@ -87,7 +104,7 @@ class SingleTurn(Workflow):
                 for e in self._group(task, prompts[i], completions[i], scores[i * n:(i + 1) * n],
                                      ctx, generate_s=t1 - t0, reward_s=t2 - t1)]
 
-    async def _stream(self, tasks: list[Task], prompts: list[str],
+    async def _stream(self, tasks: list[Task], prompts: list[Prompt],
                       ctx: RolloutContext) -> list[Experience]:
         """Each task's group is scored and handed to `ctx.on_group` as soon as its responses
         are sampled, while the engine goes on with the others."""
@@ -119,11 +136,14 @@ class SingleTurn(Workflow):
                           args=task.payload.get("reward_args", {}))
                 for c in completions]
 
-    def _group(self, task: Task, prompt: str, completions: list[Completion], scores: list,
+    def _group(self, task: Task, prompt: Prompt, completions: list[Completion], scores: list,
                ctx: RolloutContext, *, generate_s: float, reward_s: float) -> list[Experience]:
         experiences = []
+        shown = list(prompt.hashes) if isinstance(prompt, ImagePrompt) else []
         for k, (c, score) in enumerate(zip(completions, scores)):
-            traj = Trajectory(prompt)
+            # an image prompt's ids as the engine widened them: the placeholders the trainer
+            # fills with the same images
+            traj = Trajectory(c.prompt_ids.tolist() if shown else prompt, images=shown)
             traj.add(c.token_ids, c.logprobs, action=True, versions=c.token_versions)
             experiences.append(make_experience(
                 task, k, traj, ctx, reward=score.score,

@@ -1,0 +1,214 @@
+"""The vision-language path end to end in one process (issue 26, docs/vision.md), on a real
+tiny Qwen2-VL (tandem.weights.tiny_vlm), real images and real gradients: a taskset with images
+(one of them bad) is loaded; the `single_turn` workflow samples from image + text through the
+transformers engine; the experiences go through the buffer's store, which keeps each image
+once; the learner rebuilds the images' inputs and trains on them.
+
+Asserted: the bad image skips its task with its error; the placeholder tokens stay in the
+token ids, masked out of the loss; the images reached the trainer (its logprobs depend on
+them, and the vision tower learns unless `trainer.freeze_vision`); engine and trainer logprobs
+agree (KL < 1e-3) on the same weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from tandem.buffer import SqliteStore
+from tandem.common.config.master import TasksetFormat
+from tandem.common.images import image_hash
+from tandem.common.messages import Task
+from tandem.common.messages.reward import Score
+from tandem.common.tasks import load_tasks
+from tandem.explorer.sampling import SamplingParams
+from tandem.explorer.workflows.base import RolloutContext
+from tandem.explorer.workflows.single_turn import SingleTurn
+from tandem.trainer.batch import build_batch
+from tandem.trainer.learner import Learner
+from tandem.weights.vision import vision_tower
+
+TEMPERATURE = 0.8
+REPEAT = 4
+
+
+class ResponseParity:
+    """A deterministic reward (response length parity): mixed rewards in every group, so
+    the advantages, and the gradients, are not zero. The data path is under test here; the
+    vision reward's learning run is tests/e2e's."""
+
+    async def score(self, items):
+        return [Score(score=float(len(i.response) % 2)) for i in items]
+
+
+def picture(color, size=(64, 64)) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", size, color).save(out, format="PNG")
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def rollout(tiny_vlm_dir, tmp_path_factory):
+    """Tasks loaded from a taskset with images, rolled out by the engine, put and sampled."""
+    from tandem.explorer.transformers_engine import TransformersEngine
+
+    data = tmp_path_factory.mktemp("vision-data")
+    (data / "red.png").write_bytes(picture((220, 20, 20)))
+    (data / "blue.png").write_bytes(picture((20, 20, 220), size=(48, 80)))
+    (data / "broken.png").write_bytes(picture((0, 0, 0))[:50])
+    rows = [{"id": "red", "q": "colour?", "img": "red.png"},
+            {"id": "broken", "q": "colour?", "img": "broken.png"},
+            {"id": "blue", "q": "colour?", "img": ["blue.png"]},
+            {"id": "both", "q": "same?", "img": ["red.png", "blue.png"]}]
+    (data / "tasks.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    skipped: list[str] = []
+    tasks = load_tasks(str(data / "tasks.jsonl"), skipped=skipped,
+                       format=TasksetFormat(prompt="q", images="img", id="id"))
+
+    engine = TransformersEngine.from_pretrained(tiny_vlm_dir)
+    try:
+        workflow = SingleTurn(engine.tokenizer)
+        ctx = RolloutContext(engine=engine, repeat_times=REPEAT, explorer="x",
+                             sampling=SamplingParams(temperature=TEMPERATURE, max_tokens=8,
+                                                     seed=0),
+                             scorer=ResponseParity())
+        experiences = asyncio.run(workflow.run(
+            [Task(id=t["id"], payload=t) for t in tasks], ctx))
+    finally:
+        engine.close()
+    images = {image_hash(b): b for t in tasks for b in t["images"]}
+
+    store = SqliteStore(tmp_path_factory.mktemp("vision-buffer") / "buffer.sqlite")
+
+    async def through_the_buffer():
+        first = await store.put(experiences, [REPEAT] * len(experiences), images)
+        again = await store.put(experiences, [REPEAT] * len(experiences), images)
+        return first, again, await store.sample(len(tasks))
+
+    try:
+        first, again, lease = asyncio.run(through_the_buffer())
+        held = store.writer.conn.execute("SELECT count(*) FROM images").fetchone()[0]
+    finally:
+        store.close_sync()
+    return dict(tasks=tasks, skipped=skipped, experiences=experiences, put=(first, again),
+                lease=lease, held=held, images=images)
+
+
+def make_learner(model_dir, **trainer) -> Learner:
+    from tandem.common.config import RunConfig
+
+    return Learner(RunConfig.model_validate({
+        "model": {"path": str(model_dir)}, "run_dir": "runs/test",
+        "trainer": {"micro_batch_tokens": 4096, "lr": 1e-2, "tensorboard": False,
+                    "temperature": TEMPERATURE, **trainer}}))
+
+
+def test_a_bad_image_gets_its_error_and_the_rest_goes_on(rollout):
+    assert [t["id"] for t in rollout["tasks"]] == ["red", "blue", "both"]
+    [line] = rollout["skipped"]
+    assert "(task 'broken')" in line and "column 'img' image 1" in line
+    assert "cannot be decoded" in line
+
+
+def test_each_image_is_stored_once_and_sampled_once(rollout):
+    first, again = rollout["put"]
+    assert (first.stored, again.stored, again.duplicates) == (12, 0, 12)
+    assert rollout["held"] == 2  # red and blue, however many experiences show them
+    lease = rollout["lease"]
+    assert sorted(lease.images) == sorted(rollout["images"])
+    assert {tuple(e.images) for e in lease.experiences} == {
+        (image_hash(b),) for b in rollout["images"].values()} | {tuple(
+            image_hash(b) for b in rollout["tasks"][2]["images"])}
+
+
+def test_placeholders_stay_in_the_tokens_and_out_of_the_loss(rollout, tiny_vlm_dir):
+    learner = make_learner(tiny_vlm_dir)
+    pad = learner.vision.image_token_id
+    lease = rollout["lease"]
+    inputs = learner._image_inputs(lease.experiences, lease.images)
+    batch = build_batch(lease.experiences, learner.pad_id, images=inputs)
+    per_image = {h: int(v.grid_thw.prod()) // 4 for h, v in inputs.items()}
+    assert sorted(per_image.values()) == [16, 24]  # 64x64 and 48x80 at 64*64 pixels
+    for row, e in enumerate(lease.experiences):
+        placeholders = e.tokens == pad
+        assert int(placeholders.sum()) == sum(per_image[h] for h in e.images)
+        assert not placeholders[e.prompt_len:].any()  # never sampled
+        targets = batch.tokens[row, 1:] == pad
+        assert not batch.mask[row][targets].any()
+
+
+def test_engine_and_trainer_agree_and_the_images_reach_the_trainer(rollout, tiny_vlm_dir):
+    lease = rollout["lease"]
+    learner = make_learner(tiny_vlm_dir)
+    tower = vision_tower(learner.actor.model)
+    before = [p.detach().clone() for p in tower.parameters()]
+    m = learner.step(lease.experiences, lease.images)
+    print({k: v for k, v in m.items() if k.startswith("mismatch/")})  # docs/vision.md
+    assert 0 <= m["mismatch/kl"] < 1e-3, m
+    assert abs(m["mismatch/ratio_mean"] - 1) < 1e-3, m
+    # real gradients reached the vision tower through the images
+    assert any(not torch.equal(b, p) for b, p in zip(before, tower.parameters()))
+
+    # the trainer's logprobs depend on the images: another picture moves them
+    swapped = {h: picture((0, 255, 0)) for h in lease.images}
+    fresh = make_learner(tiny_vlm_dir)
+    shown = fresh._image_inputs(lease.experiences, lease.images)
+    other = {h: fresh.vision.process([b]) for h, b in swapped.items()}
+    rows = [i for i, e in enumerate(lease.experiences) if len(e.images) == 1
+            and int(shown[e.images[0]].grid_thw.prod()) == 64][:2]
+    logps = []
+    for inputs in (shown, other):
+        batch = build_batch([lease.experiences[i] for i in rows], fresh.pad_id, images=inputs)
+        with torch.no_grad():
+            out = fresh.actor(batch.tokens, batch.attention, TEMPERATURE,
+                              images=batch.images.batch_inputs())
+        logps.append(out.logprobs * batch.mask)
+    assert (logps[0] - logps[1]).abs().max() > 1e-4
+
+
+def test_freeze_vision_keeps_the_tower_and_trains_the_language_model(rollout, tiny_vlm_dir):
+    lease = rollout["lease"]
+    learner = make_learner(tiny_vlm_dir, freeze_vision=True)
+    tower = vision_tower(learner.actor.model)
+    before = [p.detach().clone() for p in tower.parameters()]
+    head = learner.actor.model.get_output_embeddings().weight.detach().clone()
+    learner.step(lease.experiences, lease.images)
+    assert all(torch.equal(b, p) for b, p in zip(before, tower.parameters()))
+    assert not torch.equal(head, learner.actor.model.get_output_embeddings().weight)
+
+
+def test_lora_on_a_vision_model_needs_freeze_vision(tiny_vlm_dir, rollout):
+    from tandem.common.config import RunConfig
+    from tandem.common.errors import ConfigError
+
+    def config(**trainer):
+        return RunConfig.model_validate({
+            "model": {"path": str(tiny_vlm_dir), "lora": {"r": 4, "alpha": 8}},
+            "run_dir": "runs/test",
+            "trainer": {"micro_batch_tokens": 4096, "lr": 1e-2, "tensorboard": False,
+                        "temperature": TEMPERATURE, **trainer}})
+
+    with pytest.raises(ConfigError, match="trainer.freeze_vision"):
+        Learner(config())
+    learner = Learner(config(freeze_vision=True))
+    trained = [n for n, p in learner.actor.named_parameters() if p.requires_grad]
+    assert trained and all("lora_" in n and ".visual." not in n for n in trained)
+    m = learner.step(rollout["lease"].experiences, rollout["lease"].images)
+    assert m["mismatch/kl"] < 1e-3
+
+
+def test_text_prompts_on_a_vision_model_still_work(tiny_vlm_dir):
+    from tandem.explorer.transformers_engine import TransformersEngine
+
+    engine = TransformersEngine.from_pretrained(tiny_vlm_dir)
+    try:
+        [[c]] = engine.generate_sync(["colour?"], 1, SamplingParams(max_tokens=4, seed=0))
+    finally:
+        engine.close()
+    assert len(c) >= 1 and np.isfinite(c.logprobs).all()
