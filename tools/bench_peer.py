@@ -1,7 +1,7 @@
 """tandem against Hugging Face TRL's `GRPOTrainer` on the same work (issue 27 item 1).
 
     make bench-peer        # builds .venv-trl (TRL 1.16.0), then runs this with defaults
-    .venv/bin/python tools/bench_peer.py [--trl-python .venv-trl/bin/python] [--steps 100]
+    .venv/bin/python tools/bench_peer.py [--trl-python .venv-trl/bin/python] [--steps 60]
         [--seeds 0,1,2] [--rows trl,synchronous,one_step_off_policy,fully_async]
         [--interval 0.25] [--out .bench/bench_peer.json] [--quick]
 
@@ -292,6 +292,40 @@ class PeakPss:
                       key=lambda x: -x[1])
 
 
+def phase_breakdown(spans: list[dict[str, Any]]) -> dict[str, float]:
+    """Where a tandem run's training phase (first rollout start to last train end) went, in
+    seconds: the trainer training, an explorer rolling out, both at once, neither (barriers,
+    sample/ack, weight publish and load, between spans), and the publish (trainer `sync`) and
+    load (explorer `sync`) spans inside it."""
+    trains = [(s["start"], s["end"]) for s in spans if s["kind"] == "train"
+              and s["component"] == "trainer"]
+    rollouts = [(s["start"], s["end"]) for s in spans if s["kind"] == "rollout"]
+    start, end = min(a for a, _ in rollouts), max(b for _, b in trains)
+
+    def covered(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+        merged: list[list[float]] = []
+        for a, b in sorted((max(a, start), min(b, end)) for a, b in intervals):
+            if b <= a:
+                continue
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        return [(a, b) for a, b in merged]
+
+    def length(intervals: list[tuple[float, float]]) -> float:
+        return sum(b - a for a, b in intervals)
+
+    train, rollout = covered(trains), covered(rollouts)
+    either = length(covered(train + rollout))
+    both = length(train) + length(rollout) - either
+    syncs = {c: sum(s["end"] - s["start"] for s in spans if s["kind"] == "sync"
+                    and (s["component"] == "trainer") == (c == "publish")
+                    and start <= s["start"] <= end) for c in ("publish", "load")}
+    return {"phase": end - start, "train": length(train), "rollout": length(rollout),
+            "both": both, "neither": end - start - either, **syncs}
+
+
 def run_process(argv: list[str], *, interval: float, timeout: float, log: Path
                 ) -> tuple[int, float, PeakPss]:
     """Run argv to its end with its tree's PSS polled; (exit code, wall seconds, the poll)."""
@@ -360,6 +394,7 @@ def run_tandem(root: Path, cache: Path, *, preset: str, seed: int, steps: int,
             "wall_s": wall, "outside_s": wall - (end - start),
             "busy_train_s": sum(s["end"] - s["start"] for s in trains),
             "busy_rollout_s": sum(s["end"] - s["start"] for s in rollouts),
+            "breakdown_s": phase_breakdown(spans),
             "staleness_mean": statistics.fmean(s["step"] - s["version"] for s in rollouts
                                                if s.get("version") is not None),
             "peak_pss_mib": round(peak.peak / MiB, 1), "peak_by_process_mib": peak.by_process(),

@@ -71,3 +71,17 @@ def test_summary_is_mean_and_range_against_trls_mean():
     assert rows["trl"]["s_per_step"] == pytest.approx([0.3, 0.2, 0.4])
     assert rows["synchronous"]["vs_trl"] == pytest.approx(0.3 / 0.6)
     assert rows["synchronous"]["pss_vs_trl"] == pytest.approx(1000 / 600)
+
+
+def span(component: str, kind: str, start: float, end: float) -> dict:
+    return {"component": component, "kind": kind, "start": start, "end": end}
+
+
+def test_phase_breakdown_splits_the_phase_between_the_sides():
+    spans = [span("explorer-0", "rollout", 0, 2), span("trainer", "sync", 2, 2.5),
+             span("explorer-0", "sync", 2.5, 3), span("trainer", "train", 3, 5),
+             span("explorer-0", "rollout", 4, 6), span("trainer", "train", 6.5, 8),
+             span("trainer", "wait", 5, 6.5)]
+    b = bench_peer.phase_breakdown(spans)
+    assert b == pytest.approx({"phase": 8, "train": 3.5, "rollout": 4, "both": 1,
+                               "neither": 1.5, "publish": 0.5, "load": 0.5})
