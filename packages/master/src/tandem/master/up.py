@@ -39,6 +39,7 @@ from tandem.common.sockets import free_port
 from tandem.common.trace import JsonlTail, Tracer
 
 from .startup import StartupClock
+from .zygote import ForkedProcess, Zygote, ZygoteRefused, reap_orphans
 
 log = structlog.get_logger(__name__)
 
@@ -84,15 +85,22 @@ class Child:
     role: str
     argv: list[str]
     log_path: Path
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen | ForkedProcess | None = None
     restarts: int = 0
     finished: bool = False
     env: dict[str, str] = field(default_factory=dict)  # secrets kept out of the config file
+    zygote: Zygote | None = None  # forks it when set (up.launch: fork), else exec
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        out = open(self.log_path, "ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
+        if self.zygote is not None:
+            try:
+                self.proc = self.zygote.fork(self.argv, env, self.log_path)
+                return
+            except ZygoteRefused as exc:
+                log.warning("up.exec_instead_of_fork", component=self.name, reason=str(exc))
+        out = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True, env=env)
         out.close()
@@ -192,6 +200,7 @@ class Supervisor:
         self.progress = Progress()
         self._stop_reason: str | None = None
         self._stop_requested_at: float | None = None  # time.time() of the signal
+        self.zygote: Zygote | None = None
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -249,26 +258,66 @@ class Supervisor:
 
         self.prepare()
         master = self.children[0]
+        self._start_zygote()
         # all at once: the others' imports and model loads overlap the master's start, and
         # their Register waits in the socket's queue until the master binds
         for child in self.children:
-            child.start()
             self.startup.process_started(child.name)
+            if child.zygote is None:
+                child.start()
         client = RpcClient(self.config.master.address, peer="master",
                            transport=self.config.transport, name="up")
         probes = self._probe_startup(client, GetStatus)
+        forks = asyncio.ensure_future(self._fork_children()) if self.zygote else None
         try:
             await self._wait_for_master(client, master)
             self.startup.mark_ready("master")
+            if forks is not None:
+                await forks
             log.info("up.started", run_dir=str(self.run_dir),
                      components=[c.name for c in self.children])
             return await self._watch(client, GetStatus)
         finally:
-            for task in probes:
+            for task in [*probes, *([forks] if forks else [])]:
                 task.cancel()
-            await asyncio.gather(*probes, return_exceptions=True)
+            await asyncio.gather(*probes, *([forks] if forks else []), return_exceptions=True)
             await client.close()
             self._stop_all()
+            if self.zygote is not None:
+                self.zygote.close()
+                self._reap_orphans()
+
+    def _start_zygote(self) -> None:
+        """With up.launch: fork, the warm process the trainer and the explorers are forked
+        from; not for a trainer under torchrun (its ranks are torchrun's children)."""
+        forked = [c for c in self.children if c.role in ("trainer", "explorer")
+                  and Path(c.argv[0]).name in ("tandem-trainer", "tandem-explorer")]
+        if self.config.up.launch != "fork" or not forked:
+            return
+        try:
+            self.zygote = Zygote(self.run_dir / "logs" / "zygote.out",
+                                 self.config.up.start_timeout, [c.argv for c in forked])
+        except OSError as exc:  # no PR_SET_CHILD_SUBREAPER (not Linux)
+            log.warning("up.exec_instead_of_fork", reason=str(exc))
+            return
+        for child in forked:
+            child.zygote = self.zygote
+
+    async def _fork_children(self) -> None:
+        """Fork the zygote's children once its imports are done; meanwhile the loop answers
+        (the master's start, the probes, a stop)."""
+        await asyncio.to_thread(self.zygote.wait_ready)
+        for child in self.children:
+            if child.zygote is not None and not self._stop_reason:
+                child.start()
+        if self.config.up.restart == "never":  # nothing will be forked again: free its pages
+            self.zygote.close()
+
+    def _reap_orphans(self) -> None:
+        known = {c.proc.pid for c in self.children if c.proc is not None}
+        if self.zygote is not None:
+            known.add(self.zygote.proc.pid)
+        reap_orphans(known)
 
     def _probe_startup(self, master, GetStatus) -> list[asyncio.Task]:
         """Background tasks that time each component's start-up (`StartupClock`)."""
@@ -337,6 +386,8 @@ class Supervisor:
                 if outcome is not None:
                     return outcome
                 await self._poll_status(client, GetStatus)
+                if self.zygote is not None:
+                    self._reap_orphans()
                 self.progress.update_from_trace(self.run_dir)
                 self.progress.update_from_evals(self.run_dir)
                 if display is not None:

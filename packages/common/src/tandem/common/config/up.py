@@ -26,5 +26,14 @@ class UpConfig(Section):
     timeline: bool = Field(
         default=True, description="draw run_dir/timeline.png when the run ends (`tandem "
                                   "timeline RUN_DIR` draws it at any time from the trace)")
+    launch: Literal["fork", "exec"] = Field(
+        default="fork", description="fork: the trainer and the explorers are forked from a warm "
+                                    "process that imported torch and transformers once "
+                                    "(tandem.master.zygote), which saves seconds of start-up "
+                                    "and shares those pages; exec: each starts as a fresh "
+                                    "interpreter, for a platform without fork and "
+                                    "PR_SET_CHILD_SUBREAPER (not Linux), or a library that "
+                                    "must initialise in the component's own process before "
+                                    "anything is imported")
     reward_service: bool | None = Field(
         default=None, description="start tandem-reward; default: when reward.service is true")

@@ -1,0 +1,93 @@
+"""`tandem up`'s warm process (tandem.master.zygote, `up.launch: fork`): a component forked from
+it is this process's child as one started by exec would be: its own session, its argv in
+/proc, its log, SIGTERM's clean exit. A zygote that holds a thread refuses to fork. (Every e2e
+test that runs `tandem up` runs its trainer and explorers forked.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tandem.master.zygote import Zygote, ZygoteRefused, needs_exec
+
+BIN = Path(sys.executable).parent
+
+
+def test_only_what_an_exec_would_apply_forces_an_exec():
+    base = {"PATH": "/bin", "LD_PRELOAD": "", "PYTHONHASHSEED": "0"}
+    same = dict(base, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1",
+                MALLOC_MMAP_THRESHOLD_="65536", TANDEM_SECRET="x")
+    assert needs_exec(same, base) is None
+    assert needs_exec(dict(base, LD_PRELOAD="libx.so"), base) == "LD_PRELOAD"
+    assert needs_exec(dict(base, MALLOC_ARENA_MAX="2"), base) == "MALLOC_ARENA_MAX"
+    assert needs_exec({"PATH": "/bin", "LD_PRELOAD": ""}, base) == "PYTHONHASHSEED"
+
+
+def master_config(tmp_path: Path) -> Path:
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({"id": f"t{i}", "prompt": f"{i}+1=", "answer": i + 1})
+                             + "\n" for i in range(4)))
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({
+        "run_dir": str(tmp_path / "run"), "model": {"path": str(tmp_path / "no-model")},
+        "master": {"address": "tcp://127.0.0.1:0", "publish_address": "tcp://127.0.0.1:0",
+                   "taskset": {"path": str(tasks), "id_field": "id"}, "total_steps": 4},
+        "explorers": [{"name": "explorer-0"}], "logging": {"json_console": True}}))
+    return path
+
+
+def logged(log: Path, event: str, proc, timeout: float = 120) -> dict:
+    """The first line of `log` whose event is `event`, once the component wrote it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        for line in log.read_text(errors="replace").splitlines():
+            if line.startswith("{") and json.loads(line).get("event") == event:
+                return json.loads(line)
+        time.sleep(0.1)
+    raise AssertionError(f"no {event} in {log} (exit code {proc.poll()}):\n"
+                         f"{log.read_text(errors='replace')[-2000:]}")
+
+
+def test_a_forked_component_is_our_child_in_its_own_session_and_stops_on_sigterm(tmp_path):
+    argv = [str(BIN / "tandem-master"), "--config", str(master_config(tmp_path))]
+    zygote = Zygote(tmp_path / "zygote.out", 120, [argv])
+    log = tmp_path / "master.out"
+    try:
+        proc = zygote.fork(argv, dict(os.environ, OMP_NUM_THREADS="1"), log)
+        try:
+            logged(log, "master.started", proc)
+            stat = Path(f"/proc/{proc.pid}/stat").read_text().rpartition(")")[2].split()
+            assert int(stat[1]) == os.getpid()  # re-parented to us, the subreaper
+            assert os.getsid(proc.pid) == proc.pid
+            cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+            assert [a.decode() for a in cmdline] == [sys.executable, *argv]
+            assert Path(f"/proc/{proc.pid}/comm").read_text().strip() == "tandem-master"
+            os.killpg(proc.pid, signal.SIGTERM)
+            assert proc.wait(30) == 0, log.read_text()[-2000:]
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+    finally:
+        zygote.close()
+    assert zygote.proc.returncode == 0
+
+
+def test_a_zygote_with_a_thread_refuses_to_fork(tmp_path, monkeypatch):
+    # numpy's OpenBLAS starts its pool when it loads: the zygote then holds threads
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")
+    argv = [str(BIN / "tandem-master"), "--help"]
+    zygote = Zygote(tmp_path / "zygote.out", 120, [argv])
+    try:
+        with pytest.raises(ZygoteRefused, match="threads"):
+            zygote.fork(argv, dict(os.environ), tmp_path / "master.out")
+    finally:
+        zygote.close()
+    assert not (tmp_path / "master.out").exists()
