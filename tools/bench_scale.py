@@ -52,6 +52,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+import zmq
+import zmq.asyncio
 
 from tandem.common.errors import PeerDead, RequestFailed, WaitTimeout
 from tandem.common.heartbeat import Heartbeater
@@ -61,8 +63,7 @@ from tandem.common.messages.buffer import (
 from tandem.common.messages.experience import Experience, repeat_id, task_group_id
 from tandem.common.messages.master import (
     Barrier, CompleteTasks, ExplorerStepDone, GetStatus, LeaseTasks, Register, Stop,
-    TrainerCheckpointed, TrainerGo, TrainerResumed, TrainerStepDone, WeightsPublished,
-    barrier_topic)
+    TrainerCheckpointed, TrainerGo, TrainerResumed, TrainerStepDone, WeightsPublished)
 from tandem.common.pubsub import Subscriber
 from tandem.common.rpc import RpcClient
 from tandem.common.sockets import free_port
@@ -189,8 +190,10 @@ def array_pool(seed: int, size: int, low: int, high: int) -> list[tuple]:
 
 async def explorer(name: str, cfg: dict, waiting, start, stats: dict) -> None:
     master = RpcClient(cfg["master"], peer="master", name=name)
-    sub = Subscriber(cfg["publish"], topics=[barrier_topic(name), "stop"],
-                     snapshot=RpcClient(cfg["master"], peer="master", name=name + "-s"))
+    # the topics and the snapshot client of tandem.explorer.service, whose barrier prefix
+    # (no trailing dot) also matches the barriers of explorer-1x, -1xx, ...
+    sub = Subscriber(cfg["publish"], topics=[f"barrier.{name}", "weights", "trainer", "stop"],
+                     snapshot=master)
     buffer = RpcClient(cfg["buffer"], peer="buffer", name=name)
     pool = array_pool(hash(name) % 2**32, cfg["repeat"], cfg["tokens_low"], cfg["tokens_high"])
     heart = None
@@ -220,8 +223,9 @@ async def explorer(name: str, cfg: dict, waiting, start, stats: dict) -> None:
             if isinstance(event.body, Stop):
                 return
             barrier = event.body
-            if not isinstance(barrier, Barrier) or barrier.batch <= last:
-                continue  # a repeat (a snapshot after a gap)
+            if not isinstance(barrier, Barrier) or barrier.explorer != name \
+                    or barrier.batch <= last:
+                continue  # another's, or a repeat (a snapshot after a gap)
             last = barrier.batch
             stats["barriers"].append((barrier.step, barrier.version, time.time()))
             t0 = time.time()
@@ -260,7 +264,6 @@ async def explorer(name: str, cfg: dict, waiting, start, stats: dict) -> None:
         if heart is not None:
             await heart.close()
         await sub.close()
-        await sub.snapshot_client.close()
         await buffer.close()
         await master.close()
 
@@ -271,6 +274,8 @@ def explorer_host(names: list[str], cfg: dict, waiting, start, results) -> None:
              "stored": 0, "duplicates": 0, "error": None}
 
     async def run() -> None:
+        # each explorer holds 4 sockets; a real one is a process of its own
+        zmq.asyncio.Context.instance().set(zmq.MAX_SOCKETS, 8 * len(names) + 64)
         await asyncio.gather(*(explorer(n, cfg, waiting, start, stats) for n in names))
 
     try:
@@ -404,40 +409,49 @@ async def simulate(n: int, steps: int, args, root: Path) -> dict:
     ctx = mp.get_context("spawn")
     start, results = ctx.Event(), ctx.Queue()
     waiting = ctx.Event()
-    hosts = []
+    hosts, hosts_done = [], None
     try:
         await answering(cfg["master"], "master", comps[0].proc)
         await answering(cfg["buffer"], "buffer", comps[1].proc)
         names = [f"explorer-{i}" for i in range(n)]
         procs = min(args.explorer_procs, n)
-        hosts = [ctx.Process(target=explorer_host, args=(names[i::procs], cfg, waiting, start, results),
-                             daemon=True) for i in range(procs)]
+        hosts = [ctx.Process(target=explorer_host, daemon=True,
+                             args=(names[i::procs], cfg, waiting, start, results))
+                 for i in range(procs)]
         for h in hosts:
             h.start()
         pids = {"master": comps[0].proc.pid, "buffer": comps[1].proc.pid}
         for i, h in enumerate(hosts):
             pids[f"explorers{i}"] = h.pid
-        began = time.monotonic()
+        loop = asyncio.get_running_loop()
         # a component that exits mid-run fails the run at once, naming it
         sim = asyncio.ensure_future(trainer(cfg, pids, waiting, start, args,
                                             Path(run.run_dir) / run.buffer.db))
         exits = [asyncio.ensure_future(asyncio.to_thread(c.proc.wait)) for c in comps]
-        await asyncio.wait([sim, *exits], return_when=asyncio.FIRST_COMPLETED)
+        hosts_done = asyncio.ensure_future(loop.run_in_executor(None, results.get, True,
+                                                                TIMEOUT * 10))
+        await asyncio.wait([sim, hosts_done, *exits], return_when=asyncio.FIRST_COMPLETED)
+        if hosts_done.done() and not hosts_done.result()["error"] and not sim.done():
+            await asyncio.wait([sim, *exits], return_when=asyncio.FIRST_COMPLETED)  # ended well
         if not sim.done():
             sim.cancel()
             await asyncio.gather(sim, return_exceptions=True)
+            if hosts_done.done():
+                raise RuntimeError(f"simulated explorers failed at {n} explorers: "
+                                   f"{hosts_done.result()['error']}")
             dead = next(c for c in comps if c.proc.poll() is not None)
             raise RuntimeError(f"{dead.name} exited with {dead.proc.returncode} during the "
                                f"simulation of {n} explorers; its output: {dead.log.name}")
         trained = sim.result()
-        wall = time.monotonic() - began
-        stats = [await asyncio.get_running_loop().run_in_executor(None, results.get, True,
-                                                                   TIMEOUT) for _ in hosts]
+        stats = [await hosts_done] + [await loop.run_in_executor(None, results.get, True,
+                                                                  TIMEOUT) for _ in hosts[1:]]
         for h in hosts:
             h.join(TIMEOUT)
     finally:
         waiting.set()
         start.set()
+        if hosts_done is not None and not hosts_done.done():
+            results.put({"error": "stopped"})  # ends the wait for a host that never reports
         for h in hosts:
             if h.is_alive():
                 h.terminate()
@@ -558,7 +572,7 @@ def main() -> None:
                         help="tokens per experience, prompt and response, low-high")
     parser.add_argument("--rollout-seconds", type=float, default=2.0)
     parser.add_argument("--train-seconds", type=float, default=0.5)
-    parser.add_argument("--idle-seconds", type=float, default=5.0,
+    parser.add_argument("--idle-seconds", type=float, default=10.0,
                         help="heartbeats only, before the first step: their CPU per second")
     parser.add_argument("--checkpoint-every", type=int, default=10)
     parser.add_argument("--explorer-procs", type=int, default=1,
@@ -574,6 +588,10 @@ def main() -> None:
                         help="tiny sizes, seconds: checks the tool, measures nothing")
     parser.add_argument("--out", default=".bench/scale.json")
     args = parser.parse_args()
+    # SIGTERM (and Ctrl-C, also where a shell started it in the background, ignoring SIGINT)
+    # unwinds like KeyboardInterrupt: the simulation's finally stops every process it started
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     configure_logging("bench-scale", level="warning")  # the journal replay runs a Master here
     if args.quick:
         args.explorers, args.steps, args.warmup, args.tokens = "3", "6", 1, "16-64"
@@ -620,4 +638,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        sys.exit("bench_scale: interrupted; the processes it started are stopped")
