@@ -120,6 +120,12 @@ class Engine(ABC):
     version: int = 0
 
     @property
+    def takes_images(self) -> bool:
+        """Whether prompts may show images (`ImagePrompt`): the model has a vision tower and
+        this engine feeds it (docs/vision.md)."""
+        return False
+
+    @property
     @abstractmethod
     def tokenizer(self) -> Any:
         """The Hugging Face tokenizer that matches the model."""

@@ -18,6 +18,10 @@ logprobs and the policy version.
   plus what was added in between.
 - **Batching.** Requests that arrive within `openai.batch_window` of each other and sample the
   same way share one engine call, so concurrent episodes batch as a workflow's rollouts do.
+- **Images.** A chat message's `image_url` content parts (base64 `data:` URLs; the endpoint
+  reads no files and fetches no URLs) are checked and normalised as a taskset's are
+  (`tandem.common.images`) and reach an engine that takes images as an `ImagePrompt`
+  (docs/vision.md); an engine without them answers 400.
 - **Streaming** answers in server-sent events as the engine samples (`Engine.generate_stream`):
   each decode step's tokens leave as a chunk, with their logprobs, while the batch goes on.
   Streamed and whole answers are cut into content and tool calls by the same
@@ -46,7 +50,10 @@ from pydantic import ValidationError
 
 from tandem.common.config.explorer import OpenAIConfig
 
-from .engine import Completion, Engine, TokenSink
+from tandem.common.images import (
+    BadImage, image_bytes, image_hash, is_image_part, normalise, part_image)
+
+from .engine import Completion, Engine, ImagePrompt, Prompt, TokenSink
 from .openai_batcher import EngineBatcher
 from .openai_calls import CallLog, CallRecord
 from .openai_requests import APIError, ChatBody, CompletionBody, error_of
@@ -63,7 +70,7 @@ log = structlog.get_logger(__name__)
 class _Request:
     """What both routes need after validation."""
 
-    prompts: list[list[int]]
+    prompts: list[Prompt]  # token ids, or an ImagePrompt (a chat with image parts)
     n: int
     sampling: SamplingParams
     stream: bool
@@ -332,8 +339,11 @@ class OpenAIEndpoint:
     def _chat_request(self, raw: dict[str, Any], episode: str | None) -> _Request:
         body = _validated(ChatBody, raw)
         common = self._common(body, episode)
-        prompt = self._render_chat(body.messages, body.tools, episode)
+        images = self._chat_images(body.messages)
+        prompt: Prompt = self._render_chat(body.messages, body.tools, episode)
         self._check_context(prompt, common["sampling"])
+        if images:
+            prompt = ImagePrompt(prompt, images, [image_hash(b) for b in images])
         return _Request(prompts=[prompt], logprobs=bool(body.logprobs),
                         tools=body.tools is not None, **common)
 
@@ -362,6 +372,30 @@ class OpenAIEndpoint:
         return _Request(prompts=prompts, logprobs=body.logprobs is not None, **common)
 
     # -- the chat template ---------------------------------------------------------------------
+
+    def _chat_images(self, messages: list[Any]) -> list[bytes]:
+        """The normalised bytes of the messages' image parts, in order; APIError 400 naming
+        the part for one that is not a readable image given inline."""
+        images = []
+        for i, m in enumerate(messages):
+            content = m.get("content") if isinstance(m, dict) else None
+            for j, part in enumerate(content if isinstance(content, list) else ()):
+                if not is_image_part(part):
+                    continue
+                where = f"messages[{i}].content[{j}]"
+                if not self.engine.takes_images:
+                    raise APIError(400, f"{where} is an image and this model takes none "
+                                   "(docs/vision.md)", param="messages")
+                value = part_image(part)
+                if not (isinstance(value, str) and value.startswith("data:")):
+                    raise APIError(400, f"{where}: an image must be a base64 data: URL (the "
+                                   "endpoint fetches no URLs and reads no files)",
+                                   param="messages")
+                try:
+                    images.append(normalise(image_bytes(value, None)))
+                except BadImage as exc:
+                    raise APIError(400, f"{where}: the image {exc}", param="messages") from None
+        return images
 
     def _render_chat(self, messages: list[Any], tools: list[Any] | None,
                      episode: str | None) -> list[int]:
@@ -535,7 +569,10 @@ class OpenAIEndpoint:
                     first = {"index": i, "delta": {"role": "assistant", "content": ""},
                              "logprobs": None, "finish_reason": None}
                     if req.token_ids:  # vLLM's form: the prompt's ids in the first chunk
-                        first["prompt_token_ids"] = req.prompts[i // req.n]
+                        # an image prompt's ids before the engine widens its placeholders
+                        prompt = req.prompts[i // req.n]
+                        first["prompt_token_ids"] = list(
+                            prompt.ids if isinstance(prompt, ImagePrompt) else prompt)
                     yield _sse(call.chunk([first]))
             while (event := await events.get()) is not None:
                 for chunk in self._step_chunks(call, *event):
@@ -625,10 +662,15 @@ def _api_key(request: Request) -> str | None:
 
 
 def _plain_message(m: dict[str, Any]) -> dict[str, Any]:
-    """A message as chat templates expect it: text parts joined, tool call arguments as maps."""
+    """A message as chat templates expect it: text parts joined (with image parts, the parts
+    kept, each image as `{"type": "image"}`), tool call arguments as maps."""
     m = dict(m)
     content = m.get("content")
-    if isinstance(content, list):
+    if isinstance(content, list) and any(is_image_part(p) for p in content):
+        m["content"] = [{"type": "image"} if is_image_part(p) else
+                        {"type": "text", "text": p.get("text", "")}
+                        for p in content if isinstance(p, dict)]
+    elif isinstance(content, list):
         m["content"] = "".join(p.get("text", "") for p in content if isinstance(p, dict))
     if m.get("tool_calls"):
         calls = []

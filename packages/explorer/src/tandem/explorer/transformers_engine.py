@@ -108,6 +108,10 @@ class TransformersEngine(TensorEngine):
     def tokenizer(self) -> Any:
         return self._tokenizer
 
+    @property
+    def takes_images(self) -> bool:
+        return self.vision is not None
+
     async def generate(self, prompts: Sequence[Prompt], n: int,
                        sampling: SamplingParams) -> list[list[Completion]]:
         loop = asyncio.get_running_loop()

@@ -249,6 +249,12 @@ class Learner:
         """The model inputs of each image the experiences show, built once per step from its
         bytes; each row's placeholders checked against its images."""
         shown = sorted({h for e in experiences for h in e.images})
+        if self.vision is not None:
+            for e in experiences:
+                if not e.images and self.vision.image_token_id in e.tokens[:e.prompt_len]:
+                    raise ValueError(f"experience {e.id} holds image placeholder tokens but "
+                                     "names no images (its workflow does not carry images: "
+                                     "docs/vision.md)")
         if not shown:
             return None
         if self.vision is None:

@@ -1,0 +1,92 @@
+"""The explorer's OpenAI endpoint takes image content parts (issue 26, docs/vision.md): a chat
+with a base64 `data:` image reaches a vision-language engine as an `ImagePrompt` (its
+placeholder widened to the image's tokens), the same picture in another encoding is the same
+prompt, and an image the endpoint cannot use is a 400 naming the part."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import httpx
+import pytest
+from PIL import Image
+
+from endpoint_helpers import endpoint
+
+
+def data_url(color, fmt="PNG") -> str:
+    out = io.BytesIO()
+    Image.new("RGB", (64, 64), color).save(out, format=fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def chat(url: str, text: str = "colour?") -> dict:
+    return {"model": "policy", "max_tokens": 6, "temperature": 0, "logprobs": True,
+            "return_token_ids": True,
+            "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": url}},
+                {"type": "text", "text": text}]}]}
+
+
+@pytest.fixture(scope="module")
+def vlm_engine(tiny_vlm_dir):
+    from tandem.explorer.transformers_engine import TransformersEngine
+
+    engine = TransformersEngine.from_pretrained(tiny_vlm_dir)
+    yield engine
+    engine.close()
+
+
+async def test_an_image_part_reaches_the_engine(vlm_engine):
+    ep = endpoint(vlm_engine)
+    await ep.start()
+    pad = vlm_engine.vision.image_token_id
+    try:
+        async with httpx.AsyncClient(base_url=ep.url, timeout=60) as client:
+            red_png = (await client.post("/chat/completions", json=chat(data_url((200, 0, 0)))))
+            red_bmp = (await client.post("/chat/completions",
+                                         json=chat(data_url((200, 0, 0), "BMP"))))
+            green = (await client.post("/chat/completions", json=chat(data_url((0, 200, 0)))))
+    finally:
+        await ep.close()
+    answers = [r.json()["choices"][0] for r in (red_png, red_bmp, green)]
+    assert all(r.status_code == 200 for r in (red_png, red_bmp, green))
+    assert answers[0]["prompt_token_ids"].count(pad) == 16  # one placeholder widened to a 64x64 image's tokens
+    assert answers[0]["token_ids"] == answers[1]["token_ids"]  # one picture, one prompt
+    logps = [[e["logprob"] for e in a["logprobs"]["content"]] for a in answers]
+    assert logps[0] == logps[1]
+    assert logps[0] != logps[2]  # the picture reached the model
+
+
+@pytest.mark.parametrize("url, problem", [
+    ("data:image/png;base64,AAAA", "not an image"),
+    ("https://example.com/cat.png", "base64 data: URL"),
+])
+async def test_an_image_the_endpoint_cannot_use_is_a_400_naming_the_part(vlm_engine, url,
+                                                                         problem):
+    ep = endpoint(vlm_engine)
+    await ep.start()
+    try:
+        async with httpx.AsyncClient(base_url=ep.url, timeout=60) as client:
+            reply = await client.post("/chat/completions", json=chat(url))
+    finally:
+        await ep.close()
+    assert reply.status_code == 400
+    message = reply.json()["error"]["message"]
+    assert "messages[0].content[0]" in message and problem in message, message
+
+
+async def test_a_text_model_refuses_images(tiny_model_dir):
+    from tandem.explorer.transformers_engine import TransformersEngine
+
+    engine = TransformersEngine.from_pretrained(tiny_model_dir)
+    ep = endpoint(engine)
+    await ep.start()
+    try:
+        async with httpx.AsyncClient(base_url=ep.url, timeout=60) as client:
+            reply = await client.post("/chat/completions", json=chat(data_url((1, 2, 3))))
+    finally:
+        await ep.close()
+        engine.close()
+    assert reply.status_code == 400 and "takes none" in reply.json()["error"]["message"]
