@@ -90,3 +90,34 @@ async def test_a_text_model_refuses_images(tiny_model_dir):
         await ep.close()
         engine.close()
     assert reply.status_code == 400 and "takes none" in reply.json()["error"]["message"]
+
+
+async def test_a_remote_engine_sends_image_prompts_as_chats(vlm_engine, tiny_vlm_dir):
+    """RemoteEngine against a tandem endpoint over the VLM: an ImagePrompt goes as a chat with
+    a data: URL, and comes back as the local engine samples it (the server's widened ids)."""
+    import asyncio
+
+    from tandem.common.images import image_hash, normalise
+    from tandem.explorer.engine import ImagePrompt
+    from tandem.explorer.remote_engine import RemoteEngine
+    from tandem.explorer.sampling import SamplingParams
+
+    picture = normalise(base64.b64decode(data_url((200, 0, 0)).split(",")[1]))
+    messages = [{"role": "user", "content": [{"type": "image"},
+                                             {"type": "text", "text": "colour?"}]}]
+    ids = vlm_engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                   tokenize=True)["input_ids"]
+    prompt = ImagePrompt(ids, [picture], [image_hash(picture)], messages)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6)
+    [[local]] = await vlm_engine.generate([prompt], 1, greedy)
+    ep = endpoint(vlm_engine)
+    url = await ep.start()
+    try:
+        remote = await asyncio.to_thread(RemoteEngine.connect, url, str(tiny_vlm_dir))
+        [[got]] = await remote.generate([prompt], 1, greedy)
+        remote.close()
+    finally:
+        await ep.close()
+    assert got.prompt_ids.tolist() == local.prompt_ids.tolist()
+    assert got.token_ids.tolist() == local.token_ids.tolist()
+    assert got.logprobs.tolist() == pytest.approx(local.logprobs.tolist(), abs=1e-5)

@@ -22,7 +22,7 @@ ENGINES.register("vllm", f"{_P}.engines:vllm",
 # A remote server reloads weights from checkpoint files only: no broadcast group reaches it.
 ENGINES.register("remote", f"{_P}.engines:remote",
                  capabilities=EngineCapabilities(weights=frozenset({"checkpoint", "fetch"}),
-                                                 needs_url=True))
+                                                 needs_url=True, multimodal=True))
 
 # `scorer`/`endpoint`: what the explorer gives the workflow (the reward scorer, its OpenAI
 # endpoint); a plugin's workflow declares the same.

@@ -27,11 +27,14 @@ class ImagePrompt:
     """A prompt that shows images (docs/vision.md): token ids holding one image placeholder per
     image, where the chat template put each image content part, and the images' normalised PNG
     bytes in that order, named by their content hashes. An engine that takes images widens
-    each placeholder to its image's tokens; a completion's `prompt_ids` are the widened ids."""
+    each placeholder to its image's tokens; a completion's `prompt_ids` are the widened ids.
+    `messages`: the chat the ids were rendered from, each image a `{"type": "image"}` part,
+    for an engine whose server renders the chat itself (`RemoteEngine`)."""
 
     ids: Sequence[int]
     images: Sequence[bytes]
     hashes: Sequence[str]
+    messages: Sequence[dict[str, Any]] | None = None
 
 
 Prompt = str | Sequence[int] | ImagePrompt

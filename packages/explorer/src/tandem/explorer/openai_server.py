@@ -343,7 +343,8 @@ class OpenAIEndpoint:
         prompt: Prompt = self._render_chat(body.messages, body.tools, episode)
         self._check_context(prompt, common["sampling"])
         if images:
-            prompt = ImagePrompt(prompt, images, [image_hash(b) for b in images])
+            prompt = ImagePrompt(prompt, images, [image_hash(b) for b in images],
+                                 [_plain_message(m) for m in body.messages])
         return _Request(prompts=[prompt], logprobs=bool(body.logprobs),
                         tools=body.tools is not None, **common)
 

@@ -13,6 +13,12 @@ New weights reach the server by checkpoint version: tandem asks it to reload
 `run_dir/weights/v{N}` through vLLM's development routes (served under
 `VLLM_SERVER_DEV_MODE=1`): `POST /collective_rpc` with a worker method, then
 `POST /reset_prefix_cache` (a prefix cached under the old weights would give stale logprobs).
+A prompt that shows images (`ImagePrompt`, docs/vision.md) goes through `/v1/chat/completions`
+instead: its chat with each image as a base64 `data:` URL content part, so the server renders
+and widens the placeholders with its own processor; `return_token_ids` brings back the prompt's
+ids as the server widened them (what the experience records) and the sampled ids, with a
+logprob per token.
+
 The method is vLLM's own `reload_weights(weights_path=...)` (`reload: vllm`), or tandem's
 `tandem_load_checkpoint` (`reload: tandem`, a server started with tandem's worker extension:
 the manifest's checksums checked, unknown names refused before anything is loaded, and a tied
@@ -24,6 +30,7 @@ a config error with this engine.
 from __future__ import annotations
 
 import asyncio
+import base64
 import itertools
 import time
 from pathlib import Path
@@ -34,7 +41,8 @@ import numpy as np
 import openai
 import structlog
 
-from .engine import Completion, Prompt, WorkerFetchEngine, encode_prompts, in_requests
+from .engine import (
+    Completion, ImagePrompt, Prompt, WorkerFetchEngine, encode_prompts, in_requests)
 from .sampling import SamplingParams
 
 log = structlog.get_logger(__name__)
@@ -126,12 +134,22 @@ class RemoteEngine(WorkerFetchEngine):
     def tokenizer(self) -> Any:
         return self._tokenizer
 
+    @property
+    def takes_images(self) -> bool:
+        return True  # the server's model decides; a text-only one refuses the request
+
     # -- generation ----------------------------------------------------------------------------
 
     async def generate(self, prompts: Sequence[Prompt], n: int,
                        sampling: SamplingParams) -> list[list[Completion]]:
+        shown = {i: p for i, p in enumerate(prompts) if isinstance(p, ImagePrompt)}
+        for i, p in shown.items():
+            if not p.messages:
+                raise RemoteEngineError(f"prompt {i} shows images without its chat "
+                                        "(ImagePrompt.messages): the server renders it")
         encoded = encode_prompts(
-            self._tokenizer, prompts, n, max_model_len=self.max_model_len,
+            self._tokenizer, [p.ids if isinstance(p, ImagePrompt) else p for p in prompts], n,
+            max_model_len=self.max_model_len,
             too_long=lambda index, length: RemoteEngineError(
                 f"engine.url {self.url}: prompt {index} has {length} tokens, the server's "
                 f"max_model_len is {self.max_model_len}"))
@@ -152,8 +170,12 @@ class RemoteEngine(WorkerFetchEngine):
             self._idle.clear()
             try:
                 async with self._slots:
-                    reply = await client.completions.create(
-                        **self._request(ids, per_request, sampling, seed))
+                    if index in shown:
+                        reply = await client.chat.completions.create(
+                            **self._chat_request(shown[index], per_request, sampling, seed))
+                    else:
+                        reply = await client.completions.create(
+                            **self._request(ids, per_request, sampling, seed))
             except openai.APITimeoutError:
                 raise RemoteEngineError(f"engine.request_timeout: the server at {self.url} did "
                                         f"not answer within {self.timeout:g}s") from None
@@ -172,6 +194,8 @@ class RemoteEngine(WorkerFetchEngine):
             if len(choices) != per_request:
                 raise RemoteEngineError(f"engine.url {self.url}: asked for {per_request} "
                                         f"samples, the server returned {len(choices)}")
+            if index in shown:
+                return [self._chat_completion(reply, c, seconds) for c in choices]
             return [self._completion(ids, c, seconds) for c in choices]
 
         return await in_requests(encoded, n, sampling, one)
@@ -187,7 +211,38 @@ class RemoteEngine(WorkerFetchEngine):
                         "include_stop_str_in_output": True, "return_token_ids": True,
                         "skip_special_tokens": True})
 
-    def _completion(self, prompt_ids: list[int], choice: Any, seconds: float) -> Completion:
+    def _chat_request(self, prompt: ImagePrompt, n: int, sampling: SamplingParams,
+                      seed: int | None) -> dict[str, Any]:
+        """A chat completion of an image prompt: each `{"type": "image"}` part of its chat
+        becomes the next image as a base64 data: URL."""
+        urls = iter("data:image/png;base64," + base64.b64encode(b).decode()
+                    for b in prompt.images)
+        messages = []
+        for m in prompt.messages or ():
+            content = m.get("content")
+            if isinstance(content, list):
+                m = {**m, "content": [
+                    {"type": "image_url", "image_url": {"url": next(urls)}}
+                    if isinstance(p, dict) and p.get("type") == "image" else p
+                    for p in content]}
+            messages.append(m)
+        plain = self._request([], n, sampling, seed)
+        plain.pop("prompt")
+        return dict(plain, messages=messages, logprobs=True)
+
+    def _chat_completion(self, reply: Any, choice: Any, seconds: float) -> Completion:
+        prompt_ids = (getattr(choice, "prompt_token_ids", None)
+                      or getattr(reply, "prompt_token_ids", None))
+        if not prompt_ids:
+            raise RemoteEngineError(
+                f"engine.url {self.url}: a chat completion returned no prompt token ids "
+                "(`return_token_ids`); an image prompt's ids are the server's to widen")
+        content = getattr(choice.logprobs, "content", None) if choice.logprobs else None
+        values = [e.logprob for e in content] if content else None
+        return self._completion(list(prompt_ids), choice, seconds, values)
+
+    def _completion(self, prompt_ids: list[int], choice: Any, seconds: float,
+                    values: list[float] | None = None) -> Completion:
         token_ids = getattr(choice, "token_ids", None)
         if token_ids is None:
             raise RemoteEngineError(
@@ -195,7 +250,8 @@ class RemoteEngine(WorkerFetchEngine):
                 "`return_token_ids` request field); RemoteEngine needs a server that sends "
                 "the sampled ids, such as `vllm serve` or a tandem explorer's endpoint")
         lp = choice.logprobs
-        values = getattr(lp, "token_logprobs", None) if lp is not None else None
+        if values is None:
+            values = getattr(lp, "token_logprobs", None) if lp is not None else None
         if values is None or len(values) != len(token_ids) or any(v is None for v in values):
             raise RemoteEngineError(
                 f"engine.url {self.url}: the server returned no logprob for some sampled "

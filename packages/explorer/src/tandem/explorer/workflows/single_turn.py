@@ -79,7 +79,7 @@ class SingleTurn(Workflow):
                     *({"type": "image"} for _ in images),
                     {"type": "text", "text": self.prompt_of(task)}]})
             return ImagePrompt(self.template.render_messages(messages), list(images),
-                               [image_hash(i) for i in images])
+                               [image_hash(i) for i in images], messages)
         if a.prompt_key not in payload and isinstance(payload.get(a.messages_key), list):
             return self.template.render_messages(payload[a.messages_key])
         system = payload.get(a.system_key)
