@@ -500,6 +500,27 @@ def summarise(n: int, steps: int, args, run, tr: dict, stats: list[dict], replay
     for s, t in merged["reports"]:
         last_report[s] = max(last_report.get(s, 0.0), t)
     go = [t - last_report[s] for s, t in tr["go"] if s >= args.warmup and s in last_report]
+    # the critical path of step s+1, from the trainer's sample for step s, in means over the
+    # window's steps: sample -> (train) -> ack and report -> barrier fan-out to the last explorer
+    # -> (roll out) -> the last explorer's lease, last put, complete -> its report -> TrainerGo
+    go_at = dict(tr["go"])
+    first_barrier: dict[int, float] = {}
+    last_barrier: dict[int, float] = {}
+    for st, _, t in merged["barriers"]:
+        first_barrier[st] = min(first_barrier.get(st, t), t)
+        last_barrier[st] = max(last_barrier.get(st, 0.0), t)
+    path = {k: [] for k in ("sample", "ack_and_report", "barrier_fanout",
+                            "lease_put_complete", "report_to_go")}
+    for st in range(args.warmup, steps - 1):
+        _, sampled, _ = tr["sample"][st]
+        published = tr["published"][st + 1]
+        path["sample"].append(sampled - go_at[st])
+        path["ack_and_report"].append(published - sampled - args.train_seconds)
+        path["barrier_fanout"].append(last_barrier[st + 1] - published)
+        path["lease_put_complete"].append(last_report[st + 1] - last_barrier[st + 1]
+                                          - args.rollout_seconds)
+        path["report_to_go"].append(go_at[st + 1] - last_report[st + 1])
+    critical = {k: statistics.fmean(v) for k, v in path.items()}
     inside = [(b, e, k) for b, e, k in merged["put"] if tr["window_t0"] <= b < tr["window_t1"]]
     puts, put_exps = [(b, e) for b, e, _ in inside], sum(k for *_, k in inside)
     samples = tr["sample"][args.warmup:-1]
@@ -508,7 +529,7 @@ def summarise(n: int, steps: int, args, run, tr: dict, stats: list[dict], replay
     return dict(
         explorers=n, steps=steps, measured_steps=measured,
         experiences_per_step=n * args.tasks_per_explorer * args.repeat,
-        step_wall_s=step_wall, control_plane_s=control,
+        step_wall_s=step_wall, control_plane_s=control, critical_path_s=critical,
         control_plane_share=control / args.step_seconds,
         cpu_per_step_s=at_step, cpu_busy={k: v / window for k, v in cpu.items()},
         idle_cpu_per_s=dict(heartbeats=beats, waiting=idle),
