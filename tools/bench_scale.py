@@ -69,6 +69,11 @@ from tandem.common.rpc import RpcClient
 from tandem.common.sockets import free_port
 
 BIN = Path(sys.executable).parent
+# what a trainer's step report carries, by name (the values do not matter to the master)
+TRAINER_METRICS = {k: 0.5 for k in (
+    "loss", "pg_loss", "entropy", "kl", "clip_fraction", "grad_norm", "lr", "advantage_mean",
+    "advantage_std", "reward_mean", "reward_std", "response_len_mean", "tokens", "train_s",
+    "buffer/dropped_stale", "staleness_mean")}
 TIMEOUT = 120.0  # any one wait of the simulation; a run that needs longer is broken, not slow
 
 
@@ -256,9 +261,13 @@ async def explorer(name: str, cfg: dict, waiting, start, stats: dict) -> None:
             await asyncio.gather(*puts)
             await master.call(CompleteTasks(lease_id=lease.lease_id), timeout=TIMEOUT)
             stats["reports"].append((barrier.step, time.time()))
+            # the report's metrics as `step_metrics` makes them (the journal records them)
+            metrics = dict(reward_mean=0.5, response_len_mean=1875.0, generated_tokens=30000.0,
+                           rollout_s=cfg["rollout_seconds"], tokens_per_s=15000.0)
             await master.call(ExplorerStepDone(explorer=name, step=barrier.step,
                                                version=barrier.version, batch=barrier.batch,
-                                               experiences=len(lease.tasks) * cfg["repeat"]),
+                                               experiences=len(lease.tasks) * cfg["repeat"],
+                                               informative=len(lease.tasks), metrics=metrics),
                               timeout=TIMEOUT)
     finally:
         if heart is not None:
@@ -352,8 +361,8 @@ async def trainer(cfg: dict, pids: dict[str, int], waiting, start, args, db: Pat
             began = time.time()
             await buffer.call(AckLease(lease_id=sample.lease_id, step=go.step), timeout=TIMEOUT)
             out["ack"].append(time.time() - began)
-            await master.call(TrainerStepDone(step=go.step, version=go.step + 1),
-                              timeout=TIMEOUT)
+            await master.call(TrainerStepDone(step=go.step, version=go.step + 1,
+                                              metrics=TRAINER_METRICS), timeout=TIMEOUT)
             out["trained"].append(go.step)
             done = go.step + 1
             if go.publish is not None:
