@@ -2,14 +2,20 @@
 side by side: typically the tree before a change and the tree after it.
 
     .venv/bin/python tools/bench_startup.py --tandem before=/old/.venv/bin/tandem \
-        --tandem after=.venv/bin/tandem [--preset fully_async] [--steps 10] [--rounds 2]
-        [--out .bench/startup.json]
+        --tandem "exec=.venv/bin/tandem --set up.launch=exec" --tandem after=.venv/bin/tandem \
+        [--preset fully_async] [--steps 10] [--rounds 2] [--out .bench/startup.json]
 
-Each round runs every install once, interleaved (the machine is shared and noisy), on the same
-config: the quickstart task, one explorer, a tiny Qwen2 built locally, `placement: auto`. From
-each summary it reads the run's wall-clock (the trace's), every component's start-up seconds
-(process start to registered), the invocation end to end and the time outside the run; the
-shell's own time for the command is measured too. Prints a table, writes JSON.
+An install is a `tandem` executable, optionally followed by arguments for `tandem up` (the same
+install with a switch). Each round runs every install once, interleaved (the machine is shared
+and noisy), on the same config: the quickstart task, one explorer, a tiny Qwen2 built locally,
+`placement: auto`. From each summary it reads the run's wall-clock (the trace's), every
+component's start-up seconds (process start to registered), the invocation end to end and the
+time outside the run; the shell's own time for the command is measured too. While a run goes
+on, the PSS of each process of its tree is sampled (/proc/PID/smaps_rollup, every 0.2 s): the
+table gives each component's peak, and the peak of the tree's sum. Before the rounds, each
+install's interpreter imports what each component imports before it can register, alone and
+under `-X importtime` (the seconds are its own sum of top-level imports). Prints tables,
+writes JSON.
 """
 
 from __future__ import annotations
@@ -18,15 +24,28 @@ import argparse
 import json
 import os
 import re
+import resource
+import shlex
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
+import psutil
 import yaml
+
+# What each component imports before it can register (its CLI imports them after parsing).
+IMPORTS = {
+    "master": ["tandem.master.service"],
+    "buffer": ["tandem.buffer.service"],
+    "reward": ["tandem.reward.service"],
+    "trainer": ["tandem.trainer.trainer", "transformers.modeling_utils"],
+    "explorer": ["tandem.explorer.service", "transformers.modeling_utils"],
+}
 
 
 def write_config(workdir: Path, model_dir: Path, *, preset: str, steps: int) -> Path:
@@ -72,11 +91,57 @@ def median(rows: list[dict], key: str, name: str | None = None) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def run_once(tandem: str, config: Path, run_dir: Path) -> dict:
+def role(cmdline: list[str]) -> str | None:
+    """The component a process of the run is, from its command line (None: not one)."""
+    args = [a for a in cmdline if a]
+    if any(a.endswith("tandem.master.zygote") for a in args):
+        return "zygote"
+    script = next((Path(a).name for a in args if Path(a).name.startswith("tandem-")), None)
+    if script is None:
+        return None
+    if script == "tandem-explorer" and "--name" in args:
+        return args[args.index("--name") + 1]
+    return script.removeprefix("tandem-")
+
+
+def sample_pss(root: int, peaks: dict[str, float], total: list[float]) -> None:
+    """One sample of the tree under `root`: each component's PSS (MiB) into `peaks` (max), the
+    tree's sum into total[0] (max)."""
+    try:
+        procs = psutil.Process(root).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return
+    now = 0.0
+    for proc in procs:
+        try:
+            name = role(proc.cmdline())
+            pss = proc.memory_full_info().pss / 2**20
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+        now += pss
+        if name is not None:
+            peaks[name] = max(peaks.get(name, 0.0), pss)
+    total[0] = max(total[0], now)
+
+
+def run_once(tandem: list[str], config: Path, run_dir: Path) -> dict:
     subprocess.run(["rm", "-rf", str(run_dir)], check=True)
+    cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.monotonic()
-    proc = subprocess.Popen([tandem, "up", str(config), "--plain"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen([tandem[0], "up", str(config), "--plain", *tandem[1:]],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    peaks: dict[str, float] = {}
+    total = [0.0]
+    sampling = True
+
+    def sample() -> None:
+        while sampling:
+            sample_pss(proc.pid, peaks, total)
+            time.sleep(0.2)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     try:
         out, _ = proc.communicate(timeout=300)
     except subprocess.TimeoutExpired:  # the whole run, its components included
@@ -84,24 +149,56 @@ def run_once(tandem: str, config: Path, run_dir: Path) -> dict:
         out, _ = proc.communicate()
         return {"result": "timed out after 300 s", "code": -1,
                 "invocation": time.monotonic() - start}
+    finally:
+        sampling = False
+        sampler.join(5)
     row = parse_summary(out)
     row["invocation"] = time.monotonic() - start
+    cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
+    # CPU seconds of everything the invocation waited for: `tandem up`, and the components
+    # it reaped (forked ones too: it is their subreaper). Load from others does not add to it.
+    row["cpu"] = round(cpu.ru_utime + cpu.ru_stime - cpu_before.ru_utime - cpu_before.ru_stime, 2)
     row["code"] = proc.returncode
+    row["pss_mib"] = {k: round(v, 1) for k, v in sorted(peaks.items())}
+    row["pss_tree_mib"] = round(total[0], 1)
     return row
+
+
+def import_seconds(python: str, modules: list[str]) -> float:
+    """Seconds `python -X importtime` reports for importing `modules` in a fresh interpreter:
+    the sum of its top-level imports' cumulative times."""
+    out = subprocess.run([python, "-X", "importtime", "-c", "import " + ", ".join(modules)],
+                         capture_output=True, text=True, timeout=300, check=True).stderr
+    total = 0
+    for line in out.splitlines():
+        parts = line.split("|")
+        if line.startswith("import time:") and len(parts) == 3 and \
+                not parts[2].startswith("  ") and parts[1].strip().isdigit():
+            total += int(parts[1])
+    return total / 1e6
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tandem", action="append", required=True, metavar="LABEL=PATH",
-                        help="an install's tandem executable, labelled (repeatable)")
+                        help="an install's tandem executable, labelled, optionally followed "
+                             "by arguments for tandem up (repeatable)")
     parser.add_argument("--preset", default="fully_async")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", default=".bench/startup.json")
     args = parser.parse_args()
-    installs = dict(item.split("=", 1) for item in args.tandem)
+    installs = {label: shlex.split(command) for label, command in
+                (item.split("=", 1) for item in args.tandem)}
 
     from tandem.weights.tiny import build_tiny_model
+
+    imports: dict[str, dict[str, float]] = {}
+    for label, tandem in installs.items():
+        python = str(Path(tandem[0]).parent / "python")
+        imports[label] = {name: round(import_seconds(python, modules), 2)
+                          for name, modules in IMPORTS.items()}
+        print(f"imports {label}: {json.dumps(imports[label])}", file=sys.stderr, flush=True)
 
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench-startup-") as tmp:
@@ -118,9 +215,9 @@ def main() -> int:
 
     print(f"\n{args.preset}, {args.steps} steps, {args.rounds} rounds interleaved (medians)\n")
     header = "| install | wall-clock | trainer start-up | explorer start-up | end to end | " \
-             "outside the run | invocation | load |"
+             "outside the run | invocation | CPU seconds | load |"
     print(header)
-    print("|---" * 8 + "|")
+    print("|---" * 9 + "|")
     summary = {}
     for label in installs:
         mine = [r for r in rows if r["label"] == label and r["code"] == 0]
@@ -130,14 +227,33 @@ def main() -> int:
             "explorer_startup": median(mine, "startup", "explorer-0"),
             "end_to_end": median(mine, "end_to_end"),
             "outside_the_run": median(mine, "outside_the_run"),
-            "invocation": median(mine, "invocation"), "load": median(mine, "load")}
+            "invocation": median(mine, "invocation"), "cpu": median(mine, "cpu"),
+            "load": median(mine, "load"),
+            "pss_mib": {name: median(mine, "pss_mib", name)
+                        for name in sorted({n for r in mine for n in r["pss_mib"]})},
+            "pss_tree_mib": median(mine, "pss_tree_mib")}
         print(f"| {label} | {s['wall_clock']:.1f} s | {s['trainer_startup']:.1f} s | "
               f"{s['explorer_startup']:.1f} s | {s['end_to_end']:.1f} s | "
-              f"{s['outside_the_run']:.1f} s | {s['invocation']:.1f} s | {s['load']:.1f} |")
+              f"{s['outside_the_run']:.1f} s | {s['invocation']:.1f} s | {s['cpu']:.1f} s | "
+              f"{s['load']:.1f} |")
+    names = ["master", "buffer", "reward", "trainer", "explorer-0", "zygote"]
+    names = [n for n in names if any(n in summary[label]["pss_mib"] for label in installs)]
+    print("\nPeak PSS per process, MiB (medians; the tree's peak is of the sum at one moment)\n")
+    print("| install | " + " | ".join(names) + " | tree |")
+    print("|---" * (len(names) + 2) + "|")
+    for label in installs:
+        pss = summary[label]["pss_mib"]
+        print(f"| {label} | " + " | ".join(f"{pss[n]:.0f}" if n in pss else "-" for n in names)
+              + f" | {summary[label]['pss_tree_mib']:.0f} |")
+    print("\nImport seconds per component, fresh interpreter, -X importtime\n")
+    print("| install | " + " | ".join(IMPORTS) + " |")
+    print("|---" * (len(IMPORTS) + 1) + "|")
+    for label in installs:
+        print(f"| {label} | " + " | ".join(f"{imports[label][n]:.2f}" for n in IMPORTS) + " |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"preset": args.preset, "steps": args.steps, "rows": rows,
-                               "summary": summary}, indent=2))
+                               "summary": summary, "imports": imports}, indent=2))
     print(f"\nwrote {out}")
     return 0 if all(r["code"] == 0 for r in rows) else 1
 
