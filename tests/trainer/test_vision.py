@@ -212,3 +212,31 @@ def test_text_prompts_on_a_vision_model_still_work(tiny_vlm_dir):
     finally:
         engine.close()
     assert len(c) >= 1 and np.isfinite(c.logprobs).all()
+
+
+@pytest.mark.parametrize("freeze", [False, True], ids=["trained", "frozen"])
+def test_published_weights_reach_the_engines_tower_unless_it_is_frozen(rollout, tiny_vlm_dir,
+                                                                      freeze):
+    from tandem.explorer.transformers_engine import TransformersEngine
+
+    lease = rollout["lease"]
+    learner = make_learner(tiny_vlm_dir, freeze_vision=freeze)
+    learner.step(lease.experiences, lease.images)
+    prefix = learner.frozen_prefix()
+    assert prefix == ("model.visual." if freeze else None)
+    # what Trainer.policy_weights publishes: the frozen tower left out
+    published = [(n, t) for n, t in learner.policy_state_dict().items()
+                 if prefix is None or not n.startswith(prefix)]
+    engine = TransformersEngine.from_pretrained(tiny_vlm_dir)
+    try:
+        base = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+        engine.load_weights(published, version=1)
+        tower = {n: p for n, p in engine.model.named_parameters() if n.startswith("model.visual.")}
+        trained = learner.policy_state_dict()
+        assert all(torch.equal(p, (base if freeze else trained)[n]) for n, p in tower.items())
+        # a version missing part of the tower is refused, never half-loaded
+        with pytest.raises(ValueError, match="were not sent"):
+            engine.load_weights([(n, t) for n, t in trained.items()
+                                 if not n.startswith("model.visual.blocks.0.attn")], 2)
+    finally:
+        engine.close()

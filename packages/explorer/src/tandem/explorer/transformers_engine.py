@@ -39,7 +39,7 @@ import torch
 from tandem.weights import model_dtype
 from tandem.weights.hf import load_tokenizer
 from tandem.weights.vision import (
-    ImageInputs, VisionInputs, load_model, restrict, rope_positions)
+    ImageInputs, VisionInputs, load_model, restrict, rope_positions, vision_prefix)
 
 from .engine import Completion, ImagePrompt, Prompt, TensorEngine, TokenSink, encode_prompts
 from .sampling import SamplingParams, sample_with_top
@@ -79,6 +79,8 @@ class TransformersEngine(TensorEngine):
         self.vision = vision
         self._unsampleable = (torch.tensor(vision.unsampleable, device=self.device)
                               if vision is not None else None)
+        # a version without the vision tower (trainer.freeze_vision) leaves this one's as is
+        self._tower = vision_prefix(model) if vision is not None else None
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, device: str = "cpu", dtype: str = "float32",
@@ -360,7 +362,7 @@ class TransformersEngine(TensorEngine):
         with self._lock:
             if self.state == "asleep":
                 self.wake_sync()
-            loaded = load_named_tensors(self.model, weights)
+            loaded = load_named_tensors(self.model, weights, keep=self._tower)
             self.version = version
             self.state = "awake"
         log.info("weights.loaded", version=version, tensors=loaded)
@@ -441,8 +443,11 @@ def _deliver(on_tokens: TokenSink,
         on_tokens(row, [token], [logprob], None if top is None else [top])
 
 
-def load_named_tensors(model: Any, weights: Iterable[tuple[str, Any]]) -> int:
-    """Copy tensors into `model` by parameter/buffer name; every parameter must be covered.
+def load_named_tensors(model: Any, weights: Iterable[tuple[str, Any]],
+                       keep: str | None = None) -> int:
+    """Copy tensors into `model` by parameter/buffer name; every parameter must be covered,
+    except that the parameters under the prefix `keep` (a frozen vision tower) may all be
+    left out, and then keep their values; some but not all of them is an error.
 
     Tied parameters (an lm_head sharing the embedding) may arrive under either name.
     """
@@ -464,6 +469,10 @@ def load_named_tensors(model: Any, weights: Iterable[tuple[str, Any]]) -> int:
             covered.add(id(target))
             count += 1
     missing = [n for n, p in model.named_parameters() if id(p) not in covered]
+    if keep is not None and missing:
+        kept = [n for n in missing if n.startswith(keep)]
+        if len(kept) == sum(1 for n, _ in model.named_parameters() if n.startswith(keep)):
+            missing = [n for n in missing if not n.startswith(keep)]
     if missing:
         raise ValueError(f"weights: {len(missing)} parameters were not sent, e.g. {missing[:3]}")
     return count

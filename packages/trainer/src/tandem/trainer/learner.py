@@ -27,7 +27,8 @@ from tandem.common.errors import ConfigError
 from tandem.common.messages.experience import Experience
 from tandem.weights.lora import adapter_state, merged_state
 from tandem.weights.vision import (
-    ImageInputs, VisionInputs, load_model, restrict, unsampleable_ids, vision_tower)
+    ImageInputs, VisionInputs, load_model, restrict, unsampleable_ids, vision_prefix,
+    vision_tower)
 
 from . import checkpoint as ckpt
 from .algorithms import (
@@ -498,6 +499,13 @@ class Learner:
         if self.lora is not None:  # W + (alpha / r) B A: full weights for every engine
             policy = merged_state(policy, self.lora.alpha / self.lora.r)
         return {name: t.to(dtype) if dtype is not None else t for name, t in policy.items()}
+
+    def frozen_prefix(self) -> str | None:
+        """The name prefix of the weights no step changes (`trainer.freeze_vision`: the vision
+        tower), which publishing leaves out; None when every weight trains."""
+        if self.vision is None or not self.tc.freeze_vision:
+            return None
+        return vision_prefix(self.actor.model)
 
     def adapter_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
         """With LoRA, only the adapters, named as a peft adapter folder names them (what

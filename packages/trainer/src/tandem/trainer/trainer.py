@@ -215,7 +215,8 @@ class Trainer:
 
     def policy_weights(self) -> list[tuple[str, torch.Tensor]]:
         """The policy's weights to publish: HF names, `model.dtype`, each tied weight once (with
-        `weights.lora_transfer: adapter`, the adapters only, under peft's names)."""
+        `weights.lora_transfer: adapter`, the adapters only, under peft's names), without a
+        frozen vision tower (engines keep theirs: it never changes)."""
         if self.dist.enabled:
             dd.send_command(dd.PUBLISH)
         if self._adapters:
@@ -224,10 +225,13 @@ class Trainer:
         state = self.learner.policy_state_dict()
         tied = getattr(self.learner.actor.model.config, "tie_word_embeddings", False)
         dtype = model_dtype(self.config.model.dtype)
+        frozen = self.learner.frozen_prefix()
         seen: set[int] = set()
         out = []
         for name, tensor in state.items():
             if (tied and name == "lm_head.weight") or tensor.data_ptr() in seen:
+                continue
+            if frozen is not None and name.startswith(frozen):
                 continue
             seen.add(tensor.data_ptr())
             out.append((name, tensor.to(dtype)))

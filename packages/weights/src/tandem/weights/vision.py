@@ -54,6 +54,17 @@ def vision_tower(model: Any) -> torch.nn.Module | None:
     return getattr(_inner(model), "visual", None)
 
 
+def vision_prefix(model: Any) -> str | None:
+    """The Hugging Face name prefix of the vision tower's weights (`model.visual.`), None for
+    a text-only model: published weights leave a frozen tower out, and an engine then keeps
+    its own."""
+    tower = vision_tower(model)
+    if tower is None:
+        return None
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return next(f"{name}." for name, module in base.named_modules() if module is tower)
+
+
 @dataclass
 class ImageInputs:
     """A prompt's images as the model takes them: patches and each image's (t, h, w) grid."""
@@ -185,5 +196,6 @@ __all__ = [
     "restrict",
     "rope_positions",
     "unsampleable_ids",
+    "vision_prefix",
     "vision_tower",
 ]
