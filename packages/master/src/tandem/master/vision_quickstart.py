@@ -28,7 +28,8 @@ def read_rows(taskset: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(taskset).read_text().splitlines() if line]
 
 
-def _image_of(row: dict[str, Any], folder: Path):
+def task_image(row: dict[str, Any], folder: Path):
+    """The row's image (its first image part, a path relative to `folder`), as RGB."""
     from PIL import Image
 
     part = next(p for m in row["messages"] for p in m["content"] if p["type"] == "image")
@@ -36,7 +37,8 @@ def _image_of(row: dict[str, Any], folder: Path):
         return image.convert("RGB")
 
 
-def _prompt(processor, row: dict[str, Any]) -> str:
+def prompt_text(processor, row: dict[str, Any]) -> str:
+    """The row's chat through the processor's template, ready for the assistant's answer."""
     return processor.apply_chat_template(row["messages"], add_generation_prompt=True,
                                          tokenize=False)
 
@@ -56,14 +58,15 @@ def warm_start_vlm(model_dir: Path, out_dir: Path, taskset: Path, *, steps: int,
     model = AutoModelForImageTextToText.from_pretrained(str(model_dir), local_files_only=True,
                                                         dtype=torch.float32)
     rows = read_rows(taskset)
-    images = [_image_of(r, taskset.parent) for r in rows]
+    images = [task_image(r, taskset.parent) for r in rows]
     tok = processor.tokenizer
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     loss = torch.tensor(float("nan"))
     model.train()
     for _ in range(steps):
         chosen = rng.sample(range(len(rows)), batch)
-        texts = [_prompt(processor, rows[i]) + rows[i]["answer"] + tok.eos_token for i in chosen]
+        texts = [prompt_text(processor, rows[i]) + rows[i]["answer"] + tok.eos_token
+                 for i in chosen]
         answer_len = [len(tok(rows[i]["answer"] + tok.eos_token,
                               add_special_tokens=False).input_ids) for i in chosen]
         enc = processor(text=texts, images=[images[i] for i in chosen], padding=True,
@@ -96,8 +99,8 @@ def greedy_answers(model_dir: Path, taskset: Path, *, max_new_tokens: int = 3,
     answers: list[str] = []
     for start in range(0, len(rows), batch):
         chunk = rows[start:start + batch]
-        enc = processor(text=[_prompt(processor, r) for r in chunk],
-                        images=[_image_of(r, taskset.parent) for r in chunk], padding=True,
+        enc = processor(text=[prompt_text(processor, r) for r in chunk],
+                        images=[task_image(r, taskset.parent) for r in chunk], padding=True,
                         padding_side="left", return_tensors="pt")
         with torch.no_grad():
             out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False)

@@ -1,0 +1,23 @@
+"""tools/bench_vision.py on the tiny Qwen2-VL: every row generates the tokens it was asked for,
+for every image of the batch. Checks the accounting, never the timings."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bare_generate_row_counts_images_and_tokens(tiny_vlm_dir, tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_vision", ROOT / "tools" / "bench_vision.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "vision.json"
+    bench.main(["--model", str(tiny_vlm_dir), "--batches", "1,3", "--max-tokens", "2",
+                "--repeats", "1", "--threads", "0", "--out", str(out)])
+    results = json.loads(out.read_text())["results"]
+    assert [(r["row"], r["batch"], r["tokens"]) for r in results] == [
+        ("bare generate", 1, 2), ("bare generate", 3, 6)]
+    assert all(r["images_per_s"] > 0 for r in results)

@@ -1,0 +1,125 @@
+"""Images + generated tokens per second of a vision-language model (issue 26 item 6).
+
+One row per way of generating, side by side in one run on the same model, images and sampling:
+
+- `bare generate`: the reference, `model.generate` with the model folder's processor (chat
+  template, image processor, left padding), one call per batch, no tandem code in the loop.
+
+Every response is exactly `--max-tokens` long (temperature 1, `min_new_tokens`), so each row
+generates the same number of tokens; `--repeats` rounds, medians reported.
+
+    .venv/bin/python tools/bench_vision.py [--batches 1,16,64] [--max-tokens 16] [--threads 1]
+                                           [--repeats 5] [--model DIR] [--out PATH]
+
+Without `--model` it builds the tiny Qwen2-VL (tandem.weights.tiny_vlm) in a temporary folder;
+the images are the vision quickstart's circles (tandem.master.vision_task), 64x64 PNGs.
+A new row is a function `(model_dir, rows, folder, max_tokens) -> generated tokens`, named in
+`ROWS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def bare_generate(model_dir: Path, rows: list[dict], folder: Path, max_tokens: int) -> Callable:
+    """A callable generating for `rows` with `model.generate` and the processor; it returns the
+    number of tokens generated."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    import tandem.weights.tiny_vlm  # noqa: F401  (registers the tiny VLM's processor class)
+    from tandem.master.vision_quickstart import prompt_text, task_image
+
+    processor = AutoProcessor.from_pretrained(str(model_dir), local_files_only=True)
+    model = AutoModelForImageTextToText.from_pretrained(str(model_dir), local_files_only=True,
+                                                        dtype=torch.float32).eval()
+    texts = [prompt_text(processor, r) for r in rows]
+    images = [task_image(r, folder) for r in rows]
+
+    def run() -> int:
+        # The processor's work (resize, normalise, patchify) is part of what a caller pays.
+        enc = processor(text=texts, images=images, padding=True, padding_side="left",
+                        return_tensors="pt")
+        with torch.inference_mode():
+            out = model.generate(**enc, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                                 max_new_tokens=max_tokens, min_new_tokens=max_tokens)
+        return int((out.shape[1] - enc["input_ids"].shape[1]) * out.shape[0])
+
+    return run
+
+
+ROWS: dict[str, Callable[..., Callable[[], int]]] = {"bare generate": bare_generate}
+
+
+def measure(model_dir: Path, data: Path, batches: list[int], max_tokens: int,
+            repeats: int) -> list[dict[str, Any]]:
+    from tandem.master.vision_quickstart import read_rows
+
+    all_rows = read_rows(data / "train.jsonl")
+    results = []
+    for batch in batches:
+        rows = all_rows[:batch]
+        for name, make in ROWS.items():
+            run = make(model_dir, rows, data, max_tokens)
+            run()  # warm-up: first-call allocations and lazy imports
+            seconds, tokens = [], 0
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                tokens = run()
+                seconds.append(time.perf_counter() - t0)
+            s = statistics.median(seconds)
+            results.append({"row": name, "batch": batch, "seconds": s, "tokens": tokens,
+                            "images_per_s": batch / s, "tokens_per_s": tokens / s})
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch's intra-op threads (0: leave torch's setting)")
+    parser.add_argument("--model", type=Path, help="a VLM folder (default: build the tiny one)")
+    parser.add_argument("--out", type=Path, help="also write the results as JSON here")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from tandem.master.vision_task import write_taskset
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    batches = [int(b) for b in args.batches.split(",")]
+    with tempfile.TemporaryDirectory(prefix="bench-vision-") as tmp:
+        data = Path(tmp) / "data"
+        write_taskset(data, seed=0, train=max(batches), heldout=0)
+        model_dir = args.model
+        if model_dir is None:
+            from tandem.weights.tiny_vlm import build_tiny_vlm
+
+            model_dir = Path(tmp) / "model"
+            build_tiny_vlm(model_dir)
+        results = measure(model_dir, data, batches, args.max_tokens, args.repeats)
+    print(f"{'row':<16}{'batch':>6}{'images/s':>11}{'tokens/s':>11}{'s/batch':>9}")
+    for r in results:
+        print(f"{r['row']:<16}{r['batch']:>6}{r['images_per_s']:>11.1f}{r['tokens_per_s']:>11.1f}"
+              f"{r['seconds']:>9.3f}")
+    print(f"max_tokens={args.max_tokens} threads={args.threads} repeats={args.repeats} "
+          f"({platform.processor() or platform.machine()})")
+    if args.out:
+        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                        "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
