@@ -184,7 +184,9 @@ def rope_positions(model: Any, ids: Tensor, attention: Tensor, images: ImageInpu
     placeholders in order; padding (attention 0) is skipped. A later token's position is its
     index among the row's real tokens plus the delta, in each of the three sections."""
     kinds = (ids == model.config.image_token_id).int()
-    return _inner(model).get_rope_index(ids, kinds, images.grid_thw.to(ids.device), None, attention)
+    # by keyword: Qwen2.5-VL puts second_per_grid_ts where Qwen2-VL has attention_mask
+    return _inner(model).get_rope_index(ids, kinds, image_grid_thw=images.grid_thw.to(ids.device),
+                                        attention_mask=attention)
 
 
 __all__ = [
