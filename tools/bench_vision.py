@@ -4,6 +4,10 @@ One row per way of generating, side by side in one run on the same model, images
 
 - `bare generate`: the reference, `model.generate` with the model folder's processor (chat
   template, image processor, left padding), one call per batch, no tandem code in the loop.
+- `tandem engine`: the explorer's `TransformersEngine` on the prompts the `single_turn` workflow
+  renders from the same rows loaded as a taskset (images read and normalised once, outside the
+  timing): per call the image processor, the placeholders widened, the engine's own decode
+  loop at the model's multimodal positions (docs/vision.md).
 
 Every response is exactly `--max-tokens` long (temperature 1, `min_new_tokens`), so each row
 generates the same number of tokens; `--repeats` rounds, medians reported.
@@ -57,7 +61,32 @@ def bare_generate(model_dir: Path, rows: list[dict], folder: Path, max_tokens: i
     return run
 
 
-ROWS: dict[str, Callable[..., Callable[[], int]]] = {"bare generate": bare_generate}
+def tandem_engine(model_dir: Path, rows: list[dict], folder: Path, max_tokens: int) -> Callable:
+    """A callable generating for `rows` with tandem's transformers engine; it returns the number
+    of tokens generated."""
+    from tandem.common.config.master import TasksetFormat
+    from tandem.common.messages import Task
+    from tandem.common.tasks import load_tasks
+    from tandem.explorer.sampling import SamplingParams
+    from tandem.explorer.transformers_engine import TransformersEngine
+    from tandem.explorer.workflows.single_turn import SingleTurn
+
+    tasks = load_tasks(str(folder / "train.jsonl"),
+                       format=TasksetFormat(messages="messages"))[:len(rows)]
+    engine = TransformersEngine.from_pretrained(model_dir, max_batch=max(64, len(rows)))
+    workflow = SingleTurn(engine.tokenizer)
+    prompts = [workflow.render(Task(id=str(i), payload=t)) for i, t in enumerate(tasks)]
+    # every response max_tokens long, as the bare row's min_new_tokens makes them
+    sampling = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
+
+    def run() -> int:
+        return sum(len(c) for [c] in engine.generate_sync(prompts, 1, sampling))
+
+    return run
+
+
+ROWS: dict[str, Callable[..., Callable[[], int]]] = {"bare generate": bare_generate,
+                                                      "tandem engine": tandem_engine}
 
 
 def measure(model_dir: Path, data: Path, batches: list[int], max_tokens: int,

@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_bare_generate_row_counts_images_and_tokens(tiny_vlm_dir, tmp_path):
+def test_every_row_counts_images_and_tokens(tiny_vlm_dir, tmp_path):
     spec = importlib.util.spec_from_file_location("bench_vision", ROOT / "tools" / "bench_vision.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -19,5 +19,6 @@ def test_bare_generate_row_counts_images_and_tokens(tiny_vlm_dir, tmp_path):
                 "--repeats", "1", "--threads", "0", "--out", str(out)])
     results = json.loads(out.read_text())["results"]
     assert [(r["row"], r["batch"], r["tokens"]) for r in results] == [
-        ("bare generate", 1, 2), ("bare generate", 3, 6)]
+        ("bare generate", 1, 2), ("tandem engine", 1, 2),
+        ("bare generate", 3, 6), ("tandem engine", 3, 6)]
     assert all(r["images_per_s"] > 0 for r in results)

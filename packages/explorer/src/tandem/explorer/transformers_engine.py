@@ -199,7 +199,7 @@ class TransformersEngine(TensorEngine):
             if self.vision is None:
                 raise ValueError(f"prompt {i} shows images but {type(self.model).__name__} "
                                  "has no vision tower (model.path: a vision-language model)")
-            inputs = self.vision.process(p.images, p.hashes)
+            inputs = self.vision.process(p.images)
             out.append(self.vision.expand(p.ids, inputs))
             images.append((inputs, " ".join(p.hashes)))
         return out, images

@@ -97,7 +97,6 @@ class VisionInputs:
         # the trainer scores the same restricted distribution (`unsampleable`)
         self.unsampleable = unsampleable_ids(model_config)
         self.merge = int(model_config.vision_config.spatial_merge_size)
-        self._cache: dict[str, ImageInputs] = {}
 
     @classmethod
     def of(cls, path: str | Path, model: Any) -> VisionInputs | None:
@@ -106,24 +105,18 @@ class VisionInputs:
             return None
         return cls(path, model.config)
 
-    def process(self, images: Sequence[bytes], keys: Sequence[str] | None = None
-                ) -> ImageInputs:
-        """The model inputs of these images (normalised PNG bytes), in order; deterministic,
-        and cached by `keys` (their content hashes) when given."""
+    def process(self, images: Sequence[bytes]) -> ImageInputs:
+        """The model inputs of these images (normalised PNG bytes), in order; deterministic.
+        Nothing is cached: a prompt's images are processed once per call (its `n` samples
+        share them), and a cache across calls would grow with the taskset (a 448 x 448 image is
+        about 5 MB of pixel values)."""
         from PIL import Image
 
         parts = []
-        for i, data in enumerate(images):
-            key = keys[i] if keys is not None else None
-            if key is not None and key in self._cache:
-                parts.append(self._cache[key])
-                continue
+        for data in images:
             with Image.open(io.BytesIO(data)) as im:
                 out = self.processor(images=[im.convert("RGB")], return_tensors="pt")
-            part = ImageInputs(out["pixel_values"].float(), out["image_grid_thw"].long())
-            if key is not None:
-                self._cache[key] = part
-            parts.append(part)
+            parts.append(ImageInputs(out["pixel_values"].float(), out["image_grid_thw"].long()))
         if not parts:
             raise ValueError("no images to process")
         return ImageInputs.cat(parts)  # type: ignore[return-value]
