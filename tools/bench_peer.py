@@ -3,7 +3,7 @@
     make bench-peer        # builds .venv-trl (TRL 1.16.0), then runs this with defaults
     .venv/bin/python tools/bench_peer.py [--trl-python .venv-trl/bin/python] [--steps 60]
         [--seeds 0,1,2] [--rows trl,synchronous,one_step_off_policy,fully_async]
-        [--interval 0.25] [--out .bench/bench_peer.json] [--quick]
+        [--trl-threads N] [--interval 0.25] [--out .bench/bench_peer.json] [--quick]
 
 The work: the quickstart's (`tandem quickstart`): its SFT-warm-started tiny Qwen2 and character
 tokenizer (`tandem.master.quickstart.prepare`, built once under `--out`'s folder with seed 0),
@@ -159,6 +159,7 @@ def trl_worker(argv: list[str]) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--seed", type=int, required=True)
     parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args(argv)
     started = time.time()
 
@@ -173,6 +174,8 @@ def trl_worker(argv: list[str]) -> int:
     from tandem.reward.functions.k12 import K12Reward
     from tandem.weights.hf import load_tokenizer
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     out = Path(args.out)
     check = K12Reward(RewardConfig())
 
@@ -344,13 +347,14 @@ def run_process(argv: list[str], *, interval: float, timeout: float, log: Path
 
 
 def run_trl(root: Path, cache: Path, *, seed: int, steps: int, trl_python: str,
-            interval: float, timeout: float) -> dict[str, Any]:
+            threads: int | None, interval: float, timeout: float) -> dict[str, Any]:
     out = root / f"s{seed}-trl"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     argv = [trl_python, str(Path(__file__).resolve()), "trl-worker",
             "--model", str(cache / "model-sft"), "--train", str(cache / "data" / "train.jsonl"),
             "--out", str(out), "--seed", str(seed), "--steps", str(steps)]
+    argv += ["--threads", str(threads)] if threads else []
     code, wall, peak = run_process(argv, interval=interval, timeout=timeout, log=out / "log.txt")
     if code != 0:
         raise SystemExit(f"TRL seed {seed} exited {code}; see {out / 'log.txt'}")
@@ -478,6 +482,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=60, help="optimiser steps per run")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--rows", default=",".join(ROWS))
+    parser.add_argument("--trl-threads", type=int, default=None,
+                        help="torch threads of the TRL process (default torch's: every core)")
     parser.add_argument("--interval", type=float, default=0.25, help="seconds between PSS polls")
     parser.add_argument("--run-timeout", type=float, default=900, help="seconds per run")
     parser.add_argument("--out", default=".bench/bench_peer.json")
@@ -514,7 +520,8 @@ def main(argv: list[str] | None = None) -> int:
             started = time.monotonic()
             kw = dict(seed=seed, steps=args.steps, interval=args.interval,
                       timeout=args.run_timeout)
-            run = (run_trl(root / "runs", cache, trl_python=args.trl_python, **kw)
+            run = (run_trl(root / "runs", cache, trl_python=args.trl_python,
+                           threads=args.trl_threads, **kw)
                    if name == "trl" else run_tandem(root / "runs", cache, preset=name, **kw))
             after = evaluate(cache, run["model"], seed)
             run.update(greedy_after=after["greedy"], sampled_after=after["sampled"],
