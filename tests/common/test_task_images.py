@@ -112,3 +112,12 @@ def test_normalise_depends_on_the_picture_not_the_encoding():
                                                                            color=(255, 0, 0, 255)))
     with pytest.raises(BadImage, match="not an image"):
         normalise(b"GIF89a-but-not-really")
+
+
+def test_a_check_of_the_rows_alone_leaves_images_unread(tmp_path):
+    """`tandem up` checks the rows before anything starts; the master reads the images."""
+    write_jsonl(tmp_path / "t.jsonl", [{"q": "?", "img": "nowhere.png"}])
+    skipped: list[str] = []
+    [task] = load_tasks(str(tmp_path / "t.jsonl"), skipped=skipped, images=False,
+                        format=TasksetFormat(prompt="q", images="img"))
+    assert task["images"] == "nowhere.png" and skipped == []

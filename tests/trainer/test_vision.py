@@ -141,6 +141,10 @@ def test_placeholders_stay_in_the_tokens_and_out_of_the_loss(rollout, tiny_vlm_d
         assert not placeholders[e.prompt_len:].any()  # never sampled
         targets = batch.tokens[row, 1:] == pad
         assert not batch.mask[row][targets].any()
+    # placeholders without their images (a workflow that drops them) are refused, not trained
+    bare = lease.experiences[0].model_copy(update={"images": []})
+    with pytest.raises(ValueError, match="placeholder tokens but names no images"):
+        learner._image_inputs([bare], {})
 
 
 def test_engine_and_trainer_agree_and_the_images_reach_the_trainer(rollout, tiny_vlm_dir):

@@ -81,14 +81,16 @@ def load_rows(path: str, split: str | None = None, *, key: str = "master.taskset
 
 def load_tasks(path: str, split: str | None = None, *, key: str = "master.taskset",
                reader: str | None = None, format: Any = None, id_field: str | None = None,
-               skipped: list[str] | None = None) -> list[dict[str, Any]]:
+               skipped: list[str] | None = None, images: bool = True
+               ) -> list[dict[str, Any]]:
     """Every task of a taskset, in order: the rows `reader` reads (by suffix or folder shape
     when None), each made a task by `format` (a `TasksetFormat`; None: the row as it is).
 
     A task's id is under `task_id_key(format, id_field)`; every task must carry one there,
     and no two the same. Any problem is a one-line ConfigError naming `key`, and for a bad
     row its file, row number and column. A task whose image is bad is left out, its one-line
-    reason logged and appended to `skipped`."""
+    reason logged and appended to `skipped`; `images=False` leaves images unread (a check of
+    the rows alone, before the process that uses the tasks reads them)."""
     formatter = None if format is None else TASKSET_FORMATS.get(format.name, f"{key}.format.name")
     sources = read_sources(path, split, key=key, reader=reader)
     id_key = task_id_key(format, id_field)
@@ -101,7 +103,8 @@ def load_tasks(path: str, split: str | None = None, *, key: str = "master.taskse
             task = row if formatter is None else _format(formatter, row, format, len(tasks),
                                                          key=key, where=where)
             try:
-                task = _with_images(task, format, source.folder)
+                if images:
+                    task = _with_images(task, format, source.folder)
             except _TaskImageError as exc:
                 tid = task.get(id_key) if id_key is not None else None
                 line = (f"{key}: {where}{f' (task {str(tid)!r})' if tid is not None else ''}: "

@@ -23,11 +23,12 @@ from tandem.common.messages import Task
 from tandem.common.tasks import load_tasks
 
 
-def load_rows(cfg: TasksetConfig) -> list[dict[str, Any]]:
+def load_rows(cfg: TasksetConfig, *, images: bool = True) -> list[dict[str, Any]]:
     """Every task of the training taskset, in file order: its rows as `cfg.reader` reads them,
-    each made a task by `cfg.format` (`tandem.common.tasks.load_tasks`)."""
+    each made a task by `cfg.format` (`tandem.common.tasks.load_tasks`); `images=False`
+    leaves the tasks' images unread (`tandem up`'s check before the master reads them)."""
     return load_tasks(cfg.path, cfg.split, key="master.taskset", reader=cfg.reader,
-                      format=cfg.format, id_field=cfg.id_field)
+                      format=cfg.format, id_field=cfg.id_field, images=images)
 
 
 @dataclass

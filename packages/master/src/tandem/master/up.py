@@ -684,9 +684,10 @@ def up(config_path: str, overrides: tuple[str, ...], resume: bool, plain: bool) 
 
     def tasks_readable(config: RunConfig) -> None:
         # every row is read and formatted before any component starts: a bad row is exit 2
-        # naming the file, the row and the column, not a master that dies while starting
+        # naming the file, the row and the column, not a master that dies while starting.
+        # Images are the master's to read (once): a bad one skips its task, it stops nothing
         if config.master.taskset.path:
-            load_rows(config.master.taskset)
+            load_rows(config.master.taskset, images=False)
 
     # the run dir's run is checked before anything starts: another config is exit 2, a
     # finished run exit 0 (tandem.common.runrecord)
