@@ -3,7 +3,7 @@
     make bench-peer        # builds .venv-trl (TRL 1.16.0), then runs this with defaults
     .venv/bin/python tools/bench_peer.py [--trl-python .venv-trl/bin/python] [--steps 60]
         [--seeds 0,1,2] [--rows trl,synchronous,one_step_off_policy,fully_async]
-        [--trl-threads N] [--interval 0.25] [--out .bench/bench_peer.json] [--quick]
+        [--threads N] [--interval 0.25] [--out .bench/bench_peer.json] [--quick]
 
 The work: the quickstart's (`tandem quickstart`): its SFT-warm-started tiny Qwen2 and character
 tokenizer (`tandem.master.quickstart.prepare`, built once under `--out`'s folder with seed 0),
@@ -29,9 +29,10 @@ Not matched (`UNMATCHED`, each with why): the order of the prompts and the sampl
 streams (each framework's own sampler; the seed is the same, the sequence is not); the ratio's
 denominator (TRL takes the current policy's logprobs, so its ratio is exactly 1; tandem takes
 the engine's, the same weights in synchronous, numerically close; one_step_off_policy and
-fully_async train on older versions by design); threads (TRL's one process uses every core;
-tandem's placement `auto` gives each component its threads); start-up (excluded from the
-timing on both sides, reported apart).
+fully_async train on older versions by design); threads (by default each framework's own:
+TRL's one process takes every core, tandem's placement `auto` gives synchronous's two sides
+every core and the asynchronous presets' one core each; `--threads N` sets N on both sides);
+start-up (excluded from the timing on both sides, reported apart).
 
 Reported per run: s/step and tokens/s (prompt + completion tokens trained, per second) over the
 training phase, from the first rollout to the last update: on the tandem side from the run's
@@ -81,8 +82,10 @@ UNMATCHED: dict[str, str] = {
                          "update); tandem uses the engine's, the same weights in synchronous",
     "staleness": "one_step_off_policy and fully_async train on rollouts of older versions: the "
                  "schedule under test",
-    "threads": "TRL's one process uses every core; tandem's placement auto gives each "
-               "component its threads",
+    "threads": "by default each framework's own: TRL's one process takes every core; tandem's "
+               "placement auto gives synchronous's trainer and explorer every core (they "
+               "alternate) and the asynchronous presets' one core each; --threads N sets N "
+               "on both sides",
     "generation code": "TRL calls transformers' generate; tandem's transformers engine runs its "
                        "own decode loop (prefill once per prompt, KV cache) on the same model",
 }
@@ -91,11 +94,12 @@ UNMATCHED: dict[str, str] = {
 # -- the two configs (pure: tests/tools/test_bench_peer.py) ------------------------------------
 
 
-def tandem_config(run_dir: Path, cache: Path, *, preset: str, seed: int, steps: int
-                  ) -> dict[str, Any]:
+def tandem_config(run_dir: Path, cache: Path, *, preset: str, seed: int, steps: int,
+                  threads: int | None = None) -> dict[str, Any]:
     """The quickstart's `tandem up` config for `preset`, with every `MATCHED` setting spelled out,
     no in-run evaluation (the saved model is evaluated after), and the ports and liveness a
-    shared machine needs."""
+    shared machine needs; `threads`: the trainer's and each explorer's (default: placement
+    auto's choice)."""
     from tandem.common.sync import preset_explorers
     from tandem.master.quickstart import quickstart_config
 
@@ -120,6 +124,9 @@ def tandem_config(run_dir: Path, cache: Path, *, preset: str, seed: int, steps: 
     config["transport"]["liveness"] = 60  # a loaded machine otherwise declares a busy peer dead
     config["logging"]["metrics"]["port"] = 0  # other runs may hold the fixed ports
     config["up"]["timeline"] = False  # drawn after the run, beside the next one
+    if threads:
+        config["placement"]["trainer"]["threads"] = threads
+        config["placement"]["explorers"]["threads"] = threads
     return config
 
 
@@ -369,7 +376,7 @@ def run_trl(root: Path, cache: Path, *, seed: int, steps: int, trl_python: str,
 
 
 def run_tandem(root: Path, cache: Path, *, preset: str, seed: int, steps: int,
-               interval: float, timeout: float) -> dict[str, Any]:
+               threads: int | None, interval: float, timeout: float) -> dict[str, Any]:
     import yaml
 
     from tandem.common.trace import read_trace
@@ -379,7 +386,8 @@ def run_tandem(root: Path, cache: Path, *, preset: str, seed: int, steps: int,
     run_dir.mkdir(parents=True)
     config = run_dir.with_suffix(".yaml")
     config.write_text(yaml.safe_dump(tandem_config(run_dir, cache, preset=preset, seed=seed,
-                                                   steps=steps), sort_keys=False))
+                                                   steps=steps, threads=threads),
+                                     sort_keys=False))
     code, wall, peak = run_process([TANDEM, "up", str(config), "--plain"], interval=interval,
                                    timeout=timeout, log=run_dir.with_suffix(".log"))
     spans = read_trace(run_dir)
@@ -482,8 +490,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=60, help="optimiser steps per run")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--rows", default=",".join(ROWS))
-    parser.add_argument("--trl-threads", type=int, default=None,
-                        help="torch threads of the TRL process (default torch's: every core)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads of the TRL process and of tandem's trainer and "
+                             "explorers (default: torch's, every core, for TRL; placement "
+                             "auto's for tandem)")
     parser.add_argument("--interval", type=float, default=0.25, help="seconds between PSS polls")
     parser.add_argument("--run-timeout", type=float, default=900, help="seconds per run")
     parser.add_argument("--out", default=".bench/bench_peer.json")
@@ -518,10 +528,9 @@ def main(argv: list[str] | None = None) -> int:
     for seed in seeds:
         for name in rows:
             started = time.monotonic()
-            kw = dict(seed=seed, steps=args.steps, interval=args.interval,
-                      timeout=args.run_timeout)
-            run = (run_trl(root / "runs", cache, trl_python=args.trl_python,
-                           threads=args.trl_threads, **kw)
+            kw = dict(seed=seed, steps=args.steps, threads=args.threads,
+                      interval=args.interval, timeout=args.run_timeout)
+            run = (run_trl(root / "runs", cache, trl_python=args.trl_python, **kw)
                    if name == "trl" else run_tandem(root / "runs", cache, preset=name, **kw))
             after = evaluate(cache, run["model"], seed)
             run.update(greedy_after=after["greedy"], sampled_after=after["sampled"],
