@@ -63,7 +63,8 @@ from tandem.common.messages.buffer import (
 from tandem.common.messages.experience import Experience, repeat_id, task_group_id
 from tandem.common.messages.master import (
     Barrier, CompleteTasks, ExplorerStepDone, GetStatus, LeaseTasks, Register, Stop,
-    TrainerCheckpointed, TrainerGo, TrainerResumed, TrainerStepDone, WeightsPublished)
+    TrainerCheckpointed, TrainerGo, TrainerResumed, TrainerStepDone, WeightsPublished,
+    barrier_topic)
 from tandem.common.pubsub import Subscriber
 from tandem.common.rpc import RpcClient
 from tandem.common.sockets import free_port
@@ -195,9 +196,8 @@ def array_pool(seed: int, size: int, low: int, high: int) -> list[tuple]:
 
 async def explorer(name: str, cfg: dict, waiting, start, stats: dict) -> None:
     master = RpcClient(cfg["master"], peer="master", name=name)
-    # the topics and the snapshot client of tandem.explorer.service, whose barrier prefix
-    # (no trailing dot) also matches the barriers of explorer-1x, -1xx, ...
-    sub = Subscriber(cfg["publish"], topics=[f"barrier.{name}", "weights", "trainer", "stop"],
+    # the topics and the snapshot client of tandem.explorer.service
+    sub = Subscriber(cfg["publish"], topics=[barrier_topic(name), "weights", "trainer", "stop"],
                      snapshot=master)
     buffer = RpcClient(cfg["buffer"], peer="buffer", name=name)
     pool = array_pool(hash(name) % 2**32, cfg["repeat"], cfg["tokens_low"], cfg["tokens_high"])

@@ -20,7 +20,7 @@ from tandem.common.errors import WaitTimeout
 from tandem.buffer import Buffer
 from tandem.common.messages.buffer import GetBufferStats, SampleGroups
 from tandem.common.messages.master import (
-    Register, TrainerGo, TrainerStepDone, WeightsPublished)
+    Register, TrainerGo, TrainerStepDone, WeightsPublished, barrier_topic)
 from tandem.common.pubsub import Subscriber
 from tandem.common.rpc import RpcClient
 from tandem.common.trace import read_trace
@@ -168,10 +168,11 @@ async def test_two_steps_with_a_sync_point_waiting_for_weights(tmp_path, tiny_mo
 
 
 async def test_two_explorers_with_their_own_engines_and_batch_sizes(tmp_path, tiny_model_path):
+    # explorer-1 and explorer-10: a name that is a prefix of the other's
     config = make_config(
         tmp_path, tiny_model_path, "sync.preset=multi_explorer_async", "sync.method=checkpoint",
-        "sync.offset=null", "master.total_steps=2",
-        "explorers.1.name=explorer-1", "explorers.1.batch_size=1", "explorers.1.repeat_times=3",
+        "sync.offset=null", "master.total_steps=2", "explorers.0.name=explorer-1",
+        "explorers.1.name=explorer-10", "explorers.1.batch_size=1", "explorers.1.repeat_times=3",
         "explorers.1.workflow=multi_turn", "explorers.1.workflow_args.env=guess_number",
         "explorers.1.workflow_args.max_turns=3", "explorers.1.sampling.max_tokens=5")
     master = Master(config)
@@ -180,7 +181,8 @@ async def test_two_explorers_with_their_own_engines_and_batch_sizes(tmp_path, ti
     config.buffer.address = await buffer.start()
     config.master.address = master.address
     engines = [TransformersEngine.from_pretrained(tiny_model_path, max_batch=4) for _ in range(2)]
-    explorers = [Explorer(config, f"explorer-{i}", engine=engines[i]) for i in range(2)]
+    explorers = [Explorer(config, name, engine=engine)
+                 for name, engine in zip(("explorer-1", "explorer-10"), engines)]
     trained = TransformersEngine.from_pretrained(tiny_model_path)
     trainer = asyncio.create_task(play_trainer(config, master.address, master.publish_address,
                                                trained, []))
@@ -202,6 +204,12 @@ async def test_two_explorers_with_their_own_engines_and_batch_sizes(tmp_path, ti
     assert all(e.steps_done >= 1 for e in explorers)
     assert all(e.stop_reason and e.stop_reason.startswith("done") for e in explorers)
     assert stats.groups_waiting == 0
+    # each subscribes to its own barriers only (ZeroMQ topics are prefixes): explorer-1 never
+    # receives, nor gets in its snapshots, the barriers of explorer-10 (or -1x, -1xx, ...)
+    for e in explorers:
+        others = [barrier_topic(o.name) for o in explorers if o is not e]
+        assert barrier_topic(e.name) in e.subscriber.topics
+        assert not [t for t in e.subscriber.topics for o in others if o.startswith(t)]
 
 
 @pytest.mark.parametrize("drain", [30.0, 0.0])

@@ -62,6 +62,7 @@ from tandem.common.messages.master import (
     TaskLease,
     TrainerGo,
     WeightsPublished,
+    barrier_topic,
 )
 from tandem.common.metrics import MetricsEndpoint
 from tandem.common.pubsub import Event, Subscriber
@@ -198,7 +199,8 @@ class Explorer:
         reply = await self._register()
         publish = reply.publish_address or self.config.master.publish_address
         self.subscriber = Subscriber(
-            publish, topics=[f"barrier.{self.name}", "weights", "trainer", "stop"],
+            # barrier_topic ends in a dot: explorer-1 does not also hear explorer-10's barriers
+            publish, topics=[barrier_topic(self.name), "weights", "trainer", "stop"],
             transport=self.config.transport, snapshot=self.master)
         await self.subscriber.start()
         # the master's liveness, so both sides agree on when silence means death
