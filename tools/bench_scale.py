@@ -21,10 +21,11 @@ The reward service is not in the path of experiences (explorers send it texts to
 the scored experiences to the buffer themselves), so it is not simulated.
 
 Measured per scale, over the steps after --warmup:
-- control plane per step: wall-clock per step minus rollout and train seconds, and its share of
-  a --step-seconds step (30 s, a GPU step);
-- master and buffer CPU per step (/proc/<pid>/stat), with the heartbeats' CPU measured in an
-  idle window first and rescaled to a --step-seconds step;
+- control plane per step: wall-clock per step minus rollout and train seconds, its share of a
+  --step-seconds step (30 s, a GPU step), and where it goes along the critical path;
+- master and buffer CPU per step (/proc/<pid>/stat): the step's own work, plus --step-seconds
+  of heartbeats and subscription snapshots, measured in two idle phases before the first step;
+  resident memory of each process at the window's start and end;
 - barrier latency (WeightsPublished sent -> each explorer's Barrier), TrainerGo latency (last
   ExplorerStepDone -> TrainerGo), lease, put, sample and ack round trips, p50/p99;
 - buffer put and sample throughput, database size with pruning (peak and at the end);
@@ -33,7 +34,7 @@ Measured per scale, over the steps after --warmup:
 A last phase (--journal-steps, default 10,000) writes a journal of that many steps with one
 explorer through the real master and times its replay, which shows the replay is linear.
 
-    .venv/bin/python tools/bench_scale.py [--explorers 16,64,256] [--steps 60,40,30] [--quick]
+    .venv/bin/python tools/bench_scale.py [--explorers 16,64,256] [--steps 40,30,20] [--quick]
 """
 
 from __future__ import annotations
@@ -110,8 +111,8 @@ def disk_bytes(path: Path) -> int:
 def write_run(root: Path, explorers: int, steps: int, args) -> Path:
     tasks = root / "tasks.jsonl"
     with open(tasks, "w") as f:
-        for i in range(explorers * args.tasks_per_explorer * steps):
-            f.write(json.dumps({"id": f"t{i}", "prompt": f"task {i}"}) + "\n")
+        f.writelines(json.dumps({"id": f"t{i}", "prompt": f"task {i}"}) + "\n"
+                     for i in range(explorers * args.tasks_per_explorer * steps))
     names = "".join(f"  - {{name: explorer-{i}, batch_size: {args.tasks_per_explorer}, "
                     f"repeat_times: {args.repeat}}}\n" for i in range(explorers))
     config = root / "run.yaml"
