@@ -165,3 +165,17 @@ def test_tandem_eval_forwards_its_arguments_and_help_to_the_explorer_cli(tmp_pat
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
     assert bad.stderr.startswith("tandem eval: invalid config") and "eval.repeat_times" in bad.stderr
+
+
+def test_an_eval_taskset_with_images_loads_them(tmp_path, tiny_model_dir):
+    """A held-out taskset whose messages show images (paths relative to it) gives tasks that
+    carry the images' bytes, as the training taskset's do: the engine needs them."""
+    pytest.importorskip("PIL")
+    from tandem.master.vision_task import write_taskset
+
+    _, held = write_taskset(tmp_path / "data", seed=0, train=1, heldout=2)
+    evaluator = Evaluator(_config(tmp_path, tiny_model_dir, held), "e0")
+    (taskset,) = evaluator.tasksets
+    assert [len(t.payload["images"]) for t in taskset.tasks] == [1, 1]
+    assert all(t.payload["images"][0].startswith(b"\x89PNG") for t in taskset.tasks)
+    assert taskset.tasks[0].payload["messages"][0]["content"][0] == {"type": "image"}

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from tandem.common.config import EvalConfig, RunConfig
 from tandem.common.messages.experience import Task
-from tandem.common.tasks import load_rows
+from tandem.common.tasks import load_tasks
 
 from .engine import Engine
 from .rewards import RewardScorer
@@ -80,7 +80,9 @@ class Evaluator:
 
     def _load(self, i: int) -> EvalTaskset:
         ts = self.cfg.tasksets[i]
-        rows = load_rows(ts.path, ts.split, key=f"eval.tasksets[{i}]")[:ts.limit]
+        # load_tasks, not the raw rows: a task's images are read and checked as the training
+        # taskset's are (the engine takes their bytes; a bad one skips its task with a warning).
+        rows = load_tasks(ts.path, ts.split, key=f"eval.tasksets[{i}]")[:ts.limit]
         return EvalTaskset(ts.name, [
             Task(id=f"eval-{ts.name}-{row[ts.id_field] if ts.id_field else n}", payload=row)
             for n, row in enumerate(rows)])
