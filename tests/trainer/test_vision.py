@@ -195,6 +195,21 @@ def test_freeze_vision_keeps_the_tower_and_trains_the_language_model(rollout, ti
     assert not torch.equal(head, learner.actor.model.get_output_embeddings().weight)
 
 
+def test_a_checkpoint_loads_as_a_vision_model_on_its_own(rollout, tiny_vlm_dir, tmp_path):
+    """A checkpoint's model folder (tandem eval --checkpoint, a resumed trainer) keeps the
+    image processor beside the weights."""
+    from tandem.explorer.transformers_engine import TransformersEngine
+
+    learner = make_learner(tiny_vlm_dir)
+    learner.step(rollout["lease"].experiences, rollout["lease"].images)
+    folder = learner.save_checkpoint(tmp_path / "checkpoints") / "model"
+    engine = TransformersEngine.from_pretrained(folder)
+    try:
+        assert engine.takes_images
+    finally:
+        engine.close()
+
+
 def test_lora_on_a_vision_model_needs_freeze_vision(tiny_vlm_dir, rollout):
     from tandem.common.config import RunConfig
     from tandem.common.errors import ConfigError

@@ -39,8 +39,11 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
+# copied from model.path beside the weights, so a checkpoint's model folder loads on its own;
+# a vision-language model's image processor too (docs/vision.md)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "vocab.json", "merges.txt", "chat_template.jinja", "added_tokens.json")
+                   "vocab.json", "merges.txt", "chat_template.jinja", "added_tokens.json",
+                   "processor_config.json", "preprocessor_config.json")
 
 
 class TrainingState(Protocol):

@@ -70,9 +70,10 @@ def merge_adapter(base: str | Path, adapter: str | Path) -> Any:
     """The Hugging Face model at `base` with the peft adapter folder `adapter` merged in: a
     plain `transformers` model (no peft wrapper), in the base folder's dtype, on CPU."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(base), dtype="auto", local_files_only=True)
+    from .vision import load_model
+
+    model = load_model(base, dtype="auto", local_files_only=True)  # a VLM too
     peft_model = PeftModel.from_pretrained(model, str(adapter))
     merged = merged_state(peft_model.state_dict(), adapter_scale(adapter))
     plain = peft_model.unload()  # the base model with its adapter layers removed
