@@ -91,3 +91,17 @@ def test_a_zygote_with_a_thread_refuses_to_fork(tmp_path, monkeypatch):
     finally:
         zygote.close()
     assert not (tmp_path / "master.out").exists()
+
+
+def test_closing_a_zygote_ends_it_whether_or_not_its_imports_are_done(tmp_path):
+    # `tandem up` stopped while the zygote imports: it is terminated, not waited for (its
+    # stdin is read only after the imports); once it answered, closing its stdin ends it
+    argv = [str(BIN / "tandem-master"), "--help"]
+    early = Zygote(tmp_path / "early.out", 120, [argv])
+    early.close()
+    assert early.proc.returncode in (0, -signal.SIGTERM)
+    ready = Zygote(tmp_path / "ready.out", 120, [argv])
+    ready.wait_ready()
+    assert ready.refused is None and ready.ready_after is not None
+    ready.close()
+    assert ready.proc.returncode == 0

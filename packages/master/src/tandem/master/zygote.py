@@ -327,12 +327,16 @@ class Zygote:
         return ForkedProcess(reply["pid"])
 
     def close(self) -> None:
-        """End the zygote (its stdin closes; a stuck one is killed) and wait for it."""
+        """End the zygote and wait for it: one that answered exits when its stdin closes, one
+        still importing is terminated (SIGTERM's default action), a stuck one killed."""
+        importing = self.ready_after is None and self.refused is None
         self.refused = self.refused or "the zygote was closed"
         try:
             self.proc.stdin.close()
         except BrokenPipeError:
             pass
+        if importing and self.proc.poll() is None:
+            self.proc.terminate()
         try:
             self.proc.wait(5)
         except subprocess.TimeoutExpired:
