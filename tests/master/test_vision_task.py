@@ -87,3 +87,17 @@ def test_warm_start_and_greedy_answers_run_on_the_tiny_vlm(tiny_vlm_dir, tmp_pat
     assert math.isfinite(loss)
     answers = greedy_answers(tmp_path / "sft", heldout, max_new_tokens=2)
     assert len(answers) == 3 and all(isinstance(a, str) for a in answers)
+
+
+def test_the_vision_quickstart_run_grades_counts_with_the_vision_reward(tmp_path):
+    from tandem.master.quickstart import quickstart_config
+    from tandem.master.vision_task import write_taskset
+
+    train, heldout = write_taskset(tmp_path / "data", seed=0, train=2, heldout=1)
+    config = quickstart_config(tmp_path / "run", tmp_path / "model", train, preset="synchronous",
+                               steps=3, seed=0, heldout=heldout, reward_fn="vision",
+                               max_tokens=3)
+    explorer = config.explorers[0]
+    assert config.reward.functions == {"vision": 1.0}
+    assert explorer.workflow_args["reward_fn"] == "vision" and explorer.sampling.max_tokens == 3
+    assert [t.path for t in config.eval.tasksets] == [str(heldout)]

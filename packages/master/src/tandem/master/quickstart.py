@@ -135,11 +135,13 @@ def before_after(run_dir: Path) -> tuple[dict, dict]:
 def quickstart_config(run_dir: Path, model_dir: Path, taskset: Path, *, preset: str,
                       steps: int, seed: int, explorers: int = 1, lr: float = 3e-4,
                       heldout: Path | None = None, device: str = "cpu",
-                      colocate: bool = False) -> RunConfig:
+                      colocate: bool = False, reward_fn: str = "k12",
+                      max_tokens: int = 6) -> RunConfig:
     """The GRPO run: the same settings the examples/ configs spell out, plus the held-out
     evaluation (before the first step and at the end) when `heldout` is set; `device` is the
     trainer's and every explorer engine's (cpu, cuda); `colocate`: the explorer time-shares the
-    trainer's devices, waking to each version from shared memory (placement.colocate)."""
+    trainer's devices, waking to each version from shared memory (placement.colocate);
+    `reward_fn` grades the tasks' `truth` (k12; vision for --vision's counts)."""
     names = [f"explorer-{i}" for i in range(explorers)]
     colocated = ({"placement": {"colocate": ["trainer", names[0]]},
                   "weights": {"transport": "shared_memory", "keep_versions": 1}}
@@ -154,11 +156,12 @@ def quickstart_config(run_dir: Path, model_dir: Path, taskset: Path, *, preset: 
                    "taskset": {"path": str(taskset), "seed": seed, "epochs": 100}},
         "explorers": [{"name": n, "batch_size": 16 // explorers, "repeat_times": 8,
                        "workflow": "single_turn", "engine": {"device": device},
-                       "workflow_args": {"reward_fn": "k12", "answer_key": "truth"},
-                       "sampling": {"temperature": 1.0, "max_tokens": 6}} for n in names],
+                       "workflow_args": {"reward_fn": reward_fn, "answer_key": "truth"},
+                       "sampling": {"temperature": 1.0, "max_tokens": max_tokens}}
+                      for n in names],
         "trainer": {"groups_per_step": 16, "lr": lr, "advantage": "grpo", "loss": "ppo_clip",
                     "checkpoint_every": 0, "device": device},
-        "reward": {"functions": {"k12": 1.0}},
+        "reward": {"functions": {reward_fn: 1.0}},
         "logging": {"level": "warning"},
         "eval": {"tasksets": [{"name": "heldout", "path": str(heldout)}] if heldout else [],
                  "every": 0, "repeat_times": 4, "seed": seed},
@@ -169,8 +172,10 @@ def quickstart_config(run_dir: Path, model_dir: Path, taskset: Path, *, preset: 
 @click.option("--run-dir", default="runs/quickstart", show_default=True, type=click.Path())
 @click.option("--preset", default="synchronous", show_default=True,
               type=click.Choice(list(PRESETS)))
-@click.option("--steps", default=150, show_default=True, help="GRPO trainer steps")
-@click.option("--sft-steps", default=80, show_default=True, help="warm-start SFT steps")
+@click.option("--steps", type=int, default=None,
+              help="GRPO trainer steps [default: 150; 30 with --vision]")
+@click.option("--sft-steps", type=int, default=None,
+              help="warm-start SFT steps [default: 80; 150 with --vision]")
 @click.option("--lr", default=3e-4, show_default=True, help="GRPO learning rate")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--plain", is_flag=True, help="progress lines instead of a live panel")
@@ -179,8 +184,11 @@ def quickstart_config(run_dir: Path, model_dir: Path, taskset: Path, *, preset: 
 @click.option("--colocate", is_flag=True,
               help="the explorer time-shares the trainer's devices, asleep while it trains "
                    "(placement.colocate; --preset synchronous)")
-def quickstart(run_dir: str, preset: str, steps: int, sft_steps: int, lr: float, seed: int,
-               plain: bool, device: str, colocate: bool) -> None:
+@click.option("--vision", is_flag=True,
+              help="a tiny vision-language model learns to count circles in images "
+                   "(docs/vision.md)")
+def quickstart(run_dir: str, preset: str, steps: int | None, sft_steps: int | None, lr: float,
+               seed: int, plain: bool, device: str, colocate: bool, vision: bool) -> None:
     """Run a tiny end-to-end example on CPU (or --device cuda): SFT warm start, then GRPO,
     reward rising."""
     import shutil
@@ -195,13 +203,23 @@ def quickstart(run_dir: str, preset: str, steps: int, sft_steps: int, lr: float,
     if root.exists():
         shutil.rmtree(root)
     started = time.monotonic()
-    params, _ = prepare(root, seed=seed, sft_steps=sft_steps, say=click.echo)
+    if vision:
+        from .vision_quickstart import prepare_vision
+
+        sft_steps = 150 if sft_steps is None else sft_steps
+        steps = 30 if steps is None else steps
+        params, _ = prepare_vision(root, seed=seed, sft_steps=sft_steps, say=click.echo)
+    else:
+        sft_steps = 80 if sft_steps is None else sft_steps
+        steps = 150 if steps is None else steps
+        params, _ = prepare(root, seed=seed, sft_steps=sft_steps, say=click.echo)
     taskset, heldout_set = root / "data" / "train.jsonl", root / "data" / "heldout.jsonl"
     click.echo(f"3/4 GRPO through the full system ({preset}, {steps} trainer steps)")
     config = quickstart_config(root / "grpo", root / "model-sft", taskset, preset=preset,
                                steps=steps, seed=seed, lr=lr, heldout=heldout_set,
                                explorers=preset_explorers(preset), device=device,
-                               colocate=colocate)
+                               colocate=colocate, reward_fn="vision" if vision else "k12",
+                               max_tokens=3 if vision else 6)
     code = run_up(config, live=False if plain else None, prog="tandem quickstart")
     if code != 0:
         sys.exit(code)
@@ -218,5 +236,5 @@ def quickstart(run_dir: str, preset: str, steps: int, sft_steps: int, lr: float,
     (root / "result.json").write_text(json.dumps(
         {"before": before, "after": after, "versions": [first["version"], last["version"]],
          "seconds": time.monotonic() - started, "preset": preset, "colocate": colocate,
-         "steps": steps,
+         "steps": steps, "vision": vision,
          "sft_steps": sft_steps, "params": params}, indent=2))
