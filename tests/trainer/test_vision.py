@@ -32,7 +32,6 @@ from tandem.explorer.workflows.base import RolloutContext
 from tandem.explorer.workflows.single_turn import SingleTurn
 from tandem.trainer.batch import build_batch
 from tandem.trainer.learner import Learner
-from tandem.weights.vision import vision_tower
 
 TEMPERATURE = 0.8
 REPEAT = 4
@@ -156,53 +155,76 @@ def test_placeholders_stay_in_the_tokens_and_out_of_the_loss(rollout, tiny_vlm_d
         learner._image_inputs([bare], {})
 
 
-def test_engine_and_trainer_agree_and_the_images_reach_the_trainer(rollout, tiny_vlm_dir):
+@pytest.fixture(scope="module", params=[False, True], ids=["trained", "frozen"])
+def stepped(request, rollout, tiny_vlm_dir):
+    """A learner after one step on the rollout, with the vision tower trained or frozen, and
+    what it held before the step."""
     lease = rollout["lease"]
-    learner = make_learner(tiny_vlm_dir)
-    tower = vision_tower(learner.actor.model)
-    before = [p.detach().clone() for p in tower.parameters()]
-    m = learner.step(lease.experiences, lease.images)
+    learner = make_learner(tiny_vlm_dir, freeze_vision=request.param)
+    before = {n: p.detach().clone() for n, p in learner.actor.model.named_parameters()}
+    head = learner.actor.model.get_output_embeddings().weight.detach().clone()
+    metrics = learner.step(lease.experiences, lease.images)
+    return dict(learner=learner, before=before, head=head, metrics=metrics,
+                frozen=request.param)
+
+
+def test_engine_and_trainer_agree_and_the_images_reach_the_trainer(rollout, stepped):
+    learner, before, m = stepped["learner"], stepped["before"], stepped["metrics"]
     print({k: v for k, v in m.items() if k.startswith("mismatch/")})  # docs/vision.md
     assert_same_logprobs(m)
-    # real gradients reached the vision tower through the images
-    assert any(not torch.equal(b, p) for b, p in zip(before, tower.parameters()))
+    tower = {n: p for n, p in learner.actor.model.named_parameters() if ".visual." in n}
+    changed = [n for n, p in tower.items() if not torch.equal(before[n], p)]
+    head = learner.actor.model.get_output_embeddings().weight
+    if stepped["frozen"]:  # the language model learns, the tower stays
+        assert not changed and not torch.equal(stepped["head"], head)
+    else:  # real gradients reached the vision tower through the images
+        assert changed
 
     # the trainer's logprobs depend on the images: another picture moves them
-    swapped = {h: picture((0, 255, 0)) for h in lease.images}
-    fresh = make_learner(tiny_vlm_dir)
-    shown = fresh._image_inputs(lease.experiences, lease.images)
-    other = {h: fresh.vision.process([b]) for h, b in swapped.items()}
+    lease = rollout["lease"]
+    shown = learner._image_inputs(lease.experiences, lease.images)
+    other = {h: learner.vision.process([picture((0, 255, 0))]) for h in lease.images}
     rows = [i for i, e in enumerate(lease.experiences) if len(e.images) == 1
             and int(shown[e.images[0]].grid_thw.prod()) == 64][:2]
     logps = []
     for inputs in (shown, other):
-        batch = build_batch([lease.experiences[i] for i in rows], fresh.pad_id, images=inputs)
+        batch = build_batch([lease.experiences[i] for i in rows], learner.pad_id, images=inputs)
         with torch.no_grad():
-            out = fresh.actor(batch.tokens, batch.attention, TEMPERATURE,
-                              images=batch.images.batch_inputs())
+            out = learner.actor(batch.tokens, batch.attention, TEMPERATURE,
+                                images=batch.images.batch_inputs())
         logps.append(out.logprobs * batch.mask)
     assert (logps[0] - logps[1]).abs().max() > 1e-4
 
 
-def test_freeze_vision_keeps_the_tower_and_trains_the_language_model(rollout, tiny_vlm_dir):
-    lease = rollout["lease"]
-    learner = make_learner(tiny_vlm_dir, freeze_vision=True)
-    tower = vision_tower(learner.actor.model)
-    before = [p.detach().clone() for p in tower.parameters()]
-    head = learner.actor.model.get_output_embeddings().weight.detach().clone()
-    learner.step(lease.experiences, lease.images)
-    assert all(torch.equal(b, p) for b, p in zip(before, tower.parameters()))
-    assert not torch.equal(head, learner.actor.model.get_output_embeddings().weight)
+def test_published_weights_reach_the_engines_tower_unless_it_is_frozen(stepped, tiny_vlm_dir):
+    from tandem.explorer.transformers_engine import TransformersEngine
+
+    learner, freeze = stepped["learner"], stepped["frozen"]
+    prefix = learner.frozen_prefix()
+    assert prefix == ("model.visual." if freeze else None)
+    # what Trainer.policy_weights publishes: the frozen tower left out
+    trained = learner.policy_state_dict()
+    published = [(n, t) for n, t in trained.items() if prefix is None or not n.startswith(prefix)]
+    engine = TransformersEngine.from_pretrained(tiny_vlm_dir)
+    try:
+        base = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+        engine.load_weights(published, version=1)
+        tower = {n: p for n, p in engine.model.named_parameters() if n.startswith("model.visual.")}
+        assert all(torch.equal(p, (base if freeze else trained)[n]) for n, p in tower.items())
+        # a version missing part of the tower is refused, never half-loaded
+        with pytest.raises(ValueError, match="were not sent"):
+            engine.load_weights([(n, t) for n, t in trained.items()
+                                 if not n.startswith("model.visual.blocks.0.attn")], 2)
+    finally:
+        engine.close()
 
 
-def test_a_checkpoint_loads_as_a_vision_model_on_its_own(rollout, tiny_vlm_dir, tmp_path):
+def test_a_checkpoint_loads_as_a_vision_model_on_its_own(stepped, tmp_path):
     """A checkpoint's model folder (tandem eval --checkpoint, a resumed trainer) keeps the
     image processor beside the weights."""
     from tandem.explorer.transformers_engine import TransformersEngine
 
-    learner = make_learner(tiny_vlm_dir)
-    learner.step(rollout["lease"].experiences, rollout["lease"].images)
-    folder = learner.save_checkpoint(tmp_path / "checkpoints") / "model"
+    folder = stepped["learner"].save_checkpoint(tmp_path / "checkpoints") / "model"
     engine = TransformersEngine.from_pretrained(folder)
     try:
         assert engine.takes_images
@@ -239,34 +261,6 @@ def test_text_prompts_on_a_vision_model_still_work(tiny_vlm_dir):
     finally:
         engine.close()
     assert len(c) >= 1 and np.isfinite(c.logprobs).all()
-
-
-@pytest.mark.parametrize("freeze", [False, True], ids=["trained", "frozen"])
-def test_published_weights_reach_the_engines_tower_unless_it_is_frozen(rollout, tiny_vlm_dir,
-                                                                      freeze):
-    from tandem.explorer.transformers_engine import TransformersEngine
-
-    lease = rollout["lease"]
-    learner = make_learner(tiny_vlm_dir, freeze_vision=freeze)
-    learner.step(lease.experiences, lease.images)
-    prefix = learner.frozen_prefix()
-    assert prefix == ("model.visual." if freeze else None)
-    # what Trainer.policy_weights publishes: the frozen tower left out
-    published = [(n, t) for n, t in learner.policy_state_dict().items()
-                 if prefix is None or not n.startswith(prefix)]
-    engine = TransformersEngine.from_pretrained(tiny_vlm_dir)
-    try:
-        base = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
-        engine.load_weights(published, version=1)
-        tower = {n: p for n, p in engine.model.named_parameters() if n.startswith("model.visual.")}
-        trained = learner.policy_state_dict()
-        assert all(torch.equal(p, (base if freeze else trained)[n]) for n, p in tower.items())
-        # a version missing part of the tower is refused, never half-loaded
-        with pytest.raises(ValueError, match="were not sent"):
-            engine.load_weights([(n, t) for n, t in trained.items()
-                                 if not n.startswith("model.visual.blocks.0.attn")], 2)
-    finally:
-        engine.close()
 
 
 @pytest.fixture(scope="module")
