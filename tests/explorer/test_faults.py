@@ -132,8 +132,8 @@ class DeclaredDeadAfterPut(Explorer):
         self.master_service = master
         self.puts = 0
 
-    async def _put(self, experiences, barrier):
-        await super()._put(experiences, barrier)
+    async def _put(self, experiences, barrier, images):
+        await super()._put(experiences, barrier, images)
         self.puts += 1
         if self.puts == 2:
             deadline = time.monotonic() + 20
