@@ -44,8 +44,9 @@ model and of the starting model, by tandem's own evaluation (`tandem.explorer.ev
 code; peak PSS of the whole process tree (the run's root process and every descendant), summed
 from /proc/<pid>/smaps_rollup every `--interval` seconds (a poll: both sides are sampled the same
 way), and the PSS per process at that peak. Prints a table (mean and range over seeds) and writes
-JSON. The default of 60 steps (the issue used 150) keeps a full invocation near 20-25 minutes on
-a loaded 2-core machine; `--quick` is a smoke check (4 steps, seed 0).
+JSON. 60 steps by default (the issue used 150): a full invocation took 37 minutes on 2 cores at
+load average 8-12, most of it the two-thread runs (TRL's and synchronous's, 3-7 s a step there);
+with `--threads 1` a run takes about a minute. `--quick` is a smoke check (4 steps, seed 0).
 """
 
 from __future__ import annotations
