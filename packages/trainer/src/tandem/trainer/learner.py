@@ -324,7 +324,7 @@ class Learner:
 
     def _batch_metrics(self, batch: TrainBatch) -> dict[str, float]:
         response = batch.mask.sum(-1)
-        return {
+        metrics = {
             "reward/mean": float(batch.rewards.mean()),
             "reward/std": float(batch.rewards.std()) if batch.size > 1 else 0.0,
             **staleness_metrics(batch, self.version),
@@ -333,6 +333,11 @@ class Learner:
             "batch/tokens": float(batch.lengths.sum()),
             "batch/response_len_mean": float(response.mean()),
         }
+        if batch.images is not None:
+            # the distinct images whose model inputs this step rebuilt from their bytes: what
+            # says, from the run dir, that the images reached the trainer
+            metrics["batch/images"] = float(len(batch.images.inputs))
+        return metrics
 
     def _autocast(self):
         tc = self.tc
