@@ -653,30 +653,35 @@ class Chaos:
                     continue
                 time.sleep(0.2)  # the master's TrainerGo on its way to the frozen trainer
                 port = self.ports["buffer"]
-                before = connections(port)
-                self._freeze(buffer)
-                frozen.append(buffer)
-                self._thaw(trainer)
-                frozen.remove(trainer)
-                if not self.wait(lambda: waiting_bytes(port, trainer, before) > 0, left()):
-                    tries["no request in time"] += 1
-                    continue
-                time.sleep(0.05)  # the rest of a multi-frame request
-                self._freeze(trainer)
-                frozen.append(trainer)
-                mark = len(self.watch.events)
-                self._thaw(buffer)
-                frozen.remove(buffer)
-                sample = self.wait(lambda: next(
-                    (e for e in self.watch.since(mark, "buffer.sample", "buffer")
-                     if f"-{trainer}-" in str(e.get("peer"))), None), 10.0)
-                if sample is None:  # that request was not a sample (an ack, a release)
-                    tries["not a sample"] += 1
-                    continue
-                frozen.remove(trainer)
-                return self._hit(strike, pid, f"trainer leased {sample['groups']} groups "
-                                              f"(lease {sample['lease'][:8]}), its reply unread",
-                                 stopped=pid == trainer)
+                # Steps 3 and 4, request by request: the one caught may not be the sample (a
+                # checkpoint notice, or a sample the buffer holds and answers `not_enough` while
+                # the explorer is still putting); the trainer then sends another, caught the same
+                # way, until one is answered with groups
+                while time.monotonic() < deadline:
+                    before = connections(port)
+                    self._freeze(buffer)
+                    frozen.append(buffer)
+                    self._thaw(trainer)
+                    frozen.remove(trainer)
+                    if not self.wait(lambda: waiting_bytes(port, trainer, before) > 0, left()):
+                        tries["no request in time"] += 1
+                        break
+                    time.sleep(0.05)  # the rest of a multi-frame request
+                    self._freeze(trainer)
+                    frozen.append(trainer)
+                    mark = len(self.watch.events)
+                    self._thaw(buffer)
+                    frozen.remove(buffer)
+                    sample = self.wait(lambda: next(
+                        (e for e in self.watch.since(mark, "buffer.sample", "buffer")
+                         if f"-{trainer}-" in str(e.get("peer"))), None), 10.0)
+                    if sample is None:  # answered otherwise: catch its next request
+                        tries["not a sample"] += 1
+                        continue
+                    frozen.remove(trainer)
+                    return self._hit(strike, pid, f"trainer leased {sample['groups']} groups "
+                                                  f"(lease {sample['lease'][:8]}), its reply "
+                                                  "unread", stopped=pid == trainer)
             finally:
                 for frozen_pid in frozen:
                     self._thaw(frozen_pid)
