@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from tandem.common.spawn import proc_stats
+
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 
 
@@ -55,17 +57,8 @@ def track_spawns() -> None:
 
 def zombie_children() -> set[int]:
     """This process's children that exited and wait for its wait."""
-    me, found = os.getpid(), set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text().rsplit(") ", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if stat[0] == "Z" and int(stat[1]) == me:
-            found.add(int(entry.name))
-    return found
+    me = os.getpid()
+    return {pid for pid, stat in proc_stats() if stat[0] == "Z" and int(stat[1]) == me}
 
 
 def reap_orphans() -> list[int]:
@@ -222,14 +215,4 @@ def run_group(argv: list[str], timeout: float, **kwargs) -> subprocess.Completed
 
 def _group(pgid: int) -> list[int]:
     """The live (not zombie) processes of process group `pgid`."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(") ", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) == pgid and fields[0] not in "ZX":
-            found.append(int(entry.name))
-    return found
+    return [pid for pid, fields in proc_stats() if int(fields[2]) == pgid and fields[0] not in "ZX"]

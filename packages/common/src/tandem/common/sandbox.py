@@ -42,7 +42,7 @@ from tandem.common.config.reward import CodeSandboxConfig
 from tandem.common.errors import TandemError
 
 from . import sandbox_runner
-from .spawn import spawn
+from .spawn import proc_stats, spawn
 
 log = structlog.get_logger(__name__)
 
@@ -593,17 +593,7 @@ def _tree(pid: int) -> list[int]:
 
 def _session(sid: int) -> set[int]:
     """The processes of session `sid`."""
-    found = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(") ", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[3]) == sid:  # state, ppid, pgrp, session
-            found.add(int(entry.name))
-    return found
+    return {pid for pid, fields in proc_stats() if int(fields[3]) == sid}
 
 
 def _alive(pid: int) -> bool:
