@@ -28,7 +28,10 @@ section, run_dir/eval.jsonl). From the round's synchronous run: R and T (`plan_f
 means after the first span), the ideal speedup (R + T) / max(R, T), and `tandem plan`'s replay of
 every schedule over those durations, whose steady step time is the prediction. Per schedule and
 ratio the table gives the median over rounds of: step time, speedup over the same round's
-synchronous run, share of the ideal (speedup / ideal), prediction and its error. Timings are
+synchronous run, share of the ideal (speedup / ideal), prediction and its error, and from the
+trace's steady state (first train step's end to the last, `RunTimeline.steady_shares`) the
+share in which neither side works (no train, no rollout span) and the busy share of the slower
+side (issue 27 item 2). Timings are
 reported, never pass/fail; the exit code says only whether every run finished.
 """
 
@@ -69,6 +72,9 @@ RATIOS: dict[float, tuple[dict[str, Any], dict[str, Any]]] = {
     2.0: ({}, {"engine.max_batch": 16}),
 }
 TARGET_SHARE, TARGET_PLAN_ERROR, TARGET_ACCURACY = 0.9, 0.10, 0.05
+# issue 27 item 2: synchronous idles under 5% of the steady state; an overlapping schedule's
+# slower side is busy at least 95% of it
+TARGET_NEITHER, TARGET_SLOWER_BUSY = 0.05, 0.95
 
 
 # -- pure pieces (tests/master/test_bench_sync.py) ---------------------------------------------
@@ -133,6 +139,8 @@ def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "predicted": _median([base[(r["round"], ratio)]["predicted"].get(schedule)
                                   for r in mine if (r["round"], ratio) in base]),
             "plan_error": _median(error),
+            "neither": _median([r.get("neither") for r in mine]),
+            "slower_busy": _median([r.get("slower_busy") for r in mine]),
             "staleness_mean": _median([r["staleness_mean"] for r in mine]),
             "staleness_max": max((r["staleness_max"] for r in mine), default=None),
             "reward": _median([r["reward"] for r in mine]),
@@ -151,6 +159,18 @@ def verdicts(rows: list[dict[str, Any]]) -> list[str]:
             met = r["share"] >= TARGET_SHARE
             out.append(f"{'met' if met else 'NOT met'}: {r['schedule']} at ratio {r['ratio']:g} "
                        f"reaches {r['share']:.0%} of the ideal (target {TARGET_SHARE:.0%})")
+    for r in rows:
+        if r["schedule"] == BASELINE and r.get("neither") is not None:
+            met = r["neither"] < TARGET_NEITHER
+            out.append(f"{'met' if met else 'NOT met'}: synchronous at ratio {r['ratio']:g} "
+                       f"has neither side working {r['neither']:.1%} of the steady state "
+                       f"(target < {TARGET_NEITHER:.0%})")
+        elif r["schedule"] in ("one_step_off_policy", "fully_async", "multi_explorer_async") \
+                and r.get("slower_busy") is not None:
+            met = r["slower_busy"] >= TARGET_SLOWER_BUSY
+            out.append(f"{'met' if met else 'NOT met'}: {r['schedule']} at ratio {r['ratio']:g} "
+                       f"keeps its slower side busy {r['slower_busy']:.1%} of the steady state "
+                       f"(target >= {TARGET_SLOWER_BUSY:.0%})")
     errors = [abs(r["plan_error"]) for r in rows if r["plan_error"] is not None]
     if errors:
         inside = sum(1 for e in errors if e <= TARGET_PLAN_ERROR)
@@ -211,6 +231,7 @@ def measure_run(run_dir: Path) -> dict[str, Any]:
     """What one finished run's trace and eval.jsonl say."""
     from tandem.common.trace import read_trace
     from tandem.master.plan_from import measure, steady_step_time
+    from tandem.master.timeline import load_timeline
 
     spans = read_trace(run_dir)
     trains = [s["end"] for s in spans if s["kind"] == "train" and s["component"] == "trainer"]
@@ -219,6 +240,7 @@ def measure_run(run_dir: Path) -> dict[str, Any]:
     evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()
              ] if (run_dir / "eval.jsonl").exists() else []
     heldout = [e for e in evals if e.get("taskset") == "heldout"]
+    shares = load_timeline(run_dir).steady_shares() or {}
     return {
         "steps": len(trains), "step_time": steady_step_time(trains),
         "rollout": statistics.fmean(d.rollout), "train": d.train, "publish": d.publish,
@@ -226,6 +248,7 @@ def measure_run(run_dir: Path) -> dict[str, Any]:
         "staleness_mean": mean, "staleness_max": worst, "reward": reward_after(spans),
         "heldout": heldout[-1]["metrics"] if heldout else None,
         "heldout_version": heldout[-1]["version"] if heldout else None,
+        "neither": shares.get("neither"), "slower_busy": shares.get("slower_busy"),
     }
 
 
@@ -290,15 +313,16 @@ def _f(value: float | None, fmt: str) -> str:
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     print("| ratio (nominal / measured R/T) | schedule | s per step | speedup | ideal | share "
-          "of ideal | plan s | plan error | staleness mean / max | reward | held-out sampled / "
-          "greedy |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---|---:|---|")
+          "of ideal | plan s | plan error | neither | slower side busy | staleness mean / max "
+          "| reward | held-out sampled / greedy |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|")
     for r in rows:
         failed = f" ({r['failed']} failed)" if r["failed"] else ""
         print(f"| {r['ratio']:g} / {_f(r['measured_ratio'], '.2f')} | {r['schedule']}{failed} | "
               f"{_f(r['step_time'], '.3f')} | {_f(r['speedup'], '.2f')} | "
               f"{_f(r['ideal'], '.2f')} | {_f(r['share'], '.0%')} | {_f(r['predicted'], '.3f')} "
-              f"| {_f(r['plan_error'], '+.0%')} | {_f(r['staleness_mean'], '.2f')} / "
+              f"| {_f(r['plan_error'], '+.0%')} | {_f(r.get('neither'), '.1%')} | "
+              f"{_f(r.get('slower_busy'), '.1%')} | {_f(r['staleness_mean'], '.2f')} / "
               f"{_f(r['staleness_max'], 'd')} | {_f(r['reward'], '.3f')} | "
               f"{_f(r['sampled_accuracy'], '.2f')} / {_f(r['greedy_accuracy'], '.2f')} |")
 

@@ -78,3 +78,19 @@ def test_a_round_without_its_synchronous_run_is_left_out_of_the_ratios():
     assert row["speedup"] is None and row["share"] is None and row["plan_error"] is None
     assert not any("one_step_off_policy at ratio" in v for v in bench_sync.verdicts([row]))
 
+
+
+def test_idle_and_slower_side_shares_are_medians_with_their_verdicts():
+    runs = [run(0, "synchronous", 3.0, rollout=2.0, train=1.0, predicted={}, neither=0.12,
+                slower_busy=0.6),
+            run(1, "synchronous", 3.0, rollout=2.0, train=1.0, predicted={}, neither=0.02,
+                slower_busy=0.6),
+            run(0, "fully_async", 2.0, neither=0.0, slower_busy=0.97),
+            run(1, "fully_async", 2.0, neither=0.0, slower_busy=0.99)]
+    rows = {r["schedule"]: r for r in bench_sync.summarise(runs)}
+    assert rows["synchronous"]["neither"] == pytest.approx(0.07)
+    assert rows["fully_async"]["slower_busy"] == pytest.approx(0.98)
+    lines = bench_sync.verdicts(list(rows.values()))
+    assert "NOT met: synchronous at ratio 1 has neither side working 7.0%" in "\n".join(lines)
+    assert any(line.startswith("met: fully_async at ratio 1 keeps its slower side busy 98.0%")
+               for line in lines)

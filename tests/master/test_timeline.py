@@ -94,3 +94,18 @@ def test_streamed_groups_stack_inside_their_rollout_and_fill_the_buffer_one_by_o
     assert result.exit_code == 0, result.output
     page = (tmp_path / "tl.html").read_text()
     assert page.count("explorer-0 group ") == 3 and "stored at 2.500s" in page
+
+
+def test_steady_shares_from_the_first_train_end_to_the_last(tmp_path):
+    write_trace(tmp_path)
+    tl = load_timeline(tmp_path)
+    shares = tl.steady_shares()
+    # window 4 .. 8: rollouts cover 4.5-8 (3.5 s), train 6.5-8 (1.5 s, inside them);
+    # neither: 4-4.5 (the checkpoint load, the wait)
+    assert shares["window"] == pytest.approx(4.0)
+    assert shares["neither"] == pytest.approx(0.5 / 4)
+    assert shares["both"] == pytest.approx(1.5 / 4)
+    assert shares["slower_busy"] == pytest.approx(3.5 / 4)
+    result = CliRunner().invoke(tandem, ["timeline", str(tmp_path), "-o",
+                                         str(tmp_path / "tl.png")])
+    assert "neither side working: 12.5%" in result.output

@@ -71,6 +71,28 @@ class RunTimeline:
             out[name] = busy / self.makespan if self.makespan > 0 else 0.0
         return out
 
+    def steady_shares(self) -> dict[str, float] | None:
+        """Where the steady state's wall-clock went (issue 27 item 2): from the first train
+        step's end (start-up and warm-up left out) to the last's, the shares in which the
+        trainer trains, some explorer rolls out, both, neither (barriers, sample/ack, weight
+        publish and load between spans), and the busy share of the slower side. Only train and
+        rollout spans count as work. None with fewer than two train steps."""
+        ends = sorted(s.end for s in self.lane("trainer") if s.kind == "train")
+        if len(ends) < 2 or ends[-1] <= ends[0]:
+            return None
+        lo, hi = ends[0], ends[-1]
+
+        def clipped(kind: str) -> list[tuple[float, float]]:
+            return [(max(s.start, lo), min(s.end, hi)) for s in self.spans
+                    if s.kind == kind and s.end > lo and s.start < hi]
+
+        window = hi - lo
+        train, rollout = clipped("train"), clipped("rollout")
+        t, r, either = _union(train), _union(rollout), _union(train + rollout)
+        return {"window": window, "train": t / window, "rollout": r / window,
+                "both": (t + r - either) / window, "neither": 1 - either / window,
+                "slower_busy": max(t, r) / window}
+
     def groups(self, lane: str) -> list[tuple[Span, int, int]]:
         """A lane's streamed groups: (span, index by time stored within its step, groups in
         the step), for stacking them inside the step's rollout block."""
@@ -318,6 +340,12 @@ def summary_rows(tl: RunTimeline) -> list[tuple[str, str]]:
     util = tl.utilization()
     rows = [("wall-clock", f"{tl.makespan:.1f} s")]
     rows += [(f"{name} busy", f"{u:.0%}") for name, u in util.items()]
+    steady = tl.steady_shares()
+    if steady is not None:
+        rows.append(("steady state", f"{steady['window']:.1f} s from the first train step's "
+                                     "end to the last"))
+        rows.append(("  neither side working", f"{steady['neither']:.1%}"))
+        rows.append(("  slower side busy", f"{steady['slower_busy']:.1%}"))
     if tl.staleness_bounds:
         rows.append(("staleness bound (auto)",
                      " -> ".join(str(b) for _, b in tl.staleness_bounds)))
