@@ -45,7 +45,10 @@ def write_sync_run(run_dir: Path, preset: str = "synchronous") -> Path:
     (run_dir / "trace").mkdir(parents=True)
     (run_dir / "trace" / "explorer-0.jsonl").write_text("\n".join(explorer) + "\n")
     (run_dir / "trace" / "trainer.jsonl").write_text("\n".join(trainer) + "\n")
-    config = RunConfig.model_validate({"run_dir": str(run_dir), "sync": {"preset": preset}})
+    # one thread a side on two cores: overlapping sides do not slow each other
+    config = RunConfig.model_validate({
+        "run_dir": str(run_dir), "sync": {"preset": preset},
+        "placement": {"cores": 2, "trainer": {"threads": 1}, "explorers": {"threads": 1}}})
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json")))
     return run_dir
 

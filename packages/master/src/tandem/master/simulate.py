@@ -5,6 +5,11 @@ starts when `SyncPlan.decide` lets it, a trainer step when its batches are in th
 publish when `SyncPlan.publish_after` asks for one. nccl syncs are collectives (trainer and every
 explorer in one block, started when the last of them arrives); checkpoint syncs are a write on
 the trainer lane and a load on each explorer lane, each on its own time.
+
+`Gaps` are the seconds a real run spends between a span's dependencies and its start (the
+buffer's sample and ack before a train step, the master's barrier, the broadcast rendezvous):
+each block starts that long after the last thing it waits for. `tandem plan --from` measures
+them per kind from a run's trace (`plan_from.measure_gaps`).
 """
 
 from __future__ import annotations
@@ -17,6 +22,28 @@ from typing import Any
 from tandem.common.sync import SyncPlan
 
 INF = math.inf
+
+
+@dataclass(frozen=True)
+class Gaps:
+    """Seconds between a block's dependencies and its start, per kind of block."""
+
+    sample: float = 0.0  # a train step after its batches are complete and the trainer is free
+    publish: float = 0.0  # a publish (checkpoint write, or broadcast) after its train step
+    load: float = 0.0  # an explorer's load, or its joining a broadcast, after the version exists
+    rollout: float = 0.0  # a rollout after the explorer's load or broadcast
+    # a rollout after the explorer's previous rollout; negative when the explorer starts the
+    # next step before the previous one's span ends (lease-ahead: its batch is still going out)
+    next_rollout: float = 0.0
+
+    def __post_init__(self) -> None:
+        bad = {k: v for k, v in vars(self).items() if not v >= 0 and k != "next_rollout"}
+        if bad or not math.isfinite(self.next_rollout):
+            raise ValueError(f"gaps must be >= 0 seconds (next_rollout: finite), got "
+                             f"{bad or {'next_rollout': self.next_rollout}}")
+
+    def to_json(self) -> dict[str, float]:
+        return {k: round(v, 6) for k, v in vars(self).items()}
 
 
 @dataclass
@@ -85,6 +112,8 @@ class _Explorer:
     held: int | None = None
     since_load: int = 0
     waiting_broadcast: int | None = None
+    last: str | None = None  # kind of its previous block: sync | rollout
+    last_start: float = 0.0  # its previous rollout's start
 
     @property
     def lane(self) -> str:
@@ -105,9 +134,10 @@ class Simulator:
 
     def __init__(self, plan: SyncPlan, *, steps: int, rollout_times: list[float],
                  train_time: float, sync_time: float = 0.0,
-                 load_times: list[float] | None = None):
+                 load_times: list[float] | None = None, gaps: Gaps | None = None):
         """`sync_time` is the trainer's publish (checkpoint write, or the nccl broadcast all
-        lanes share); `load_times`, per explorer, a checkpoint load (default `sync_time`)."""
+        lanes share); `load_times`, per explorer, a checkpoint load (default `sync_time`);
+        `gaps`, the time each kind of block starts after what it waits for (default none)."""
         if steps < 1:
             raise ValueError(f"--steps must be >= 1, got {steps}")
         if not rollout_times or any(r <= 0 for r in rollout_times):
@@ -118,6 +148,7 @@ class Simulator:
         if len(loads) != len(rollout_times) or any(x < 0 for x in loads):
             raise ValueError(f"need one load time >= 0 per explorer, got {loads}")
         self.plan = plan
+        self.gaps = gaps or Gaps()
         self.steps = steps
         self.train_time = train_time
         self.sync_time = sync_time
@@ -159,17 +190,18 @@ class Simulator:
                         break
                     start = ex.free
                     if go.load:
-                        start = max(start, self.published[go.version])
+                        start = max(start, self.published[go.version]) + self.gaps.load
                         self._add("sync", ex.lane, start, start + ex.load,
                                   version=go.version, method="checkpoint")
                         start += ex.load
+                    start = self._after_gap(ex, start)
                     self._rollout(ex, e, e * n + ex.index, go.version, start)
                     ends[(e, ex.index)] = ex.free
                     progressed = True
             for v, ready in list(broadcast.items()):
                 waiting = [ex for ex in self.explorers if ex.waiting_broadcast == v]
                 if len(waiting) == n:
-                    start = max([ready] + [ex.free for ex in waiting])
+                    start = max([ready] + [ex.free + self.gaps.load for ex in waiting])
                     end = start + self.sync_time
                     self.published[v] = start
                     for lane in ["trainer"] + [ex.lane for ex in waiting]:
@@ -177,20 +209,21 @@ class Simulator:
                     for ex in waiting:
                         e = ex.step
                         ex.free, ex.held, ex.waiting_broadcast = end, v, None
-                        self._rollout(ex, e, e * n + ex.index, v, end)
+                        ex.last = "sync"
+                        self._rollout(ex, e, e * n + ex.index, v, end + self.gaps.rollout)
                         ends[(e, ex.index)] = ex.free
                     trainer_free = end
                     del broadcast[v]
                     progressed = True
             if t < self.steps and not broadcast and all((t, i) in ends for i in range(n)):
-                start = max([trainer_free] + [ends[(t, i)] for i in range(n)])
+                start = max([trainer_free] + [ends[(t, i)] for i in range(n)]) + self.gaps.sample
                 trainer_free = self._train(t, start, [t * n + i for i in range(n)])
                 version = plan.publish_after(t, self.steps)
                 if version is not None:
                     if plan.method == "nccl":
-                        broadcast[version] = trainer_free
+                        broadcast[version] = trainer_free + self.gaps.publish
                     else:
-                        trainer_free = self._write(version, trainer_free)
+                        trainer_free = self._write(version, trainer_free + self.gaps.publish)
                 t += 1
                 progressed = True
             if t >= self.steps and all(ex.step >= self.steps for ex in self.explorers):
@@ -215,7 +248,8 @@ class Simulator:
                     candidates.append((max(ex.free, ready), 1 + ex.index, ex))
             if t < self.steps and len(self.unconsumed) >= per_step:
                 waiting = sorted(b.end for b in self.unconsumed)
-                candidates.append((max(trainer_free, waiting[per_step - 1]), 0, None))
+                candidates.append((max(trainer_free, waiting[per_step - 1]) + self.gaps.sample,
+                                   0, None))
             start, _, ex = min(candidates, key=lambda c: (c[0], c[1]))
             if start == INF:
                 raise RuntimeError(f"plan deadlocked at trainer step {t}: {plan.describe()}")
@@ -228,7 +262,7 @@ class Simulator:
                 trainer_free = self._train(t, start, [b.batch for b in done])
                 version = plan.publish_after(t, self.steps)
                 if version is not None:
-                    trainer_free = self._write(version, trainer_free)
+                    trainer_free = self._write(version, trainer_free + self.gaps.publish)
                 t += 1
                 continue
             step = plan.step_of_batch(next_batch)
@@ -237,10 +271,13 @@ class Simulator:
             go = plan.decide(step, newest=newest, held=ex.held, since_load=ex.since_load)
             assert go is not None, "the staleness bound was checked when choosing the start"
             if go.load:
+                start += self.gaps.load
                 self._add("sync", ex.lane, start, start + ex.load, version=go.version,
                           method="checkpoint")
                 start += ex.load
                 ex.since_load = 0
+                ex.last = "sync"
+            start = self._after_gap(ex, start)
             ex.free = start
             self._rollout(ex, step, next_batch, go.version, start, count_step=False)
             ex.since_load += 1
@@ -251,8 +288,16 @@ class Simulator:
     def _newest(self) -> int:
         return max(self.published)
 
+    def _after_gap(self, ex: _Explorer, ready: float) -> float:
+        """When `ex`'s next rollout starts, given it could from `ready`: no gap before its
+        first, one kind after a load and another after a rollout, never before the previous
+        rollout's start."""
+        gap = {"sync": self.gaps.rollout, "rollout": self.gaps.next_rollout}.get(ex.last, 0.0)
+        return max(ready + gap, ex.last_start)
+
     def _rollout(self, ex: _Explorer, step: int, batch: int, version: int, start: float,
                  count_step: bool = True) -> None:
+        ex.last, ex.last_start = "rollout", start
         end = start + ex.rollout
         self._add("rollout", ex.lane, start, end, step=step, version=version, batch=batch)
         self.batches.append(_Batch(batch, step, ex.index, end))
@@ -293,13 +338,13 @@ class Simulator:
 
 def simulate(plan: SyncPlan, *, steps: int, rollout_times: list[float], train_time: float,
              sync_time: float = 0.0, compare: bool = True,
-             load_times: list[float] | None = None) -> Timeline:
+             load_times: list[float] | None = None, gaps: Gaps | None = None) -> Timeline:
     """Replay `plan`; with `compare`, also the synchronous preset, for the speedup."""
     timeline = Simulator(plan, steps=steps, rollout_times=rollout_times, train_time=train_time,
-                         sync_time=sync_time, load_times=load_times).run()
+                         sync_time=sync_time, load_times=load_times, gaps=gaps).run()
     if compare:
         baseline = Simulator(SyncPlan.preset("synchronous", batches_per_step=len(rollout_times)),
                              steps=steps, rollout_times=rollout_times, train_time=train_time,
-                             sync_time=sync_time, load_times=load_times).run()
+                             sync_time=sync_time, load_times=load_times, gaps=gaps).run()
         timeline.speedup_vs_synchronous = baseline.makespan / timeline.makespan
     return timeline
