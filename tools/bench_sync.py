@@ -26,7 +26,8 @@ first step's warm-up); the staleness of every rollout (step - version); the roll
 the last batches; at nominal ratio 1 the held-out accuracy after the last step (the run's `eval`
 section, run_dir/eval.jsonl). From the round's synchronous run: R and T (`plan_from.measure`,
 means after the first span), the ideal speedup (R + T) / max(R, T), and `tandem plan`'s replay of
-every schedule over those durations, whose steady step time is the prediction. Per schedule and
+every schedule over that trace (its durations, the gaps between its spans and how the sides share
+the cores: docs/sync.md), whose steady step time is the prediction. Per schedule and
 ratio the table gives the median over rounds of: step time, speedup over the same round's
 synchronous run, share of the ideal (speedup / ideal), prediction and its error, and from the
 trace's steady state (first train step's end to the last, `RunTimeline.steady_shares`) the
@@ -254,21 +255,18 @@ def measure_run(run_dir: Path) -> dict[str, Any]:
 
 def predictions(run: dict[str, Any], steps: int) -> dict[str, float]:
     """`tandem plan`'s steady step time for every schedule, replayed over this synchronous
-    run's durations. multi_explorer_async's two explorers each roll out half the batch on their
-    share of the cores, so each is given the measured rollout (the machine's rollout throughput
-    stays what it was; on a machine with a device per explorer each would take half)."""
+    run's trace (`plan_from.measure`: durations, the gaps between spans, and how the sides share
+    the cores). multi_explorer_async's two explorers each roll out half the batch."""
     from tandem.common.sync import SyncPlan, preset_explorers
-    from tandem.master.plan_from import Durations, predict
+    from tandem.master.plan_from import measure, predict
 
+    d = measure(run["run_dir"])
     out = {}
     for schedule, (preset, knobs) in SCHEDULES.items():
         n = preset_explorers(preset)
-        d = Durations(explorers=[f"explorer-{i}" for i in range(n)],
-                      rollout=[run["rollout"]] * n, load=[run["load"]] * n,
-                      train=run["train"], publish=run["publish"], steps=steps,
-                      step_time=run["step_time"])
         plan = SyncPlan.preset(preset, batches_per_step=n, **knobs)
-        out[schedule] = predict(d, schedule, plan, steps).steady_step_time
+        out[schedule] = predict(d.with_explorers(n, rollout_share=1 / n), schedule, plan,
+                                steps).steady_step_time
     return out
 
 

@@ -132,15 +132,23 @@ def _times(value: str) -> list[float]:
                    "your knobs (the run's, or the ones given here) over them")
 @click.option("--advise", is_flag=True, help="with --from: recommend the knobs with the most "
               "throughput whose staleness stays within --max-staleness")
+@click.option("--cores", type=click.IntRange(min=1), help="with --from: plan for a machine with "
+              "this many cores (default: the run's)")
+@click.option("--stretch-from", "stretch_dir", type=click.Path(exists=True, file_okay=False),
+              help="with --from: fit how the sides slow each other on shared cores to this "
+                   "run's trace (one whose sides overlapped, on the same machine)")
 def plan(preset: str, interval: int | None, offset: str | None, max_staleness: int | None,
          method: str | None, explorers: int | None, steps: int, rollout_time: str,
          train_time: float, sync_time: float, as_json: bool, png: str | None,
-         width: int, from_dir: str | None, advise: bool) -> None:
+         width: int, from_dir: str | None, advise: bool, cores: int | None,
+         stretch_dir: str | None) -> None:
     """Replay a sync plan over assumed durations and draw the timeline."""
     from tandem.common.sync import SyncPlan
 
     if advise and (from_dir is None or max_staleness is None):
         raise click.UsageError("--advise needs --from RUN_DIR and --max-staleness K")
+    if from_dir is None and (cores is not None or stretch_dir is not None):
+        raise click.UsageError("--cores and --stretch-from need --from RUN_DIR")
     if from_dir is not None:
         ctx = click.get_current_context()
         given = {k for k in ("preset", "steps")
@@ -152,7 +160,7 @@ def plan(preset: str, interval: int | None, offset: str | None, max_staleness: i
             knobs["offset"] = _offset(offset)
         _plan_from(from_dir, preset if "preset" in given else None, knobs,
                    steps if "steps" in given else None, max_staleness if advise else None,
-                   as_json)
+                   as_json, cores, stretch_dir)
         return
 
     from .render import render_png, render_terminal
@@ -190,7 +198,8 @@ def plan(preset: str, interval: int | None, offset: str | None, max_staleness: i
 
 
 def _plan_from(run_dir: str, preset: str | None, knobs: dict[str, Any], steps: int | None,
-               bound: int | None, as_json: bool) -> None:
+               bound: int | None, as_json: bool, cores: int | None = None,
+               stretch_dir: str | None = None) -> None:
     """`tandem plan --from`: see `tandem.master.plan_from`."""
     from pathlib import Path
 
@@ -199,7 +208,7 @@ def _plan_from(run_dir: str, preset: str | None, knobs: dict[str, Any], steps: i
 
     from . import plan_from
 
-    durations = plan_from.measure(run_dir)
+    durations = plan_from.measure(run_dir, cores, stretch_from=stretch_dir)
     n = len(durations.rollout)
     try:
         if preset is not None:

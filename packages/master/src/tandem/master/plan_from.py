@@ -307,9 +307,11 @@ def _run_threads(run_dir: Path, explorers: list[str]) -> tuple[dict[str, int], i
     return threads, cores, all(e.lease_ahead for e in config.explorers)
 
 
-def measure(run_dir: str | Path, cores: int | None = None) -> Durations:
+def measure(run_dir: str | Path, cores: int | None = None,
+            stretch_from: str | Path | None = None) -> Durations:
     """The durations, gaps and sharing of `run_dir`'s trace (ClickException when it has none
-    to measure); `cores`: plan for a machine with that many cores."""
+    to measure); `cores`: plan for a machine with that many cores; `stretch_from`: fit the
+    sharing to that run's trace instead (one whose sides overlapped, on the same machine)."""
     tl: RunTimeline = load_timeline(run_dir)
     where = str(run_dir)
     # lanes that roll out: the buffer's sample waits are a lane of the timeline too
@@ -320,6 +322,12 @@ def measure(run_dir: str | Path, cores: int | None = None) -> Durations:
     threads, run_cores, lease_ahead = _run_threads(Path(run_dir), tl.explorers)
     fitted, told = fit_cores(tl, threads, run_cores)
     sharing = Sharing(threads, fitted, run_cores, told)
+    if stretch_from is not None:
+        other = measure(stretch_from).sharing
+        assert other is not None
+        sharing = replace(sharing, cores=other.cores * run_cores / other.run_cores,
+                          calibrated=other.calibrated)
+        fitted = sharing.cores
     compute = [s for s in tl.spans if s.kind in COMPUTE]
     factors = dict(zip(map(id, compute), stretches([(s.lane, s.start, s.end) for s in compute],
                                                    threads, fitted)))
@@ -476,6 +484,15 @@ def print_report(d: Durations, predictions: list[Prediction], advice: Prediction
                          for n, r, x in zip(d.explorers, d.rollout, d.load))
     echo(f"measured: rollout {rollouts}; train {d.train:.3f}s; publish {d.publish:.3f}s; "
          f"{d.steps} steps at {d.step_time:.3f}s each")
+    g = d.gaps
+    echo(f"gaps: sample {g.sample:.3f}s, publish {g.publish:.3f}s, load {g.load:.3f}s, rollout "
+         f"after a load {g.rollout:.3f}s, after a rollout {g.next_rollout:+.3f}s")
+    if d.sharing is not None:
+        s = d.sharing
+        threads = ", ".join(f"{lane} {n}" for lane, n in s.threads.items())
+        echo(f"cores: {s.run_cores}, behaving as {s.cores:.2f} for the sides "
+             f"({'fitted to overlapping spans' if s.calibrated else 'no overlap to fit: taken as is'}"
+             f"); threads: {threads}")
     header = (f"{'plan':<22} {'knobs':<50} {'step s':>7} {'trainer':>8} {'explorers':>10} "
               f"{'stale mean/max':>15}")
     echo(header)
