@@ -63,10 +63,11 @@ async def wait_ready(client: RpcClient, request, what: str, log: Path) -> None:
                 raise AssertionError(f"{what} did not start:\n{log.read_text()[-2000:]}")
 
 
-async def play_explorer(cfg, tokenizer, puts: list, received: dict) -> None:
+async def play_explorer(cfg, tokenizer, puts: list, received: dict, after_put=None) -> None:
     """Explorer-0: per barrier, lease tasks, put one scored group per task, report the step.
 
     At an nccl sync point it joins the trainer's weight group and receives the version.
+    `after_put(step)` runs between a step's put and its reports.
     """
     name = "explorer-0"
     rpc = RpcClient(cfg.master.address, peer="master", name=name)
@@ -118,6 +119,8 @@ async def play_explorer(cfg, tokenizer, puts: list, received: dict) -> None:
                         policy_version=msg.version, explorer=name))
             await buffer.call(PutExperiences(experiences=experiences), timeout=5)
             puts.append((msg.step, msg.version, msg.wait))
+            if after_put is not None:
+                await after_put(msg.step)
             await rpc.call(CompleteTasks(lease_id=lease.lease_id), timeout=5)
             await rpc.call(ExplorerStepDone(explorer=name, step=msg.step, batch=msg.batch,
                                             version=msg.version), timeout=5)
@@ -131,7 +134,7 @@ async def play_explorer(cfg, tokenizer, puts: list, received: dict) -> None:
 
 
 async def run_scenario(tmp_path, tiny_model_path, tokenizer, method: str, check,
-                       torchrun: bool = False) -> None:
+                       torchrun: bool = False, after_put=None) -> None:
     """Master and buffer processes, the trainer embedded (or `tandem-trainer` on two gloo ranks
     under torchrun), the test playing explorer-0: three steps with a synchronous plan
     (offset 0), so versions 1 and 2 are published."""
@@ -167,7 +170,9 @@ async def run_scenario(tmp_path, tiny_model_path, tokenizer, method: str, check,
         await wait_ready(probe_b, GetBufferStats(), "tandem-buffer", tmp_path / "buffer.log")
         puts: list = []
         received: dict = {}
-        explorer = play_explorer(cfg, tokenizer, puts, received)
+        trainer = None if torchrun else Trainer(cfg)
+        explorer = play_explorer(cfg, tokenizer, puts, received,
+                                 after_put and (lambda step: after_put(trainer, step)))
         if torchrun:
             ranks = subprocess.Popen(
                 [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -179,7 +184,6 @@ async def run_scenario(tmp_path, tiny_model_path, tokenizer, method: str, check,
             code, _ = await asyncio.wait_for(asyncio.gather(exit_code, explorer), timeout=160)
             assert code == 0, (tmp_path / "trainer.log").read_text()[-3000:]
         else:
-            trainer = Trainer(cfg)
             try:
                 await asyncio.wait_for(asyncio.gather(trainer.serve(), explorer), timeout=120)
             finally:
@@ -215,9 +219,24 @@ def base_weights(path):
 NAME = "model.layers.0.mlp.up_proj.weight"
 
 
+async def leased_before_its_trainer_go(trainer, step):
+    """Between the put of step `step` and its report (so before the master can release the
+    trainer onto it): the trainer's sample of that step was sent as the step before finished
+    training, and the buffer leased it the groups just put (issue 27 item 2)."""
+    if step == 0:
+        return  # the first step's groups are asked for on its TrainerGo
+    ahead = trainer._ahead
+    assert ahead is not None and ahead.step == step and not ahead.released
+    sample = await asyncio.wait_for(asyncio.shield(ahead.task), 30)
+    assert sample is not None and {e.policy_version for e in sample.experiences} == {step}
+    assert len({e.group_id for e in sample.experiences}) == 2
+
+
 @pytest.mark.slow
 async def test_trainer_trains_and_publishes_checkpoints_against_real_master_and_buffer(
         tmp_path, tiny_model_path, tokenizer, zmq_sockets_closed):
+    """Also: each step's sample is leased before its TrainerGo (`leased_before_its_trainer_go`),
+    and the run ends with no lease left (the last step asks nothing ahead)."""
     def check(run_dir, received):
         weights = WeightSubscriber(run_dir)
         assert weights.versions() == [1, 2]  # version 3 is needed by no step of this run
@@ -227,7 +246,8 @@ async def test_trainer_trains_and_publishes_checkpoints_against_real_master_and_
         assert "lm_head.weight" not in v1  # tied to the embedding, published once
         assert received == {}
 
-    await run_scenario(tmp_path, tiny_model_path, tokenizer, "checkpoint", check)
+    await run_scenario(tmp_path, tiny_model_path, tokenizer, "checkpoint", check,
+                       after_put=leased_before_its_trainer_go)
 
 
 @pytest.mark.slow

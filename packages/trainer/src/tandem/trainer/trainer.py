@@ -94,6 +94,7 @@ class Trainer:
         self._stop_event: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._in_use: list[int] = []
+        self._ahead: _SampleAhead | None = None  # the next step's sample, asked for early
         self._publisher = None
         # weights.lora_transfer: adapter: versions are peft adapter folders, not full weights
         self._adapters = (config.model.lora is not None
@@ -324,6 +325,7 @@ class Trainer:
             # gets ahead of the master's count)
             log.warning("trainer.peer_gone", peer=exc.peer, error=str(exc), why="stopping")
         finally:
+            await self._drop_ahead()
             # only steps the master counted: a checkpoint never gets ahead of the journal
             if self.step > 0 and self.last_checkpoint_step != self.step \
                     and self.step == self._counted:
@@ -446,11 +448,16 @@ class Trainer:
                               "the learner's step counts must agree")
         self._in_use = list(go.in_use)
         groups = go.groups or self.tc.groups_per_step
-        sample = await self._unless_stopped(self._sample(groups, go.step))
+        sample = await self._take_ahead(go, groups)
+        if sample is None:
+            sample = await self._unless_stopped(self._sample(groups, go.step))
         metrics = await asyncio.to_thread(
             self.train_step, sample.experiences, step=go.step, extra_batches=go.extra_batches,
             images={h: v.tobytes() for h, v in sample.images.items()})
         self._trained_through = go.step
+        # the next step's groups are asked for now, so the buffer's answer travels while this
+        # step is reported and published instead of after the next TrainerGo (issue 27 item 2)
+        self._ask_ahead(go.step + 1, groups)
         metrics["buffer/dropped_stale"] = float(sample.dropped_stale)
         await self._buffer.call(AckLease(lease_id=sample.lease_id, step=go.step),
                                 timeout_key="transport.rpc_timeout")
@@ -462,6 +469,71 @@ class Trainer:
         every = self.tc.checkpoint_every
         if every and self.step % every == 0:
             await self._checkpoint()
+
+    def _ask_ahead(self, step: int, groups: int) -> None:
+        """Lease step `step`'s groups before its TrainerGo (`_SampleAhead`). Not with dynamic
+        sampling (the master sizes each step's groups from the batches it kept), and not past
+        the run's last step."""
+        total = self.config.master.total_steps
+        if self.tc.dynamic_sampling or (total is not None and step >= total):
+            return
+        self._ahead = _SampleAhead(step, groups)
+        self._ahead.task = asyncio.create_task(self._sample_ahead(self._ahead))
+
+    async def _sample_ahead(self, ahead: _SampleAhead) -> SampleResult | None:
+        """`SampleGroups` for `ahead`'s step, each held by the buffer up to the same bound as
+        `_sample`'s, asked again on `not_enough` until the step's TrainerGo arrives (then the
+        request in flight is the last); None when none was answered with groups."""
+        rpc_timeout = self.config.transport.rpc_timeout
+        lag = self.tc.drop_older_than
+        while True:
+            try:
+                return await self._buffer.call(
+                    SampleGroups(num_groups=ahead.groups, holder=self.name,
+                                 wait=min(self.tc.sample_wait, rpc_timeout / 2),
+                                 min_version=None if lag is None else max(0, ahead.step - lag)),
+                    timeout=rpc_timeout, timeout_key="transport.rpc_timeout")
+            except RequestFailed as exc:
+                if exc.code != "not_enough" or ahead.released or self._stopping:
+                    return None
+
+    async def _take_ahead(self, go: TrainerGo, groups: int) -> SampleResult | None:
+        """The groups asked for ahead of `go`, when that request was for this step and this
+        many groups; otherwise (a resume, fewer groups at the taskset's end) what it leased is
+        given back and None says: sample now."""
+        ahead = self._ahead
+        if ahead is None:
+            return None
+        ahead.released = True
+        start = time.time()
+        sample = await self._unless_stopped(ahead.task)  # a stop leaves it to _drop_ahead
+        self._ahead = None
+        if sample is not None and (ahead.step, ahead.groups) != (go.step, groups):
+            # the trainer holds no other lease: the step before was acked
+            await self._buffer.call(ReleaseLeases(holder=self.name),
+                                    timeout_key="transport.rpc_timeout")
+            return None
+        if sample is not None and time.time() - start > 0.01:
+            self.tracer.record("wait", start, time.time(), step=go.step, what="sample",
+                               groups=groups, ahead=True)
+        return sample
+
+    async def _drop_ahead(self) -> None:
+        """Stopping: the request asked ahead ends; a lease it got is given back (best effort: a
+        resumed trainer releases its holder's leases anyway)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None or ahead.task is None:
+            return
+        ahead.released = True
+        if not ahead.task.done():
+            ahead.task.cancel()
+        result, = await asyncio.gather(ahead.task, return_exceptions=True)
+        if isinstance(result, SampleResult):
+            try:
+                await self._buffer.call(ReleaseLeases(holder=self.name), retries=0,
+                                        timeout_key="transport.rpc_timeout")
+            except (PeerDead, RequestFailed) as exc:
+                log.warning("trainer.ahead_unreleased", step=ahead.step, error=str(exc))
 
     async def _sample(self, groups: int, step: int) -> SampleResult:
         """Lease `groups` whole groups, waiting up to `trainer.idle_timeout` for them.
@@ -609,6 +681,11 @@ class Trainer:
             await self._heartbeat.close()
         if self._sub is not None:
             await self._sub.close()
+            # registered, its exit checkpoint reported: the master, past a Stop, waits for
+            # this or master.stop_grace
+            from tandem.common.heartbeat import say_goodbye
+
+            await say_goodbye(self._master, self.name, self.config.master.stop_grace)
         for client in (self._master, self._buffer):
             if client is not None:
                 await client.close()
@@ -634,3 +711,16 @@ class Trainer:
         if self._publisher is not None:
             # after the final eval above: the evaluating explorer loads the newest version
             self._publisher.close()
+
+
+class _SampleAhead:
+    """The next step's `SampleGroups`, sent as the step before finishes training: its groups
+    are leased as soon as the buffer has them, so the TrainerGo that releases the step finds
+    them here (no sample round trip between the spans). Leased, not consumed: only the step's
+    AckLease consumes them, and a lease not used is given back, so nothing is lost or trained
+    twice (docs/reliability.md P2)."""
+
+    def __init__(self, step: int, groups: int):
+        self.step, self.groups = step, groups
+        self.released = False  # the step's TrainerGo came: no request after the one in flight
+        self.task: asyncio.Task | None = None
