@@ -86,3 +86,58 @@ def test_a_put_with_a_missing_or_false_image_is_refused_whole(tmp_path, case):
     assert err.code == "bad_request"
     assert ("does not carry" in str(err)) if case == "unknown" else ("hash to" in str(err))
     assert stored_images(tmp_path) == []
+
+
+def test_an_image_goes_with_the_last_experience_that_names_it(open_store, tmp_path):
+    """Retention prunes images with the rows: consumed groups' rows go (keep_consumed=0), and
+    with them every image no kept row names; an image a waiting group still names stays, and
+    goes when that group's rows go. A retried put of a pruned group stores nothing again."""
+    red, blue = picture((255, 0, 0)), picture((0, 0, 255))
+    r, b = image_hash(red), image_hash(blue)
+    store = open_store(keep_consumed=0)
+    given = {r: red, b: blue}
+
+    async def consume(n):
+        lease = await store.sample(n)
+        await store.ack(lease.lease_id)  # no step: nothing holds the rows for a rewind
+
+    async def first():
+        for group in (with_images(make_group("t1", 2), r), with_images(make_group("t2", 2), r, b),
+                      with_images(make_group("t3", 2), r)):
+            await store.put(group, [2, 2], given)
+        await consume(2)  # t1 and t2, the oldest
+
+    asyncio.run(first())
+    store.close_sync()  # finishes the pruner's work
+    assert stored_images(tmp_path) == [(r, len(red))]  # t3 still names the red one
+
+    store = open_store(keep_consumed=0)
+
+    async def second():
+        await consume(1)
+        return await store.put(with_images(make_group("t1", 2), r), [2, 2], given)
+
+    again = asyncio.run(second())
+    store.close_sync()
+    assert again.duplicates == 2
+    assert stored_images(tmp_path) == []
+
+
+def test_a_database_older_than_image_refs_counts_them_on_open(open_store, tmp_path):
+    red = picture((255, 0, 0))
+    r = image_hash(red)
+    store = open_store(keep_consumed=0)
+    asyncio.run(store.put(with_images(make_group("t1", 2), r), [2, 2], {r: red}))
+    store.close_sync()
+    conn = sqlite3.connect(tmp_path / "buffer.sqlite")
+    conn.execute("ALTER TABLE images DROP COLUMN refs")  # as an older buffer wrote it
+    conn.close()
+    store = open_store(keep_consumed=0)
+
+    async def consume():
+        lease = await store.sample(1)
+        await store.ack(lease.lease_id)
+
+    asyncio.run(consume())
+    store.close_sync()
+    assert stored_images(tmp_path) == []

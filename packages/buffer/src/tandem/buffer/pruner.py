@@ -10,6 +10,9 @@ still recognised); its experience rows go, oldest finished first, while more tha
   held; groups acked without a step cannot be rewound and are never held.
 - nothing else: stale groups are never sampled again.
 
+An image (table `images`) goes in the same transaction as the last experience row that names
+it (`images.refs` counts them); one a kept row still names stays.
+
 The writer runs `step` in a small transaction when it has been idle for a moment, and a larger
 one at least every `AT_LEAST_EVERY` seconds when it never is.
 """
@@ -18,8 +21,9 @@ from __future__ import annotations
 
 import sqlite3
 import time
+from collections import Counter
 
-from .schema import bump, counter
+from .schema import bump, chunks, counter, image_refs, marks
 
 IDLE_STEP = 8  # finished groups whose rows one idle upkeep transaction deletes
 BUSY_STEP = 64  # ... and one overdue (or closing) transaction
@@ -57,13 +61,21 @@ class Pruner:
             "AND (step IS NULL OR step < ?) ORDER BY done_seq LIMIT ?",
             (counter(conn, "checkpoint_step"), limit)).fetchall()
         freed = 0
+        unnamed: Counter[str] = Counter()
         for group_id, count in rows:
             if kept - freed <= self.keep_consumed:
                 break
-            conn.execute("DELETE FROM experiences WHERE group_id = ?", (group_id,))
+            unnamed += image_refs(r[0] for r in conn.execute(
+                "DELETE FROM experiences WHERE group_id = ? RETURNING images", (group_id,)))
             conn.execute("UPDATE groups SET pruned = 1 WHERE group_id = ?", (group_id,))
             freed += count
         if freed:
             bump(conn, "kept_done", -freed)
+        if unnamed:  # an image goes with the last row that names it, in the same transaction
+            conn.executemany("UPDATE images SET refs = refs - ? WHERE hash = ?",
+                             [(n, h) for h, n in unnamed.items()])
+            for chunk in chunks(sorted(unnamed)):
+                conn.execute(f"DELETE FROM images WHERE hash IN ({marks(chunk)}) AND refs <= 0",
+                             chunk)
         more = kept - freed > self.keep_consumed and len(rows) == limit
         self.due = time.monotonic() if more else None

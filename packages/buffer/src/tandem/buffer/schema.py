@@ -10,8 +10,9 @@ from __future__ import annotations
 import fcntl
 import sqlite3
 from pathlib import Path
+from collections import Counter
+from collections.abc import Iterable, Iterator
 from typing import IO
-from collections.abc import Iterator
 
 from tandem.common.errors import TandemError
 
@@ -51,7 +52,9 @@ CREATE INDEX IF NOT EXISTS groups_done ON groups(done_seq)
 CREATE TABLE IF NOT EXISTS leases (lease_id TEXT PRIMARY KEY, expires_at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS uses (group_id TEXT NOT NULL, step INTEGER NOT NULL);
 CREATE INDEX IF NOT EXISTS uses_step ON uses(step);
-CREATE TABLE IF NOT EXISTS images (hash TEXT PRIMARY KEY, data BLOB NOT NULL);
+-- refs: how many experience rows name the image; the pruner deletes it with the last of them
+CREATE TABLE IF NOT EXISTS images (hash TEXT PRIMARY KEY, data BLOB NOT NULL,
+                                   refs INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 INSERT OR IGNORE INTO counters VALUES
     ('unconsumed', 0), ('dropped_stale', 0), ('kept_done', 0), ('done_seq', 0),
@@ -67,6 +70,8 @@ _ADDED = (
     ("experiences", "token_versions", "BLOB"),
     # the content hashes of the prompt's images (table images), space-separated; NULL: none
     ("experiences", "images", "TEXT"),
+    # experience rows naming the image; an older database's are counted when it gains the column
+    ("images", "refs", "INTEGER NOT NULL DEFAULT 0"),
 )
 _AFTER = "CREATE INDEX IF NOT EXISTS leases_holder ON leases(holder) WHERE holder IS NOT NULL;"
 
@@ -106,7 +111,24 @@ def create(conn: sqlite3.Connection) -> None:
         have = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
         if column not in have:
             conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
+            if (table, column) == ("images", "refs"):
+                count_image_refs(conn)
     conn.executescript(_AFTER)
+
+
+def image_refs(names: Iterable[str | None]) -> Counter[str]:
+    """How many times each image is named by rows whose `experiences.images` are `names`."""
+    return Counter(h for joined in names if joined for h in joined.split())
+
+
+def count_image_refs(conn: sqlite3.Connection) -> None:
+    """Set every image's `refs` from the experience rows (a database older than the column),
+    and delete the images an older buffer's retention left without any."""
+    refs = image_refs(row[0] for row in conn.execute(
+        "SELECT images FROM experiences WHERE images IS NOT NULL"))
+    conn.executemany("UPDATE images SET refs = ? WHERE hash = ?",
+                     [(n, h) for h, n in refs.items()])
+    conn.execute("DELETE FROM images WHERE refs <= 0")
 
 
 def counter(conn: sqlite3.Connection, name: str) -> int:

@@ -28,7 +28,7 @@ from . import schema
 from .policy import group_priority
 from .pruner import Pruner
 from .rows import from_row, to_row
-from .schema import bump, chunks, counter, marks
+from .schema import bump, chunks, counter, image_refs, marks
 from .store import (
     POLICIES, STATES, BadPut, BufferFull, ExperienceStore, Lease, NotEnoughExperiences,
     PutOutcome, RewindOutcome, RewindTooFar, UnknownLease,
@@ -355,6 +355,8 @@ class SqliteStore(ExperienceStore):
                                  "does not carry and the buffer does not hold")
         self._conn.executemany("INSERT OR IGNORE INTO images (hash, data) VALUES (?, ?)",
                                [(h, given[h]) for h in wanted if h in given])
+        self._conn.executemany("UPDATE images SET refs = refs + ? WHERE hash = ?",
+                               [(n, h) for h, n in image_refs(r[8] for r in inserts).items()])
 
     def _images_of(self, rows: list[tuple]) -> dict[str, bytes]:
         hashes = sorted({h for r in rows if r[7] for h in r[7].split()})
