@@ -6,6 +6,7 @@ pays a warm-up."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from tandem.common.config import RunConfig
 from tandem.common.sync import SyncPlan
 from tandem.master import plan_from
 from tandem.master.cli import tandem
+from tandem.master.simulate import Gaps, simulate
 
 ROLLOUT, TRAIN, SYNC, STEPS = 1.0, 2.0, 0.1, 6
 T0 = 1_800_000_000.0
@@ -27,21 +29,26 @@ def span(component: str, kind: str, start: float, end: float, step: int | None,
                        "start": T0 + start, "end": T0 + end, "pid": 1, "attrs": attrs})
 
 
-def write_sync_run(run_dir: Path, preset: str = "synchronous") -> Path:
+def write_sync_run(run_dir: Path, preset: str = "synchronous", sample: float = 0.0,
+                   publish: float = 0.0, load: float = 0.0, rollout_gap: float = 0.0) -> Path:
+    """A synchronous run; the gaps: rollout end -> train start (`sample`), train end -> the
+    trainer's broadcast (`publish`), the trainer's broadcast -> the explorer's (`load`), the
+    explorer's broadcast end -> its rollout (`rollout_gap`)."""
     explorer, trainer = [], []
     t = 0.0
     for e in range(STEPS):
         if e:
+            t += publish
+            trainer.append(span("trainer", "sync", t, t + load + SYNC, e - 1, e, method="nccl"))
+            t += load
             explorer.append(span("explorer-0", "sync", t, t + SYNC, e, e, method="nccl"))
-            t += SYNC
+            t += SYNC + rollout_gap
         rollout = ROLLOUT + (3.0 if e == 0 else 0.0)  # the first step warms up
         explorer.append(span("explorer-0", "rollout", t, t + rollout, e, e, groups=2))
-        t += rollout
+        t += rollout + sample
         train = TRAIN + (5.0 if e == 0 else 0.0)
         trainer.append(span("trainer", "train", t, t + train, e, e + 1))
         t += train
-        if e < STEPS - 1:
-            trainer.append(span("trainer", "sync", t, t + SYNC, e, e + 1, method="nccl"))
     (run_dir / "trace").mkdir(parents=True)
     (run_dir / "trace" / "explorer-0.jsonl").write_text("\n".join(explorer) + "\n")
     (run_dir / "trace" / "trainer.jsonl").write_text("\n".join(trainer) + "\n")
@@ -138,3 +145,110 @@ def test_steady_step_time_leaves_out_the_warm_up(run_dir):
     assert plan_from.steady_step_time(ends) == pytest.approx(ROLLOUT + TRAIN + SYNC)
     with pytest.raises(ValueError, match="two train steps"):
         plan_from.steady_step_time(ends[:1])
+
+
+def test_gaps_are_measured_per_kind_and_replayed(tmp_path):
+    gaps = dict(sample=0.05, publish=0.02, load=0.01, rollout_gap=0.005)
+    run_dir = write_sync_run(tmp_path / "run", **gaps)
+    d = plan_from.measure(run_dir)
+    assert (d.gaps.sample, d.gaps.publish, d.gaps.load, d.gaps.rollout) == pytest.approx(
+        (0.05, 0.02, 0.01, 0.005), abs=1e-5)  # T0's float resolution
+    # a synchronous run never rolls out twice in a row: with lease-ahead (the default) the
+    # rollout after a rollout starts as one after a load does
+    assert d.gaps.next_rollout == pytest.approx(0.005, abs=1e-5)
+    # the broadcast is timed from the moment the explorer joined it, not the trainer's wait
+    assert d.publish == pytest.approx(SYNC, abs=1e-5)
+    sync = plan_from.predict(d, "synchronous", SyncPlan.preset("synchronous"))
+    assert sync.steady_step_time == pytest.approx(ROLLOUT + TRAIN + SYNC + sum(gaps.values()),
+                                                  abs=1e-4)
+
+
+def test_simulator_starts_each_block_its_gap_after_what_it_waits_for():
+    gaps = Gaps(sample=0.1, publish=0.2, load=0.3, rollout=0.4, next_rollout=-0.5)
+    sync = simulate(SyncPlan.preset("synchronous"), steps=3, rollout_times=[1.0],
+                    train_time=2.0, sync_time=0.0, gaps=gaps, compare=False)
+    rollouts, trains = sync.lane("explorer-0", "rollout"), sync.lane("trainer", "train")
+    assert trains[0].start == pytest.approx(rollouts[0].end + 0.1)
+    # the broadcast: publish after the train step, the explorer joins `load` after, then rolls
+    assert rollouts[1].start == pytest.approx(trains[0].end + 0.2 + 0.3 + 0.4)
+    fully = simulate(SyncPlan.preset("fully_async", max_staleness=8), steps=4,
+                     rollout_times=[1.0], train_time=0.5, sync_time=0.0, gaps=gaps,
+                     compare=False)
+    ro = fully.lane("explorer-0", "rollout")
+    # a pipelining explorer starts its next rollout before the previous one's span ends
+    assert [b.start for b in ro[:2]] == pytest.approx([0.0, 0.5])
+    with pytest.raises(ValueError, match="gaps must be >= 0"):
+        Gaps(sample=-0.1)
+
+
+def write_shared_run(run_dir: Path, stretch: float, rounds: int = 6) -> Path:
+    """One thread a side on two cores, stretched by `stretch` while both run: each round a
+    rollout alone, a train step alone, then a rollout and a train step together (equal work,
+    so both take WORK * stretch)."""
+    work = 1.0
+    explorer, trainer = [], []
+    t = 0.0
+    for r in range(rounds):
+        explorer.append(span("explorer-0", "rollout", t, t + work, 2 * r, 0))
+        t += work
+        trainer.append(span("trainer", "train", t, t + work, 2 * r, 2 * r + 1))
+        t += work
+        explorer.append(span("explorer-0", "rollout", t, t + work * stretch, 2 * r + 1, 0))
+        trainer.append(span("trainer", "train", t, t + work * stretch, 2 * r + 1, 2 * r + 2))
+        t += work * stretch
+    (run_dir / "trace").mkdir(parents=True)
+    (run_dir / "trace" / "explorer-0.jsonl").write_text("\n".join(explorer) + "\n")
+    (run_dir / "trace" / "trainer.jsonl").write_text("\n".join(trainer) + "\n")
+    config = RunConfig.model_validate({
+        "run_dir": str(run_dir), "sync": {"preset": "fully_async"},
+        "placement": {"cores": 2, "trainer": {"threads": 1}, "explorers": {"threads": 1}}})
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    return run_dir
+
+
+def test_sharing_is_fitted_from_spans_alone_and_overlapping(tmp_path):
+    d = plan_from.measure(write_shared_run(tmp_path / "run", stretch=1.6))
+    # two threads on cores that behave as 1.25 stretch each side 2 / 1.25 = 1.6
+    assert d.sharing.calibrated and d.sharing.cores == pytest.approx(1.25)
+    assert d.sharing.threads == {"trainer": 1, "explorer-0": 1}
+    # the durations are the work alone, the stretch taken out
+    assert (d.rollout[0], d.train) == pytest.approx((1.0, 1.0))
+    # a run whose sides never overlapped cannot tell: the run's cores are taken as they are
+    sync = plan_from.measure(write_sync_run(tmp_path / "sync"))
+    assert not sync.sharing.calibrated and sync.sharing.cores == 2
+
+
+def test_the_replay_stretches_the_sides_that_share_cores():
+    base = plan_from.Durations(explorers=["explorer-0"], rollout=[1.0], load=[0.0], train=1.0,
+                               publish=0.0, steps=12, step_time=0.0)
+    plan = SyncPlan.preset("fully_async", max_staleness=8)
+
+    def step(cores: float, run_cores: int = 2) -> float:
+        sharing = plan_from.Sharing({"trainer": 1, "explorer-0": 1}, cores, run_cores)
+        return plan_from.predict(replace(base, sharing=sharing), "p", plan).steady_step_time
+
+    # free cores: the sides overlap at full speed; one core: each runs at half speed
+    assert step(2.0) == pytest.approx(1.0)
+    assert step(1.0) == pytest.approx(2.0, rel=0.02)
+    # the same machine's sharing, on a machine with twice the cores
+    shared = plan_from.Sharing({"trainer": 1, "explorer-0": 1}, 1.0, 2).on(4)
+    assert shared.cores == 2.0 and shared.run_cores == 4
+    # a synchronous plan never overlaps: no stretch whatever the cores
+    sync = plan_from.predict(replace(base, sharing=plan_from.Sharing(
+        {"trainer": 1, "explorer-0": 1}, 1.0, 2)), "s", SyncPlan.preset("synchronous"))
+    assert sync.steady_step_time == pytest.approx(2.0)
+
+
+def test_cli_plans_for_another_machine_and_takes_the_sharing_from_another_run(tmp_path):
+    shared = write_shared_run(tmp_path / "shared", stretch=1.6)
+    sync = write_sync_run(tmp_path / "sync")
+    runner = CliRunner()
+    result = runner.invoke(tandem, ["plan", "--from", str(sync), "--stretch-from", str(shared),
+                                    "--json"])
+    assert result.exit_code == 0, result.output
+    sharing = json.loads(result.output)["measured"]["sharing"]
+    assert sharing["calibrated"] and sharing["cores"] == pytest.approx(1.25)
+    result = runner.invoke(tandem, ["plan", "--from", str(shared), "--cores", "4", "--json"])
+    assert json.loads(result.output)["measured"]["sharing"]["cores"] == pytest.approx(2.5)
+    result = runner.invoke(tandem, ["plan", "--cores", "4"])
+    assert result.exit_code == 2 and "--cores and --stretch-from need --from" in result.output

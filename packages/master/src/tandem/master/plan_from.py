@@ -385,15 +385,21 @@ class Prediction:
 
 
 def _lane_stretch(timeline: Timeline, threads: dict[str, int], cores: float) -> dict[str, float]:
-    """Each lane's mean stretch over its compute blocks, weighted by their time."""
+    """Each lane's mean stretch over its compute blocks, weighted by their time, leaving out
+    its first and last block when it has more (the replay's start and end, where one side
+    runs alone while the other fills or drains, are not the steady state)."""
     blocks = [b for b in timeline.blocks if b.kind in COMPUTE]
     factors = stretches([(b.lane, b.start, b.end) for b in blocks], threads, cores)
-    busy: dict[str, float] = {}
-    weighted: dict[str, float] = {}
-    for b, f in zip(blocks, factors):
-        busy[b.lane] = busy.get(b.lane, 0.0) + (b.end - b.start)
-        weighted[b.lane] = weighted.get(b.lane, 0.0) + (b.end - b.start) * f
-    return {lane: weighted[lane] / busy[lane] for lane in busy if busy[lane] > 0}
+    by_lane: dict[str, list[tuple[float, float]]] = {}
+    for b, f in sorted(zip(blocks, factors), key=lambda bf: bf[0].start):
+        by_lane.setdefault(b.lane, []).append((b.end - b.start, f))
+    out = {}
+    for lane, rows in by_lane.items():
+        steady = rows[1:-1] if len(rows) > 2 else rows
+        busy = sum(t for t, _ in steady)
+        if busy > 0:
+            out[lane] = sum(t * f for t, f in steady) / busy
+    return out
 
 
 def predict(d: Durations, name: str, plan: SyncPlan, steps: int | None = None) -> Prediction:

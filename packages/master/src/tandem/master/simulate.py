@@ -201,7 +201,7 @@ class Simulator:
             for v, ready in list(broadcast.items()):
                 waiting = [ex for ex in self.explorers if ex.waiting_broadcast == v]
                 if len(waiting) == n:
-                    start = max([ready] + [ex.free + self.gaps.load for ex in waiting])
+                    start = max([ready] + [ex.free for ex in waiting]) + self.gaps.load
                     end = start + self.sync_time
                     self.published[v] = start
                     for lane in ["trainer"] + [ex.lane for ex in waiting]:
