@@ -121,6 +121,14 @@ def test_cli_prints_the_table_and_the_advice(run_dir):
     assert out["predictions"][0]["knobs"]["interval"] == 2  # the run's knobs, with ours on top
     assert out["predictions"][0]["knobs"]["method"] == "nccl" and out["advice"] is None
 
+    result = CliRunner().invoke(tandem, ["plan", "--from", str(run_dir), "--json", "--advise",
+                                         "--max-staleness", "2"])
+    out = json.loads(result.output)
+    ranked = out["ranked"]  # the candidates, the shortest predicted step first
+    assert ranked[0]["knobs"] == out["advice"]["knobs"] and len(ranked) == 5
+    assert [r["step_time"] for r in ranked] == sorted(r["step_time"] for r in ranked)
+    assert all(r["staleness_max"] <= 2 for r in ranked)
+
 
 def test_bad_uses_are_one_line_errors(run_dir, tmp_path):
     runner = CliRunner()

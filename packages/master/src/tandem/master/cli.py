@@ -225,15 +225,19 @@ def _plan_from(run_dir: str, preset: str | None, knobs: dict[str, Any], steps: i
     except (ValueError, TandemError) as exc:
         raise click.UsageError(str(exc)) from None
     own = predictions[0]
-    advice = plan_from.advise(durations, own, bound, steps) if bound is not None else None
+    ranked = plan_from.rank(durations, bound, steps) if bound is not None else []
+    advice = ranked[0] if ranked else None
+    for i, p in enumerate(ranked[1:3], start=2):
+        p.name = f"advised #{i}"
     if as_json:
         click.echo(json.dumps({
             "measured": durations.to_json(), "predictions": [p.to_json() for p in predictions],
             "advice": None if advice is None else {
                 **advice.to_json(), "max_staleness_bound": bound,
-                "gain": round(own.step_time / advice.step_time, 4)}}))
+                "gain": round(own.step_time / advice.step_time, 4)},
+            "ranked": [p.to_json() for p in ranked[:5]]}))
     else:
-        plan_from.print_report(durations, predictions, advice, own, bound)
+        plan_from.print_report(durations, predictions, advice, own, bound, ranked[1:3])
 
 
 @tandem.command()

@@ -456,11 +456,10 @@ def candidates(max_staleness: int, batches_per_step: int) -> list[SyncPlan]:
     return out
 
 
-def advise(d: Durations, own: Prediction, max_staleness: int,
-           steps: int | None = None) -> Prediction:
-    """The knobs with the shortest predicted step time whose replayed staleness never exceeds
-    `max_staleness` (ties go to the fresher, then the simpler plan)."""
-    best: tuple[tuple, Prediction] | None = None
+def rank(d: Durations, max_staleness: int, steps: int | None = None) -> list[Prediction]:
+    """Every candidate whose replayed staleness never exceeds `max_staleness`, the shortest
+    predicted step first (ties go to the fresher, then the simpler plan)."""
+    ranked: list[tuple[tuple, Prediction]] = []
     for plan in candidates(max_staleness, len(d.rollout)):
         try:
             p = predict(d, "advised", plan, steps)
@@ -470,11 +469,18 @@ def advise(d: Durations, own: Prediction, max_staleness: int,
         if worst > max_staleness:
             continue
         key = (round(p.step_time, 6), mean, plan.interval, plan.offset is None)
-        if best is None or key < best[0]:
-            best = (key, p)
-    if best is None:
+        ranked.append((key, p))
+    if not ranked:
         raise click.ClickException(f"no knobs keep staleness within {max_staleness}")
-    return best[1]
+    ranked.sort(key=lambda kp: kp[0])
+    return [p for _, p in ranked]
+
+
+def advise(d: Durations, own: Prediction, max_staleness: int,
+           steps: int | None = None) -> Prediction:
+    """The knobs with the shortest predicted step time whose replayed staleness never exceeds
+    `max_staleness` (`rank`'s first)."""
+    return rank(d, max_staleness, steps)[0]
 
 
 def knobs_text(plan: SyncPlan) -> str:
@@ -484,7 +490,8 @@ def knobs_text(plan: SyncPlan) -> str:
 
 
 def print_report(d: Durations, predictions: list[Prediction], advice: Prediction | None,
-                 own: Prediction, bound: int | None) -> None:
+                 own: Prediction, bound: int | None,
+                 runners_up: list[Prediction] | None = None) -> None:
     echo = click.echo
     rollouts = ", ".join(f"{n} {r:.3f}s (load {x:.3f}s)"
                          for n, r, x in zip(d.explorers, d.rollout, d.load))
@@ -503,7 +510,7 @@ def print_report(d: Durations, predictions: list[Prediction], advice: Prediction
               f"{'stale mean/max':>15}")
     echo(header)
     echo("-" * len(header))
-    for p in predictions + ([advice] if advice is not None else []):
+    for p in predictions + ([advice] if advice is not None else []) + (runners_up or []):
         util = p.timeline.utilization()
         explorers = sum(util["explorers"]) / len(util["explorers"])
         mean, worst = p.staleness()
