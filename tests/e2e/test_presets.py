@@ -86,3 +86,5 @@ def test_preset_runs_and_its_trace_obeys_the_plan(tmp_path, tiny_model_dir, pres
         reached = {s["step"] for s in rollouts if plan.is_sync_point(s["step"])}
         assert syncs[("explorer-0", method)] >= len(reached), syncs
     assert (Path(config.run_dir) / "timeline.png").exists()
+    # the trainer and every explorer said Goodbye: the master did not serve out its stop_grace
+    assert "master.goodbye_missing" not in (Path(config.run_dir) / "logs" / "master.out").read_text()

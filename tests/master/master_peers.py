@@ -11,6 +11,7 @@ from tandem.common.config import load_config
 from tandem.common.messages.master import (
     CompleteTasks,
     ExplorerStepDone,
+    Goodbye,
     LeaseTasks,
     Register,
     TrainerCheckpointed,
@@ -59,13 +60,16 @@ class Peer:
             if ev.topic.startswith(kind) or ev.topic == "stop":
                 return ev.body
 
-    async def close(self):
+    async def close(self, goodbye: bool = False):
+        if goodbye:  # as a component's close() ends: leaving, after the Stop
+            await self.rpc.call(Goodbye(name=self.name), timeout=2)
         await self.sub.close()
         await self.sub.snapshot_client.close()
         await self.rpc.close()
 
 
-async def explorer_loop(master: Master, name: str, steps_seen: list, batch_size: int = 4):
+async def explorer_loop(master: Master, name: str, steps_seen: list, batch_size: int = 4,
+                        goodbye: bool = False):
     peer = Peer(master, name, "explorer", [barrier_topic(name), "stop"])
     await peer.start()
     try:
@@ -86,11 +90,11 @@ async def explorer_loop(master: Master, name: str, steps_seen: list, batch_size:
             await peer.rpc.call(ExplorerStepDone(explorer=name, step=msg.step, batch=msg.batch,
                                                  version=msg.version), timeout=2)
     finally:
-        await peer.close()
+        await peer.close(goodbye)
 
 
 async def trainer_loop(master: Master, trained: list, method: str = "checkpoint",
-                       until: int | None = None):
+                       until: int | None = None, goodbye: bool = False):
     """Trains every step the master releases and "checkpoints" them on the Stop; with `until`,
     returns when step `until` is released, before training it: a trainer that died between
     two steps, with no report on its way to the master."""
@@ -112,4 +116,4 @@ async def trainer_loop(master: Master, trained: list, method: str = "checkpoint"
                 await peer.rpc.call(WeightsPublished(version=msg.publish, method=method,
                                                      path=f"weights/v{msg.publish}"), timeout=2)
     finally:
-        await peer.close()
+        await peer.close(goodbye)

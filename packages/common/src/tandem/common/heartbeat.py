@@ -10,6 +10,7 @@ import structlog
 
 from .errors import PeerDead, RequestFailed
 from .messages.base import Heartbeat
+from .messages.master import Goodbye
 
 log = structlog.get_logger(__name__)
 
@@ -30,6 +31,19 @@ class Liveness:
 
     def forget(self, peer: str) -> None:
         self.last_seen.pop(peer, None)
+
+
+
+async def say_goodbye(master, name: str, stop_grace: float) -> None:
+    """A registered component's last call to the master (`master`, an RpcClient): `Goodbye`,
+    so that after a `Stop` the master need not serve out `master.stop_grace` for it. One attempt,
+    bounded by that grace (at least 0.5 s): the master waits no longer for it, and a master that
+    is gone or predates the message costs no more. Never raises: leaving goes on either way."""
+    try:
+        await master.call(Goodbye(name=name), timeout=max(stop_grace, 0.5), retries=0,
+                          timeout_key="master.stop_grace")
+    except (PeerDead, RequestFailed) as exc:
+        log.info("goodbye.unheard", name=name, error=str(exc))
 
 
 class Heartbeater:

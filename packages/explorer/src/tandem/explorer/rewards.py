@@ -39,6 +39,11 @@ class InProcessScorer:
     async def score(self, items: list[ScoreItem]) -> list[Score]:
         return list(await self._scorer.score(items))
 
+    async def start(self) -> None:
+        """Start the functions' worker processes (and any sandbox or model) now rather than
+        at the first score; a failure here is raised again, and reported, by that score."""
+        await self._scorer.start()
+
     @property
     def stats(self) -> dict[str, dict[str, float]]:
         """Running totals per function: evaluated, timeouts, errors, seconds."""

@@ -45,7 +45,7 @@ import structlog
 from tandem.common.config import RunConfig
 from tandem.common.errors import PeerDead, RequestFailed, TandemError, WaitTimeout
 from tandem.common.groups import informative_groups
-from tandem.common.heartbeat import Heartbeater
+from tandem.common.heartbeat import Heartbeater, say_goodbye
 from tandem.common.images import image_hash
 from tandem.common.messages.buffer import PutExperiences
 from tandem.common.messages.experience import Experience, Task
@@ -73,7 +73,7 @@ from .engine import Engine
 from .engines import create_engine
 from .eval_role import WeightFollower
 from .evaluation import Evaluator
-from .rewards import RewardScorer, create_scorer
+from .rewards import InProcessScorer, RewardScorer, create_scorer
 from .sampling import SamplingParams
 from .weights import WeightLoader
 from .workflows import (
@@ -133,6 +133,7 @@ class Explorer:
         self._wait_task: asyncio.Task | None = None
         self._owns_engine = engine is None
         self._owns_scorer = scorer is None
+        self._warm_up: asyncio.Task | None = None  # the in-process scorer's start
         self._closed = False
         self._asleep = False  # placement.colocate: the engine released its weights
         index = [e.name for e in config.explorers].index(name)
@@ -157,6 +158,13 @@ class Explorer:
     async def start(self) -> None:
         """Load the engine, register with the master, subscribe to its decisions."""
         self.metrics.start()
+        needs = workflow_needs(self.cfg.workflow)
+        if self.scorer is None and needs.scorer:
+            self.scorer = create_scorer(self.config.reward, self.config.transport, name=self.name)
+            if isinstance(self.scorer, InProcessScorer):
+                # its worker processes import (1-5 s on a loaded machine) while the engine
+                # loads and this explorer registers, not inside the first step's first score
+                self._warm_up = asyncio.ensure_future(self._warm_up_scorer())
         if self.engine is None:
             try:
                 self.engine = await asyncio.to_thread(
@@ -169,9 +177,6 @@ class Explorer:
             self.engine.interruptible = True
         self.workflow = create_workflow(self.cfg.workflow, self.engine.tokenizer,
                                         self.cfg.workflow_args)
-        needs = workflow_needs(self.cfg.workflow)
-        if self.scorer is None and needs.scorer:
-            self.scorer = create_scorer(self.config.reward, self.config.transport, name=self.name)
         if self.cfg.openai.enabled or needs.endpoint:
             from .openai_server import OpenAIEndpoint, model_context
 
@@ -211,6 +216,12 @@ class Explorer:
         log.info("explorer.started", explorer=self.name, run_id=self.run_id,
                  workflow=self.cfg.workflow, batch_size=self.cfg.batch_size,
                  repeat_times=self.cfg.repeat_times, version=self.engine.version)
+
+    async def _warm_up_scorer(self) -> None:
+        try:
+            await self.scorer.start()
+        except Exception as exc:  # the first score raises it again, and reports it
+            log.warning("reward.warm_up_failed", explorer=self.name, error=str(exc))
 
     async def _register(self) -> Registered:
         reply = await self.master.call(
@@ -435,8 +446,13 @@ class Explorer:
             await self.loader.close()
         if self.endpoint is not None:
             await self.endpoint.close()
+        if self._warm_up is not None:
+            self._warm_up.cancel()
+            await asyncio.gather(self._warm_up, return_exceptions=True)
         if self.scorer is not None and self._owns_scorer:
             await self.scorer.close()
+        if self.run_id:  # registered: the master, past a Stop, waits for this or stop_grace
+            await say_goodbye(self.master, self.name, self.config.master.stop_grace)
         await self.master.close()
         await self.buffer.close()
         if self.engine is not None and self._owns_engine:

@@ -35,6 +35,7 @@ from tandem.common.messages.master import (
     ExplorerLeft,
     ExplorerStepDone,
     GetStatus,
+    Goodbye,
     LeaseExpired,
     LeaseStatus,
     LeaseTasks,
@@ -93,6 +94,11 @@ def total_steps_for(config: RunConfig, dispatcher: TaskDispatcher | None) -> int
         raise ConfigError([f"master.taskset: {dispatcher.total} tasks (x epochs) fill no step of "
                            f"{per_step} tasks (sum of explorers[*].batch_size)"])
     return steps
+
+
+def final_status_path(journal: Path) -> Path:
+    """Where a master writes its `Status` as it closes: beside its journal."""
+    return journal.with_name("status.json")
 
 
 @dataclass
@@ -165,6 +171,9 @@ class Master:
         self.trainer_checkpoint = 0  # steps the trainer's newest reported checkpoint holds
         self._checkpointed = asyncio.Event()  # set: a checkpoint holds every step counted
         self.awaiting_checkpoint = False  # the Stop's grace is over and that checkpoint is not
+        self._goodbyes: set[str] = set()  # registered components that said they are leaving
+        self._all_left = asyncio.Event()  # set: every component alive in the registry did
+        self.ended_by: str | None = None  # what ended the Stop's grace: "goodbyes", "stop_grace"
         self._closed = False
         self._lock = asyncio.Lock()
         # The one way state changes: live (after the handler's checks) and on journal replay.
@@ -191,6 +200,7 @@ class Master:
                                   (TrainerResumed, self._on_trainer_resumed),
                                   (TrainerCheckpointed, self._on_trainer_checkpointed),
                                   (WeightsPublished, self._on_weights),
+                                  (Goodbye, self._on_goodbye),
                                   (GetStatus, self._on_status)):
             self.server.register(msg_type, handler)
         self.publisher.serve_snapshots(self.server)
@@ -259,9 +269,23 @@ class Master:
         await self.server.close()
         await self.publisher.close()
         self.metrics.close()
+        if self.address is not None:
+            self._write_final_status()
         self.journal.close()
         self.tracer.close()
         log.info("master.closed", run_id=self.run_id, **self.clock.counters())
+
+    def _write_final_status(self) -> None:
+        """The status as this master leaves it, in `final_status_path` beside the journal:
+        whoever asked for it last (`tandem up`) may not have asked after the Stop, and once
+        every component said Goodbye the master does not wait to be asked."""
+        path = final_status_path(self.journal.path)
+        tmp = path.with_suffix(".tmp")
+        try:
+            tmp.write_text(self.status().model_dump_json())
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.warning("master.status_unwritten", path=str(path), error=str(exc))
 
     # -- state changes: one apply method per message, shared by the handlers and the replay ----
 
@@ -521,13 +545,26 @@ class Master:
             self._checkpointed.clear()
 
     async def _end_run(self) -> None:
-        """After a Stop: serve `master.stop_grace`, and until the trainer's checkpoint holds
-        every step counted (it writes its last one on the Stop). A trainer that dies before
-        is restarted from an older checkpoint and re-opens the run (`_on_trainer_resumed`
-        cancels this); one that never comes back ends the run as a failure, never as done."""
+        """After a Stop: serve until every registered component said Goodbye (it heard the
+        Stop and leaves), at most `master.stop_grace` for those that do not, and until the
+        trainer's checkpoint holds every step counted (it writes its last one on the Stop).
+        A trainer that dies before is restarted from an older checkpoint and re-opens the run
+        (`_on_trainer_resumed` cancels this); one that never comes back ends the run as a
+        failure, never as done."""
         cfg = self.config.master
-        deadline = time.monotonic() + cfg.final_checkpoint_wait
-        await asyncio.sleep(cfg.stop_grace)
+        began = time.monotonic()
+        deadline = began + cfg.final_checkpoint_wait
+        self._note_goodbyes()
+        try:
+            if not self._all_left.is_set():
+                await asyncio.wait_for(self._all_left.wait(), cfg.stop_grace)
+            self.ended_by = "goodbyes"
+        except TimeoutError:
+            self.ended_by = "stop_grace"
+            log.warning("master.goodbye_missing", after=cfg.stop_grace, key="master.stop_grace",
+                        silent=sorted(name for name, reg in self.registry.items()
+                                      if reg.alive and name not in self._goodbyes))
+        log.info("master.stop_heard", by=self.ended_by, seconds=round(time.monotonic() - began, 3))
         if not self._checkpointed.is_set():
             self.awaiting_checkpoint = True
             log.info("master.awaiting_checkpoint", steps=self.clock.trainer_done,
@@ -580,6 +617,8 @@ class Master:
         self._check_terms(msg)
         async with self._lock:
             decisions = self._commit(msg)
+            self._goodbyes.discard(msg.name)  # back (a restart): leaving is its to say again
+            self._note_goodbyes()
             self._touch(ctx, msg.name)
             if msg.role == "trainer":
                 self._trainer_peer = ctx.peer
@@ -772,6 +811,21 @@ class Master:
             await self._emit(self._commit(msg))
         return Ok()
 
+    async def _on_goodbye(self, msg: Goodbye, ctx: CallContext) -> Ok:
+        # not journaled: it changes no state of the run, only how long this master serves
+        self._goodbyes.add(msg.name)
+        log.info("component.goodbye", name=msg.name, stopped=self.clock.stopped)
+        self._note_goodbyes()
+        return Ok()
+
+    def _note_goodbyes(self) -> None:
+        """Whether every component alive in the registry said Goodbye: nobody is left to
+        hear the Stop, so its grace may end."""
+        if all(name in self._goodbyes for name, reg in self.registry.items() if reg.alive):
+            self._all_left.set()
+        else:
+            self._all_left.clear()
+
     async def _on_status(self, msg: GetStatus, ctx: CallContext) -> Status:
         return self.status()
 
@@ -836,4 +890,4 @@ class Master:
         await asyncio.to_thread(self.journal.maybe_sync)
 
 
-__all__ = ["Master", "total_steps_for"]
+__all__ = ["Master", "final_status_path", "total_steps_for"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -90,13 +91,16 @@ class Child:
     finished: bool = False
     env: dict[str, str] = field(default_factory=dict)  # secrets kept out of the config file
     zygote: Zygote | None = None  # forks it when set (up.launch: fork), else exec
+    pidfd: int | None = None  # readable once the process exits (Linux >= 5.3), else None
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self.env)
+        self.close_pidfd()
         if self.zygote is not None:
             try:
                 self.proc = self.zygote.fork(self.argv, env, self.log_path)
+                self._open_pidfd()
                 return
             except ZygoteRefused as exc:
                 log.warning("up.exec_instead_of_fork", component=self.name, reason=str(exc))
@@ -104,6 +108,18 @@ class Child:
         self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True, env=env)
         out.close()
+        self._open_pidfd()
+
+    def _open_pidfd(self) -> None:
+        try:  # not yet reaped (only poll() reaps it), so the pid is still this process
+            self.pidfd = os.pidfd_open(self.proc.pid)
+        except (AttributeError, OSError):  # not Linux, or a kernel before 5.3: polled instead
+            self.pidfd = None
+
+    def close_pidfd(self) -> None:
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
 
     @property
     def returncode(self) -> int | None:
@@ -122,6 +138,38 @@ class Child:
         except OSError:
             return "(no log)"
         return "\n".join(text[-lines:])
+
+
+def wait_for_exit(children: list[Child], timeout: float) -> None:
+    """Block until one of the running `children` exits, or `timeout`: on their pidfds, so an
+    exit is seen when it happens; every 50 ms where one has none."""
+    running = [c for c in children if c.proc is not None and c.returncode is None]
+    fds = [c.pidfd for c in running if c.pidfd is not None]
+    if len(fds) < len(running):
+        timeout = min(timeout, 0.05)
+    if fds:
+        select.select(fds, [], [], timeout)
+    else:
+        time.sleep(timeout)
+
+
+async def until_exit(children: list[Child], timeout: float) -> None:
+    """`wait_for_exit` for the event loop: returns when one of the running `children` exits
+    (its pidfd turns readable), or after `timeout` (at most 0.5 s where one has no pidfd)."""
+    running = [c for c in children if c.proc is not None and c.returncode is None]
+    fds = [c.pidfd for c in running if c.pidfd is not None]
+    if len(fds) < len(running):
+        timeout = min(timeout, 0.5)
+    loop = asyncio.get_running_loop()
+    exited = loop.create_future()
+    for fd in fds:
+        loop.add_reader(fd, lambda: exited.done() or exited.set_result(None))
+    try:
+        await asyncio.wait([exited], timeout=timeout)
+    finally:
+        for fd in fds:
+            loop.remove_reader(fd)
+        exited.cancel()
 
 
 @dataclass
@@ -283,6 +331,8 @@ class Supervisor:
             await asyncio.gather(*probes, *([forks] if forks else []), return_exceptions=True)
             await client.close()
             self._stop_all()
+            for child in self.children:
+                child.close_pidfd()
             if self.zygote is not None:
                 self.zygote.close()
                 self._reap_orphans()
@@ -395,19 +445,41 @@ class Supervisor:
                 elif time.monotonic() - last_line > 5.0:
                     click.echo(self.status_line())
                     last_line = time.monotonic()
-                await asyncio.sleep(0.5)
+                # woken by a child's exit at once (the master's at the end of the run)
+                await until_exit(self.children, 0.5)
         finally:
             if display is not None:
                 display.close()
 
     async def _poll_status(self, client, GetStatus) -> None:
+        """The master's status, unless it exits first: once every component said Goodbye it
+        does not wait to be asked, and leaves its last status on disk (`_read_final_status`)."""
+        master = self.children[0]
+        call = asyncio.ensure_future(client.call(GetStatus(), timeout=2.0, retries=0))
+        exit_seen = asyncio.ensure_future(until_exit([master], 2.0))
         try:
-            self.progress.status = await client.call(GetStatus(), timeout=2.0, retries=0)
-        except (PeerDead, RequestFailed):
-            pass
+            await asyncio.wait([call, exit_seen], return_when=asyncio.FIRST_COMPLETED)
+            if call.done() and not call.cancelled() and call.exception() is None:
+                self.progress.status = call.result()
+            elif call.done() and not isinstance(call.exception(), (PeerDead, RequestFailed)):
+                call.result()
+        finally:
+            for task in (call, exit_seen):
+                task.cancel()
+            await asyncio.gather(call, exit_seen, return_exceptions=True)
+
+    def _read_final_status(self) -> None:
+        """The status the master wrote as it closed (newer than any it answered)."""
+        from .service import final_status_path
+
+        path = final_status_path(self.run_dir / self.config.master.journal)
+        try:
+            self.progress.status = Status.model_validate_json(path.read_text())
+        except (OSError, ValueError) as exc:
+            log.warning("up.final_status_unread", path=str(path), error=str(exc))
 
     def _clean_exit_unexplained(self) -> bool:
-        return not self._stopped() and any(
+        return not self._stopped() and self.children[0].returncode is None and any(
             c.returncode == 0 and not c.finished for c in self.children[1:])
 
     def _check_children(self) -> int | None:
@@ -419,6 +491,7 @@ class Supervisor:
                 continue
             if child is master and code == 0:
                 # The master exits 0 on its own only when every step is done.
+                self._read_final_status()
                 return self._finish()
             if code == 0 and self._stopped():
                 child.finished = True
@@ -444,7 +517,7 @@ class Supervisor:
         deadline = time.monotonic() + max(
             (self._stop_bound(c) for c in ending if c.role != "trainer"), default=0.0)
         while time.monotonic() < deadline and any(c.returncode is None for c in ending):
-            time.sleep(0.05)
+            wait_for_exit(ending, deadline - time.monotonic())
         failed = [c for c in self.children if c.returncode not in (None, 0)]
         for c in failed:
             click.echo(f"{c.name} exited with code {c.returncode}:\n{c.tail()}", err=True)
@@ -487,7 +560,9 @@ class Supervisor:
             while any(c.returncode is None and time.monotonic() - start < self._stop_bound(c)
                       for c in stage):
                 self._note_exits(stage, exits, started_at)
-                time.sleep(0.05)
+                left = [start + self._stop_bound(c) - time.monotonic() for c in stage
+                        if c.returncode is None]
+                wait_for_exit(stage, max(0.0, min(left, default=0.0)))
             for child in stage:
                 if child.returncode is None:
                     log.warning("up.kill", component=child.name,

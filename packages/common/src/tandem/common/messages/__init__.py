@@ -47,6 +47,7 @@ from .master import (
     ExplorerStatus,
     ExplorerStepDone,
     GetStatus,
+    Goodbye,
     LeaseExpired,
     LeaseStatus,
     LeaseTasks,

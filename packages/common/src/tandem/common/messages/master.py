@@ -9,7 +9,7 @@ a snapshot (`SnapshotRequest` on the RPC socket) to anyone who joins late or rec
 | `barrier.<explorer>.` | `Barrier` | that explorer: the step it may start and with which weights |
 | `trainer` | `TrainerGo` | the trainer: the step it may train, the version to publish after it |
 | `weights` | `WeightsPublished` | everyone: a version is ready (checkpoint path or nccl rendezvous) |
-| `stop` | `Stop` | everyone: the run is over |
+| `stop` | `Stop` | everyone: the run is over (each registered component answers `Goodbye` as it leaves) |
 
 An explorer's loop: `Register` -> wait for `Barrier` -> load `version` if `wait` -> `LeaseTasks`
 -> roll out -> `CompleteTasks` -> `ExplorerStepDone` (echoing step, batch, version) -> next
@@ -193,6 +193,17 @@ class WeightsPublished(Request):
         restarted master republishes the version without it, and members keep the group
         they are in (the trainer announces a new one when it opens one)."""
         return self.model_copy(update={"rendezvous": None}) if self.rendezvous else self
+
+
+@wire("master.goodbye", reply=Ok)
+class Goodbye(Request):
+    """A registered component to master, its last call: it is leaving (after the `Stop`, or on a
+    signal). After a `Stop` the master exits once every component alive in its registry said
+    it, instead of serving `master.stop_grace` for those that heard the Stop; `Register` takes
+    it back. Added without a version change: a master that predates it answers `bad_request`
+    and the sender goes on leaving, as the master then waits out `stop_grace`."""
+
+    name: str
 
 
 @wire("master.barrier")
