@@ -20,7 +20,7 @@ from tandem.common.errors import WaitTimeout
 from tandem.buffer import Buffer
 from tandem.common.messages.buffer import GetBufferStats, SampleGroups
 from tandem.common.messages.master import (
-    Register, TrainerGo, TrainerStepDone, WeightsPublished, barrier_topic)
+    Register, TasksLeased, TrainerGo, TrainerStepDone, WeightsPublished, barrier_topic)
 from tandem.common.pubsub import Subscriber
 from tandem.common.rpc import RpcClient
 from tandem.common.trace import read_trace
@@ -28,6 +28,7 @@ from tandem.weights import WeightBroadcaster, WeightPublisher, engine_member
 from tandem.explorer.sampling import SamplingParams
 from tandem.explorer.service import Explorer
 from tandem.explorer.transformers_engine import TransformersEngine
+from tandem.explorer.weights import WeightLoader
 from tandem.master.service import Master
 
 
@@ -104,10 +105,30 @@ class _TeardownProbe:
 
 
 @pytest.mark.parametrize("method", ["checkpoint", "nccl"])
-async def test_two_steps_with_a_sync_point_waiting_for_weights(tmp_path, tiny_model_path, method):
+async def test_two_steps_with_a_sync_point_waiting_for_weights(tmp_path, tiny_model_path, method,
+                                                               monkeypatch):
     config = make_config(tmp_path, tiny_model_path, f"sync.method={method}")
     master = Master(config)
     await master.start()
+    # step 1's tasks are leased while its weights load (issue 27 item 2): the load of version
+    # 1 goes on only once the master has journaled that lease, which a lease sent after the
+    # load would never let happen
+    leased: dict[int, asyncio.Event] = {0: asyncio.Event(), 1: asyncio.Event()}
+    commit = master._commit
+
+    def journaling(msg):
+        if isinstance(msg, TasksLeased):
+            leased[msg.step].set()
+        return commit(msg)
+
+    monkeypatch.setattr(master, "_commit", journaling)
+    load = WeightLoader.load
+
+    async def load_once_leased(self, version, *args, **kwargs):
+        await asyncio.wait_for(leased[version].wait(), 20)
+        return await load(self, version, *args, **kwargs)
+
+    monkeypatch.setattr(WeightLoader, "load", load_once_leased)
     buffer = Buffer(config)
     config.buffer.address = await buffer.start()
     config.master.address = master.address

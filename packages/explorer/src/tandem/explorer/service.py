@@ -548,23 +548,35 @@ class Explorer:
             await load
         # interruptible: the engine may already hold a newer version than the master granted
         # (loaded mid-step); an older one is never loaded back
+        leasing: asyncio.Task | None = None
         if (barrier.version > engine.version if self.interrupt
                 else barrier.wait or barrier.version != engine.version or self._asleep):
-            if prev is not None:  # weights never change under the step before's generation
-                await _first(prev.generated.wait(), prev.task)
-            rendezvous = self._latest_weights.rendezvous if self._latest_weights else None
-            await self._wake(barrier.step, barrier.version)
-            with self.tracer.span("sync", step=barrier.step, version=barrier.version,
-                                  method=barrier.method) as attrs:
-                stats = await self.loader.load(barrier.version, barrier.method, rendezvous)
-                attrs.update(stats)
+            if lease is None and (self.evaluator is None
+                                  or not self.evaluator.due(barrier.version)):
+                # the step's tasks are leased while its weights load: the lease's round trip
+                # leaves the path from the trainer's publish to this rollout (issue 27 item 2)
+                leasing = asyncio.create_task(self._lease(barrier))
+            try:
+                if prev is not None:  # weights never change under the step before's generation
+                    await _first(prev.generated.wait(), prev.task)
+                rendezvous = self._latest_weights.rendezvous if self._latest_weights else None
+                await self._wake(barrier.step, barrier.version)
+                with self.tracer.span("sync", step=barrier.step, version=barrier.version,
+                                      method=barrier.method) as attrs:
+                    stats = await self.loader.load(barrier.version, barrier.method, rendezvous)
+                    attrs.update(stats)
+            except BaseException:
+                if leasing is not None:  # a lease it got is handed back with the step's
+                    leasing.cancel()
+                    await asyncio.gather(leasing, return_exceptions=True)
+                raise
         if self.evaluator is not None and self.evaluator.due(engine.version):
             if prev is not None:
                 await _first(prev.generated.wait(), prev.task)
             await self._evaluate(step=barrier.step)
         if lease is None:
             flight.leased = True
-            lease = await self._lease(barrier)
+            lease = await (leasing if leasing is not None else self._lease(barrier))
             if lease is None or not lease.tasks:
                 return lease is None
         ctx = RolloutContext(engine=engine, sampling=self.sampling,
