@@ -16,8 +16,10 @@ from pathlib import Path
 import pytest
 
 from tandem.common.config import RunConfig
+from tandem.common.config.placement import resolve_placement
 from tandem.common.sync import SyncPlan, preset_explorers
 from tandem.common.trace import read_trace
+from tandem.master import plan_from
 from tandem.master.quickstart import reversal_tasks, write_jsonl
 from tandem.master.up import run_up
 
@@ -86,5 +88,11 @@ def test_preset_runs_and_its_trace_obeys_the_plan(tmp_path, tiny_model_dir, pres
         reached = {s["step"] for s in rollouts if plan.is_sync_point(s["step"])}
         assert syncs[("explorer-0", method)] >= len(reached), syncs
     assert (Path(config.run_dir) / "timeline.png").exists()
-    # the trainer and every explorer said Goodbye: the master did not serve out its stop_grace
-    assert "master.goodbye_missing" not in (Path(config.run_dir) / "logs" / "master.out").read_text()
+    # tandem plan --from on this run: its own knobs replayed over its trace, with the gaps and
+    # the sharing of cores it measured (docs/sync.md)
+    d = plan_from.measure(config.run_dir)
+    table = resolve_placement(config)
+    assert d.sharing.threads == {lane: table[lane].threads for lane in d.sharing.threads}
+    assert min(d.gaps.sample, d.gaps.publish, d.gaps.load, d.gaps.rollout) >= 0
+    own = plan_from.predict(d, "own", plan)
+    assert own.staleness()[1] <= plan.max_staleness and own.steady_step_time > 0
