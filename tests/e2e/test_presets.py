@@ -96,3 +96,5 @@ def test_preset_runs_and_its_trace_obeys_the_plan(tmp_path, tiny_model_dir, pres
     assert min(d.gaps.sample, d.gaps.publish, d.gaps.load, d.gaps.rollout) >= 0
     own = plan_from.predict(d, "own", plan)
     assert own.staleness()[1] <= plan.max_staleness and own.steady_step_time > 0
+    # the trainer and every explorer said Goodbye: the master did not serve out its stop_grace
+    assert "master.goodbye_missing" not in (Path(config.run_dir) / "logs" / "master.out").read_text()
