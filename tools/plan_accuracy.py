@@ -104,6 +104,29 @@ def own_prediction(pf: ModuleType, run_dir: Path, schedule: str) -> float:
                       d.steps).steady_step_time
 
 
+def advice_check(pf: ModuleType, by: dict[str, Path], bound: int) -> str:
+    """`plan --from SYNC_RUN --advise --max-staleness bound`'s top pick, and the bench's
+    schedules within the bound ranked by the plan against the same schedules' measured runs."""
+    from tandem.common.sync import SyncPlan, preset_explorers
+
+    d = pf.measure(by["synchronous"])
+    top = pf.rank(d, bound)[0]
+    predicted, measured = {}, {}
+    for schedule, (preset, knobs) in SCHEDULES.items():
+        n = preset_explorers(preset)
+        plan = SyncPlan.preset(preset, batches_per_step=n, **knobs)
+        p = pf.predict(d.with_explorers(n, rollout_share=1 / n), schedule, plan)
+        step = measured_step(by[schedule]) if schedule in by else None
+        if p.staleness()[1] <= bound and step is not None:
+            predicted[schedule], measured[schedule] = p.steady_step_time, step
+    order = sorted(predicted, key=predicted.get)
+    real = sorted(measured, key=measured.get)
+    return (f"top pick {pf.knobs_text(top.plan)} at {top.steady_step_time:.3f} s; of the "
+            f"bench's schedules the plan ranks {', '.join(f'{s} {predicted[s]:.3f}' for s in order)}"
+            f"; measured {', '.join(f'{s} {measured[s]:.3f}' for s in real)}; the plan's first "
+            f"is the measured {real.index(order[0]) + 1}. of {len(real)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", default=".bench/bench_sync/runs",
@@ -115,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="predict each run from its own trace instead (plan --from RUN_DIR "
                              "with the run's knobs): the model without the drift of the load "
                              "from one run to the next")
+    parser.add_argument("--advise", type=int, default=None, metavar="K",
+                        help="instead: per round and ratio, --advise --max-staleness K's top "
+                             "pick and the plan's ranking of the bench's schedules against the "
+                             "measured one")
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args(argv)
     from tandem.common.trace import read_trace
@@ -128,6 +155,12 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     for (rnd, ratio), by in sorted(runs.items()):
         if "synchronous" not in by:
+            continue
+        if args.advise is not None:
+            try:
+                print(f"round {rnd} ratio {ratio}: {advice_check(pf, by, args.advise)}")
+            except Exception as exc:  # a round still going
+                print(f"skipped round {rnd} ratio {ratio}: {type(exc).__name__}: {exc}")
             continue
         stretch = by.get(args.stretch_from) if args.stretch_from else None
         steps = len([1 for s in read_trace(by["synchronous"]) if s["kind"] == "train"
@@ -150,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"round": rnd, "ratio": ratio, "schedule": schedule,
                          "measured": measured, "predicted": predicted[schedule],
                          "error": predicted[schedule] / measured - 1})
+    if args.advise is not None:
+        return 0
     print("| round | ratio | schedule | measured s | plan s | error |")
     print("|---|---|---|---:|---:|---:|")
     for r in rows:
