@@ -21,12 +21,14 @@ import pytest
 import torch
 import yaml
 
-from tandem.common.config import load_config
+from tandem.common.config import RunConfig, load_config
 from tandem.common.errors import PeerDead, TandemError
 from tandem.common.messages.buffer import GetBufferStats, PutExperiences
 from tandem.common.messages.experience import Experience, experience_id, group_id
 from tandem.common.messages.master import (
-    CompleteTasks, ExplorerStepDone, GetStatus, LeaseTasks, Register, barrier_topic)
+    CompleteTasks, ExplorerStepDone, GetStatus, LeaseTasks, Register, TrainerGo,
+    WeightsPublished, barrier_topic)
+from tandem.common.messages.base import Ok
 from tandem.common.heartbeat import Heartbeater
 from tandem.common.pubsub import Subscriber
 from tandem.common.rpc import RpcClient
@@ -325,3 +327,48 @@ async def test_torchrun_trainer_on_two_ranks_against_real_master_and_buffer(
         assert (run_dir / "logs" / "trainer-rank1.jsonl").exists()
 
     await run_scenario(tmp_path, tiny_model_path, tokenizer, "checkpoint", check, torchrun=True)
+
+
+class _AnswersWhenTold:
+    """The master's side of the trainer's calls, each answered only once `answer` is set."""
+
+    def __init__(self):
+        self.sent: list = []
+        self.answer = asyncio.Event()
+
+    async def call(self, msg, **kwargs):
+        self.sent.append(msg)
+        await self.answer.wait()
+        return Ok()
+
+
+async def test_an_asynchronous_plan_writes_each_version_behind_the_next_step(
+        tmp_path, tiny_model_path, fixed_batch):
+    """fully_async (issue 27 item 2): `_publish` returns once the weights are copied; the
+    version is written and announced while the next step trains, from that copy, and the
+    next publish announces it first."""
+    cfg = RunConfig.model_validate({
+        "model": {"path": str(tiny_model_path)}, "run_dir": str(tmp_path),
+        "sync": {"preset": "fully_async"},
+        "trainer": {"micro_batch_tokens": 64, "lr": 1e-3, "tensorboard": False}})
+    trainer = Trainer(cfg)
+    master = trainer._master = _AnswersWhenTold()
+    try:
+        trainer.train_step(fixed_batch)
+        copied = dict(trainer.policy_weights(copy=True))
+        # not announced yet, and _publish is back: a publish on the step's path would hang here
+        await asyncio.wait_for(trainer._publish(1, TrainerGo(step=0, publish=1)), 30)
+        trainer.train_step(fixed_batch)  # the next step, while version 1 is written
+        master.answer.set()
+        await asyncio.wait_for(trainer._publish(2, TrainerGo(step=1, publish=2)), 30)
+        await asyncio.wait_for(trainer._published(), 30)
+    finally:
+        await trainer.close()
+    assert [(type(m), m.version) for m in master.sent] == [(WeightsPublished, 1),
+                                                            (WeightsPublished, 2)]
+    v1 = dict(WeightSubscriber(tmp_path).load(1))
+    assert torch.equal(v1[NAME], copied[NAME])  # the copy, not what step 1 made of it
+    assert not torch.equal(v1[NAME], dict(WeightSubscriber(tmp_path).load(2))[NAME])
+    spans = [s for s in read_trace(tmp_path) if s["component"] == "trainer"]
+    assert [(s["kind"], s["version"]) for s in spans if s["kind"] in ("sync", "publish")] == [
+        ("sync", 1), ("publish", 1), ("sync", 2), ("publish", 2)]

@@ -95,6 +95,7 @@ class Trainer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._in_use: list[int] = []
         self._ahead: _SampleAhead | None = None  # the next step's sample, asked for early
+        self._publishing: asyncio.Task | None = None  # a version written behind the next step
         self._publisher = None
         # weights.lora_transfer: adapter: versions are peft adapter folders, not full weights
         self._adapters = (config.model.lora is not None
@@ -214,15 +215,17 @@ class Trainer:
             # only retention waits for it: the buffer keeps the rows until the next report
             log.warning("checkpoint.unreported", to="buffer", step=self.step, error=str(exc))
 
-    def policy_weights(self) -> list[tuple[str, torch.Tensor]]:
+    def policy_weights(self, copy: bool = False) -> list[tuple[str, torch.Tensor]]:
         """The policy's weights to publish: HF names, `model.dtype`, each tied weight once (with
         `weights.lora_transfer: adapter`, the adapters only, under peft's names), without a
-        frozen vision tower (engines keep theirs: it never changes)."""
+        frozen vision tower (engines keep theirs: it never changes). `copy`: tensors of their
+        own, which the next optimiser step does not change."""
         if self.dist.enabled:
             dd.send_command(dd.PUBLISH)
         if self._adapters:
             dtype = model_dtype(self.config.model.dtype)
-            return [(n, t.to(dtype)) for n, t in self.learner.adapter_state_dict().items()]
+            return [(n, t.to(dtype, copy=copy))
+                    for n, t in self.learner.adapter_state_dict().items()]
         state = self.learner.policy_state_dict()
         tied = getattr(self.learner.actor.model.config, "tie_word_embeddings", False)
         dtype = model_dtype(self.config.model.dtype)
@@ -235,7 +238,7 @@ class Trainer:
             if frozen is not None and name.startswith(frozen):
                 continue
             seen.add(tensor.data_ptr())
-            out.append((name, tensor.to(dtype)))
+            out.append((name, tensor.to(dtype, copy=copy)))
         return out
 
     def follow(self) -> None:
@@ -326,6 +329,11 @@ class Trainer:
             log.warning("trainer.peer_gone", peer=exc.peer, error=str(exc), why="stopping")
         finally:
             await self._drop_ahead()
+            if self._publishing is not None:  # announced before the exit checkpoint
+                try:
+                    await self._published()
+                except (PeerDead, RequestFailed) as exc:
+                    log.warning("weights.unannounced", error=str(exc))
             # only steps the master counted: a checkpoint never gets ahead of the journal
             if self.step > 0 and self.last_checkpoint_step != self.step \
                     and self.step == self._counted:
@@ -568,7 +576,17 @@ class Trainer:
 
     async def _publish(self, version: int, go: TrainerGo) -> None:
         method = go.publish_by or self.config.sync.method
+        await self._published()  # versions are announced in order
         start = time.time()
+        if method == "checkpoint" and self.config.sync.offset is None and not go.publish_by:
+            # asynchronous plans: no explorer waits for this version at a sync point, so only
+            # the copy of the weights is on the step's path; the write and the announcement go
+            # on while the next step trains (issue 27 item 2)
+            tensors = await asyncio.to_thread(self.policy_weights, True)
+            self.tracer.record("sync", start, time.time(), step=go.step, version=version,
+                               method=method, behind=True)
+            self._publishing = asyncio.create_task(self._publish_behind(version, go, tensors))
+            return
         if method == "checkpoint":
             # a lost lineage's version goes to disk once, maybe already at resume
             write = self._current_version if go.publish_by else self._publish_checkpoint
@@ -616,6 +634,25 @@ class Trainer:
         self.tracer.record("sync", start, time.time(), step=go.step, version=version, method=method,
                            bytes=moved)
 
+    async def _publish_behind(self, version: int, go: TrainerGo, tensors) -> None:
+        """Write `version` from its copy and announce it; traced as `publish` (off the
+        trainer's path, so neither busy time nor a sync on its lane)."""
+        start = time.time()
+        path = Path(await asyncio.to_thread(self._publish_checkpoint, version, tensors))
+        await self._master.call(
+            WeightsPublished(version=version, method="checkpoint", path=str(path)),
+            timeout_key="transport.rpc_timeout")
+        moved = (path.stat().st_size if path.is_file()
+                 else sum(f.stat().st_size for f in path.iterdir() if f.is_file()))
+        self.tracer.record("publish", start, time.time(), step=go.step, version=version,
+                           method="checkpoint", bytes=moved)
+
+    async def _published(self) -> None:
+        """The version being written behind the steps is announced (its error is raised)."""
+        publishing, self._publishing = self._publishing, None
+        if publishing is not None:
+            await publishing
+
     async def _broadcast_unless_stopped(self, version: int, tensors) -> None:
         """The broadcast, on a thread; a stop closes the broadcaster, which makes the thread's
         collective or wait for members raise `GroupAbandoned` within half a second, instead of
@@ -636,7 +673,7 @@ class Trainer:
         raise TrainerStopped(f"stop requested while broadcasting version {version}; the "
                              "explorers are leaving and a resume announces it from disk")
 
-    def _publish_checkpoint(self, version: int) -> Path:
+    def _publish_checkpoint(self, version: int, tensors=None) -> Path:
         from tandem.weights import version_dir
 
         existing = version_dir(self.run_dir, version)
@@ -652,10 +689,10 @@ class Trainer:
                                              adapter_config_json)
 
             config = adapter_config_json(self.learner.actor.model.peft_config[ADAPTER])
-            return publisher.publish(version, self.policy_weights(),
+            return publisher.publish(version, tensors or self.policy_weights(),
                                      single_file=ADAPTER_WEIGHTS,
                                      files={ADAPTER_CONFIG: config}).path
-        return publisher.publish(version, self.policy_weights()).path
+        return publisher.publish(version, tensors or self.policy_weights()).path
 
     def _weights_publisher(self):
         """Checkpoint versions go to `run_dir/weights`, or with `weights.transport:
