@@ -335,11 +335,32 @@ class _AnswersWhenTold:
     def __init__(self):
         self.sent: list = []
         self.answer = asyncio.Event()
+        self.called = asyncio.Event()
 
     async def call(self, msg, **kwargs):
         self.sent.append(msg)
+        self.called.set()
         await self.answer.wait()
         return Ok()
+
+
+async def test_a_steps_ack_and_its_count_travel_at_once(tmp_path, tiny_model_path, make_config):
+    """AckLease to the buffer and TrainerStepDone to the master are both sent before either
+    answers (issue 27 item 2); the step counts for the exit checkpoint once both answered."""
+    trainer = Trainer(make_config(tiny_model_path, run_dir=tmp_path))
+    master = trainer._master = _AnswersWhenTold()
+    buffer = trainer._buffer = _AnswersWhenTold()
+    try:
+        reporting = asyncio.create_task(trainer._report_step(0, "lease-0", {"loss/total": 1.0}))
+        await asyncio.wait_for(asyncio.gather(master.called.wait(), buffer.called.wait()), 30)
+        assert trainer._counted == 0
+        buffer.answer.set()
+        master.answer.set()
+        await asyncio.wait_for(reporting, 30)
+    finally:
+        await trainer.close()
+    assert [type(m).__name__ for m in buffer.sent + master.sent] == ["AckLease", "TrainerStepDone"]
+    assert trainer._counted == 1
 
 
 async def test_an_asynchronous_plan_writes_each_version_behind_the_next_step(
