@@ -191,5 +191,20 @@ def test_cli_plans_for_another_machine_and_takes_the_sharing_from_another_run(tm
     assert sharing["calibrated"] and sharing["cores"] == pytest.approx(1.25)
     result = runner.invoke(tandem, ["plan", "--from", str(shared), "--cores", "4", "--json"])
     assert json.loads(result.output)["measured"]["sharing"]["cores"] == pytest.approx(2.5)
-    result = runner.invoke(tandem, ["plan", "--cores", "4"])
-    assert result.exit_code == 2 and "--cores and --stretch-from need --from" in result.output
+    result = runner.invoke(tandem, ["plan", "--stretch-from", str(shared)])
+    assert result.exit_code == 2 and "--stretch-from needs --from" in result.output
+
+
+def test_plan_without_a_run_takes_a_gap_and_the_cores(tmp_path):
+    def makespan(*args: str) -> float:
+        result = CliRunner().invoke(tandem, ["plan", "--preset", "fully_async", "--steps", "8",
+                                             "--rollout-time", "1", "--train-time", "1",
+                                             "--sync-time", "0", "--json", *args])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.output)["makespan"]
+
+    free = makespan()
+    assert makespan("--cores", "2") == pytest.approx(free)  # one thread a side on 2 cores
+    assert makespan("--cores", "1") > 1.8 * free  # on one core each side runs at half speed
+    # a gap before every train step and publish: at least the steps' gaps are added
+    assert makespan("--gap", "0.1") >= free + 8 * 0.1

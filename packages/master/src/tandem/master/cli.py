@@ -124,6 +124,11 @@ def _times(value: str) -> list[float]:
               help="seconds per trainer step")
 @click.option("--sync-time", type=float, default=0.1, show_default=True,
               help="seconds per weight sync (broadcast, or checkpoint write / load)")
+@click.option("--gap", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="seconds each block starts after what it waits for (sample and ack, barrier, "
+                   "publish, load: plan --from measures each kind)")
+@click.option("--threads", default="1,1", show_default=True,
+              help="threads of the trainer and of each explorer, for --cores")
 @click.option("--json", "as_json", is_flag=True, help="print the timeline as JSON")
 @click.option("--png", type=click.Path(dir_okay=False), help="also draw it to this PNG file")
 @click.option("--width", type=int, default=96, show_default=True, help="terminal columns")
@@ -132,14 +137,16 @@ def _times(value: str) -> list[float]:
                    "your knobs (the run's, or the ones given here) over them")
 @click.option("--advise", is_flag=True, help="with --from: recommend the knobs with the most "
               "throughput whose staleness stays within --max-staleness")
-@click.option("--cores", type=click.IntRange(min=1), help="with --from: plan for a machine with "
-              "this many cores (default: the run's)")
+@click.option("--cores", type=click.IntRange(min=1), help="the cores the sides share: a side "
+              "is stretched while both run on too few (default: as many as they need; with "
+              "--from: the run's)")
 @click.option("--stretch-from", "stretch_dir", type=click.Path(exists=True, file_okay=False),
               help="with --from: fit how the sides slow each other on shared cores to this "
                    "run's trace (one whose sides overlapped, on the same machine)")
 def plan(preset: str, interval: int | None, offset: str | None, max_staleness: int | None,
          method: str | None, explorers: int | None, steps: int, rollout_time: str,
-         train_time: float, sync_time: float, as_json: bool, png: str | None,
+         train_time: float, sync_time: float, gap: float, threads: str, as_json: bool,
+         png: str | None,
          width: int, from_dir: str | None, advise: bool, cores: int | None,
          stretch_dir: str | None) -> None:
     """Replay a sync plan over assumed durations and draw the timeline."""
@@ -147,8 +154,8 @@ def plan(preset: str, interval: int | None, offset: str | None, max_staleness: i
 
     if advise and (from_dir is None or max_staleness is None):
         raise click.UsageError("--advise needs --from RUN_DIR and --max-staleness K")
-    if from_dir is None and (cores is not None or stretch_dir is not None):
-        raise click.UsageError("--cores and --stretch-from need --from RUN_DIR")
+    if from_dir is None and stretch_dir is not None:
+        raise click.UsageError("--stretch-from needs --from RUN_DIR")
     if from_dir is not None:
         ctx = click.get_current_context()
         given = {k for k in ("preset", "steps")
@@ -163,8 +170,8 @@ def plan(preset: str, interval: int | None, offset: str | None, max_staleness: i
                    as_json, cores, stretch_dir)
         return
 
+    from .plan_from import replay_assumed
     from .render import render_png, render_terminal
-    from .simulate import simulate
 
     times = _times(rollout_time)
     if explorers is None:
@@ -183,8 +190,12 @@ def plan(preset: str, interval: int | None, offset: str | None, max_staleness: i
         knobs["offset"] = parsed_offset
     try:
         sync_plan = SyncPlan.preset(preset, batches_per_step=explorers, **knobs)
-        timeline = simulate(sync_plan, steps=steps, rollout_times=times, train_time=train_time,
-                            sync_time=sync_time)
+        side_threads = [int(x) for x in threads.split(",")]
+        if len(side_threads) != 2 or min(side_threads) < 1:
+            raise ValueError(f"--threads: expected TRAINER,EXPLORER threads >= 1, got {threads!r}")
+        timeline = replay_assumed(sync_plan, steps=steps, rollout_times=times,
+                                  train_time=train_time, sync_time=sync_time, gap=gap,
+                                  cores=cores, threads=(side_threads[0], side_threads[1]))
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     if as_json:

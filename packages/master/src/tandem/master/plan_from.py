@@ -425,6 +425,28 @@ def predict(d: Durations, name: str, plan: SyncPlan, steps: int | None = None) -
     return Prediction(name, plan, timeline, steps)
 
 
+def replay_assumed(plan: SyncPlan, *, steps: int, rollout_times: list[float], train_time: float,
+                   sync_time: float, gap: float = 0.0, cores: int | None = None,
+                   threads: tuple[int, int] = (1, 1)) -> Timeline:
+    """`tandem plan` without a run: `plan` over assumed durations, every kind of gap `gap`
+    seconds, the sides stretched on `cores` cores (None: never) with `threads` (trainer, each
+    explorer); the timeline carries its speedup over the synchronous preset's replay."""
+    if steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {steps}")
+    n = len(rollout_times)
+    lanes = [f"explorer-{i}" for i in range(n)]
+    sharing = None if cores is None else Sharing(
+        {"trainer": threads[0], **{lane: threads[1] for lane in lanes}}, float(cores), cores)
+    d = Durations(explorers=lanes, rollout=list(rollout_times), load=[sync_time] * n,
+                  train=train_time, publish=sync_time, steps=steps, step_time=0.0,
+                  gaps=Gaps(sample=gap, publish=gap, load=gap, rollout=gap, next_rollout=gap),
+                  sharing=sharing)
+    timeline = predict(d, "plan", plan, steps).timeline
+    base = predict(d, "synchronous", SyncPlan.preset("synchronous", batches_per_step=n), steps)
+    timeline.speedup_vs_synchronous = base.timeline.makespan / timeline.makespan
+    return timeline
+
+
 def replay_all(d: Durations, own: SyncPlan, steps: int | None = None) -> list[Prediction]:
     """The run's own knobs, then every preset that fits its number of explorers."""
     n = len(d.rollout)
