@@ -345,14 +345,25 @@ class _AnswersWhenTold:
 
 
 async def test_a_steps_ack_and_its_count_travel_at_once(tmp_path, tiny_model_path, make_config):
-    """AckLease to the buffer and TrainerStepDone to the master are both sent before either
-    answers (issue 27 item 2); the step counts for the exit checkpoint once both answered."""
+    """AckLease to the buffer and TrainerStepDone to the master are both sent, and the metrics
+    written, before either peer answers (issue 27 item 2); the step counts for the exit
+    checkpoint once both answered."""
     trainer = Trainer(make_config(tiny_model_path, run_dir=tmp_path))
     master = trainer._master = _AnswersWhenTold()
     buffer = trainer._buffer = _AnswersWhenTold()
+    written, wrote, loop = [], asyncio.Event(), asyncio.get_running_loop()
+
+    def write(step, metrics):  # on the writer's thread
+        written.append((step, metrics))
+        loop.call_soon_threadsafe(wrote.set)
+
+    trainer.writer.write = write
     try:
-        reporting = asyncio.create_task(trainer._report_step(0, "lease-0", {"loss/total": 1.0}))
-        await asyncio.wait_for(asyncio.gather(master.called.wait(), buffer.called.wait()), 30)
+        reporting = asyncio.create_task(trainer._report_step(
+            0, "lease-0", {"loss/total": 1.0, "buffer/dropped_stale": 0.0}, {"loss/total": 1.0}))
+        # all three under way before either peer answers
+        await asyncio.wait_for(asyncio.gather(master.called.wait(), buffer.called.wait(),
+                                              wrote.wait()), 30)
         assert trainer._counted == 0
         buffer.answer.set()
         master.answer.set()
@@ -360,7 +371,7 @@ async def test_a_steps_ack_and_its_count_travel_at_once(tmp_path, tiny_model_pat
     finally:
         await trainer.close()
     assert [type(m).__name__ for m in buffer.sent + master.sent] == ["AckLease", "TrainerStepDone"]
-    assert trainer._counted == 1
+    assert trainer._counted == 1 and written == [(1, {"loss/total": 1.0})]
 
 
 async def test_an_asynchronous_plan_writes_each_version_behind_the_next_step(

@@ -154,11 +154,12 @@ class Trainer:
     # -- without sockets -----------------------------------------------------------------------
 
     def train_step(self, experiences: Sequence[Experience], *, step: int | None = None,
-                   extra_batches: int = 0, images: dict[str, bytes] | None = None
-                   ) -> dict[str, float]:
+                   extra_batches: int = 0, images: dict[str, bytes] | None = None,
+                   write: bool = True) -> dict[str, float]:
         """One step on these experiences; under torchrun, rank 0 calls it and the others follow.
         `extra_batches`: the master's top-up batches in them (dynamic sampling); `images`: the
-        bytes of the images they show, by content hash (docs/vision.md)."""
+        bytes of the images they show, by content hash (docs/vision.md); `write=False`: the
+        caller passes the metrics to the trackers (`writer.write`) itself."""
         if self.dist.enabled and any(e.images for e in experiences):
             raise TandemError("trainer: experiences with images under torchrun are not built "
                               "yet (the images do not travel to the other ranks); train a "
@@ -182,7 +183,8 @@ class Trainer:
         self.tracer.record("train", start, time.time(), step=step, version=self.learner.version,
                            tokens=int(metrics["batch/tokens"]),
                            loss=round(metrics.get("loss/total", 0.0), 6), **discarded, **traced)
-        self.writer.write(self.learner.step_count, metrics)
+        if write:
+            self.writer.write(self.learner.step_count, metrics)
         log.info("train.step", step=step, version=self.learner.version,
                  loss=round(metrics.get("loss/total", float("nan")), 5),
                  reward=round(metrics["reward/mean"], 4),
@@ -461,33 +463,38 @@ class Trainer:
             sample = await self._unless_stopped(self._sample(groups, go.step))
         metrics = await asyncio.to_thread(
             self.train_step, sample.experiences, step=go.step, extra_batches=go.extra_batches,
-            images={h: v.tobytes() for h, v in sample.images.items()})
+            images={h: v.tobytes() for h, v in sample.images.items()}, write=False)
+        written = dict(metrics)
         self._trained_through = go.step
         # the next step's groups are asked for now, so the buffer's answer travels while this
         # step is reported and published instead of after the next TrainerGo (issue 27 item 2)
         self._ask_ahead(go.step + 1, groups)
         metrics["buffer/dropped_stale"] = float(sample.dropped_stale)
-        await self._report_step(go.step, sample.lease_id, metrics)
+        await self._report_step(go.step, sample.lease_id, metrics, written)
         if go.publish is not None:
             await self._publish(go.publish, go)
         every = self.tc.checkpoint_every
         if every and self.step % every == 0:
             await self._checkpoint()
 
-    async def _report_step(self, step: int, lease_id: str, metrics: dict[str, float]) -> None:
+    async def _report_step(self, step: int, lease_id: str, metrics: dict[str, float],
+                           written: dict[str, float]) -> None:
         """The step's groups consumed (buffer) and the step counted (master), both at once: two
-        peers, so one round trip between the spans instead of two (issue 27 item 2). The step
+        peers, so one round trip between the spans instead of two (issue 27 item 2); the
+        trackers get `written` on a thread meanwhile (a few ms of TensorBoard and JSONL that
+        were on the path). The step
         counts for the exit checkpoint only when both were answered: a checkpoint never holds a
         step whose groups were not acked (they would be trained again) or that the master did
         not count; a crash between the two leaves what a crash between them did before (the
         resume releases the lease, rewinds the acks, and trains the step again)."""
-        acked, counted = await asyncio.gather(
+        acked, counted, wrote = await asyncio.gather(
             self._buffer.call(AckLease(lease_id=lease_id, step=step),
                               timeout_key="transport.rpc_timeout"),
             self._master.call(TrainerStepDone(step=step, version=step + 1, metrics=metrics),
                               timeout_key="transport.rpc_timeout"),
+            asyncio.to_thread(self.writer.write, step + 1, written),
             return_exceptions=True)
-        for result in (acked, counted):
+        for result in (acked, counted, wrote):
             if isinstance(result, BaseException):
                 raise result
         self._counted = step + 1
