@@ -10,7 +10,8 @@ install with a switch). Each round runs every install once, interleaved (the mac
 and noisy), on the same config: the quickstart task, one explorer, a tiny Qwen2 built locally,
 `placement: auto`. From each summary it reads the run's wall-clock (the trace's), every
 component's start-up seconds (process start to registered), the invocation end to end and the
-time outside the run; the shell's own time for the command is measured too. While a run goes
+time outside the run, and from the run's trace the seconds before its first span and after its
+last (the start and the end apart); the shell's own time for the command is measured too. While a run goes
 on, the PSS of each process of its tree is sampled (/proc/PID/smaps_rollup, every 0.2 s): the
 table gives each component's peak, and the peak of the tree's sum. Before the rounds, each
 install's interpreter imports what each component imports before it can register, alone and
@@ -128,6 +129,7 @@ def run_once(tandem: list[str], config: Path, run_dir: Path) -> dict:
     subprocess.run(["rm", "-rf", str(run_dir)], check=True)
     cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.monotonic()
+    began = time.time()
     proc = subprocess.Popen([tandem[0], "up", str(config), "--plain", *tandem[1:]],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -154,6 +156,7 @@ def run_once(tandem: list[str], config: Path, run_dir: Path) -> dict:
         sampler.join(5)
     row = parse_summary(out)
     row["invocation"] = time.monotonic() - start
+    row.update(around_the_run(run_dir, began, time.time()))
     cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
     # CPU seconds of everything the invocation waited for: `tandem up`, and the components
     # it reaped (forked ones too: it is their subreaper). Load from others does not add to it.
@@ -162,6 +165,20 @@ def run_once(tandem: list[str], config: Path, run_dir: Path) -> dict:
     row["pss_mib"] = {k: round(v, 1) for k, v in sorted(peaks.items())}
     row["pss_tree_mib"] = round(total[0], 1)
     return row
+
+
+def around_the_run(run_dir: Path, began: float, ended: float) -> dict:
+    """The invocation's seconds before the run's first span (the start: imports, model loads,
+    registration, the first barrier) and after its last one (the end: the last checkpoint's
+    end to the invocation's exit), from the run's trace; `tandem up`'s own stop span is not
+    the run's."""
+    from tandem.common.trace import read_trace
+
+    spans = [s for s in read_trace(run_dir) if s["component"] != "up"]
+    if not spans:
+        return {}
+    return {"before_run": round(min(s["start"] for s in spans) - began, 2),
+            "after_run": round(ended - max(s["end"] for s in spans), 2)}
 
 
 def import_seconds(python: str, modules: list[str]) -> float:
@@ -215,9 +232,9 @@ def main() -> int:
 
     print(f"\n{args.preset}, {args.steps} steps, {args.rounds} rounds interleaved (medians)\n")
     header = "| install | wall-clock | trainer start-up | explorer start-up | end to end | " \
-             "outside the run | invocation | CPU seconds | load |"
+             "outside the run | before the run | after the run | invocation | CPU seconds | load |"
     print(header)
-    print("|---" * 9 + "|")
+    print("|---" * 11 + "|")
     summary = {}
     for label in installs:
         mine = [r for r in rows if r["label"] == label and r["code"] == 0]
@@ -228,13 +245,15 @@ def main() -> int:
             "end_to_end": median(mine, "end_to_end"),
             "outside_the_run": median(mine, "outside_the_run"),
             "invocation": median(mine, "invocation"), "cpu": median(mine, "cpu"),
+            "before_run": median(mine, "before_run"), "after_run": median(mine, "after_run"),
             "load": median(mine, "load"),
             "pss_mib": {name: median(mine, "pss_mib", name)
                         for name in sorted({n for r in mine for n in r["pss_mib"]})},
             "pss_tree_mib": median(mine, "pss_tree_mib")}
         print(f"| {label} | {s['wall_clock']:.1f} s | {s['trainer_startup']:.1f} s | "
               f"{s['explorer_startup']:.1f} s | {s['end_to_end']:.1f} s | "
-              f"{s['outside_the_run']:.1f} s | {s['invocation']:.1f} s | {s['cpu']:.1f} s | "
+              f"{s['outside_the_run']:.1f} s | {s['before_run']:.1f} s | {s['after_run']:.1f} s | "
+              f"{s['invocation']:.1f} s | {s['cpu']:.1f} s | "
               f"{s['load']:.1f} |")
     names = ["master", "buffer", "reward", "trainer", "explorer-0", "zygote"]
     names = [n for n in names if any(n in summary[label]["pss_mib"] for label in installs)]
