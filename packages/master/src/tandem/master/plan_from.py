@@ -50,7 +50,7 @@ from .simulate import Gaps, Timeline, simulate
 from .timeline import RunTimeline, Span, load_timeline
 
 COMPUTE = ("train", "rollout")  # the spans that share the cores
-_ROUNDS = 12  # replays to let the stretch settle (it settles in 3-6 on the bench's runs)
+_ROUNDS = 12  # replays to let the stretch settle (6-12 on bench_sync runs that stretch)
 
 
 @dataclass
