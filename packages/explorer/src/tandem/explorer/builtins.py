@@ -18,7 +18,7 @@ ENGINES.register("transformers", f"{_P}.engines:transformers",
                      interrupt=True, sleep=True, multimodal=True))
 ENGINES.register("vllm", f"{_P}.engines:vllm",
                  capabilities=EngineCapabilities(interrupt=True, lora_adapters=True,
-                                                 tensor_parallel=True))
+                                                 tensor_parallel=True, multimodal=True))
 # A remote server reloads weights from checkpoint files only: no broadcast group reaches it.
 ENGINES.register("remote", f"{_P}.engines:remote",
                  capabilities=EngineCapabilities(weights=frozenset({"checkpoint", "fetch"}),

