@@ -92,3 +92,34 @@ def test_explorer_ports_follow_the_base():
     assert MetricsEndpoint(config, "explorer", "explorer-2", index=2).port == 9506
     with pytest.raises(ValueError, match="logging.metrics.port: 65533 leaves no room"):
         MetricsConfig(port=65533)
+
+
+def test_close_releases_the_port_without_waiting_for_the_serving_loop(tmp_path):
+    """A component's stop is not held by /metrics: prometheus_client's serving loop notices a
+    shutdown only at its next poll (0.5 s), once per component on the way out of every run.
+    The loop is held here (socketserver's `service_actions` hook, run on each pass) until
+    close() has returned; a close() that waits for it never returns."""
+    import socket
+    import threading
+
+    endpoint = MetricsEndpoint(ON, "master", run_dir=tmp_path)
+    url = endpoint.start()
+    server = endpoint._server
+    passing, release = threading.Event(), threading.Event()
+
+    def held() -> None:
+        passing.set()
+        release.wait(30)
+
+    server.service_actions = held
+    assert passing.wait(10)
+    closer = threading.Thread(target=endpoint.close, daemon=True)
+    closer.start()
+    closer.join(10)
+    try:
+        assert not closer.is_alive(), "close() waited for the serving loop"
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+        with socket.socket() as s:  # the port is free again at once
+            s.bind(("127.0.0.1", port))
+    finally:
+        release.set()
