@@ -6,6 +6,11 @@ per-turn token limit); the environment's reply is appended with action_mask 0 an
 (as a chat message of `reply_role` when the tokenizer has a chat template, as plain text
 otherwise). An episode ends when the environment says so, the model emits eos, it has taken `max_turns`
 turns, or its response (model and environment tokens) would pass `max_episode_tokens`.
+
+A task that shows images (`payload["images"]`, docs/vision.md) puts them before the
+instructions in the first user message, like `single_turn`; every turn's prompt is an
+`ImagePrompt` of those images (the engine widens the placeholders again each turn), and the
+experience records the widened prompt and the images' hashes.
 """
 
 from __future__ import annotations
@@ -17,8 +22,10 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from tandem.common.images import image_hash
 from tandem.common.messages.experience import Experience, Task
 
+from ..engine import ImagePrompt, Prompt
 from ..environments import Environment, get_environment
 from ..templates import PromptTemplate
 from .base import RolloutContext, Trajectory, Workflow, WorkflowArgs, make_experience
@@ -48,6 +55,18 @@ class _Episode:
     end: str = ""
     generate_s: float = 0.0
     finish_reasons: list[str] = field(default_factory=list)
+    shown: ImagePrompt | None = None  # the first turn's prompt, when the task shows images
+
+    def prompt(self) -> Prompt:
+        """This turn's prompt: the episode so far, with the task's images if it shows any."""
+        if self.shown is None:
+            return self.traj.tokens
+        if self.turns == 0:
+            return self.shown
+        # the placeholders unwidened (the engine widens them), then the turns so far; a server
+        # that renders the chat itself gets none (RemoteEngine refuses: docs/vision.md)
+        return dataclasses.replace(self.shown, ids=[*self.shown.ids, *self.traj.response_ids],
+                                   messages=None)
 
 
 class MultiTurn(Workflow):
@@ -68,7 +87,16 @@ class MultiTurn(Workflow):
             raise ValueError(f"workflow_args.env_args for {self.args.env}: {exc}") from None
         except ValueError as exc:
             raise ValueError(f"task {task.id!r}: {exc}") from None
-        return _Episode(task, index, env, Trajectory(self.template.render(env.instructions())))
+        images = task.payload.get("images")
+        if not images:
+            return _Episode(task, index, env,
+                            Trajectory(self.template.render(env.instructions())))
+        messages = [{"role": "user", "content": [
+            *({"type": "image"} for _ in images), {"type": "text", "text": env.instructions()}]}]
+        shown = ImagePrompt(self.template.render_messages(messages), list(images),
+                            [image_hash(i) for i in images], messages)
+        return _Episode(task, index, env, Trajectory(list(shown.ids), images=list(shown.hashes)),
+                        shown=shown)
 
     async def run(self, tasks: list[Task], ctx: RolloutContext) -> list[Experience]:
         episodes = [self._new_episode(t, k) for t in tasks for k in range(ctx.repeat_times)]
@@ -78,9 +106,11 @@ class MultiTurn(Workflow):
         start = time.time()
         while active := [ep for ep in episodes if not ep.done]:
             t0 = time.time()
-            turns = await ctx.engine.generate([ep.traj.tokens for ep in active], 1, sampling)
+            turns = await ctx.engine.generate([ep.prompt() for ep in active], 1, sampling)
             elapsed = time.time() - t0
             for ep, [c] in zip(active, turns):
+                if ep.shown is not None and ep.turns == 0:
+                    ep.traj.prompt_ids = c.prompt_ids.tolist()  # widened: what the trainer sees
                 ep.generate_s += elapsed
                 ep.turns += 1
                 ep.finish_reasons.append(c.finish_reason)
