@@ -156,6 +156,21 @@ def test_vllm_generates_from_images_with_placeholders_masked_and_logprobs_agree(
         print(f"vllm v{version}", {k: v for k, v in m.items() if k.startswith("mismatch/")})
         assert_same_logprobs(m)
 
+    # interruptible (on_new_weights: interrupt), a sample is requests of prompt + tokens so
+    # far: the images go with each, and the completion keeps the widened prompt
+    from tandem.explorer.engine import ImagePrompt
+
+    e = next(e for e in lease.experiences if len(e.images) == 2)
+    widened = [int(t) for t in e.tokens[:e.prompt_len]]
+    ids = [t for i, t in enumerate(widened) if t != pad or widened[i - 1] != pad]
+    prompt = ImagePrompt(ids, [lease.images[h] for h in e.images], list(e.images))
+    engine.interruptible = True
+    try:
+        [[c]] = asyncio.run(engine.generate([prompt], 1, SamplingParams(max_tokens=4)))
+    finally:
+        engine.interruptible = False
+    assert c.prompt_ids.tolist() == widened and pad not in c.token_ids.tolist()
+
 
 def assert_same_logprobs(m: dict[str, float]) -> None:
     """The issue's bound, KL < 1e-3, and each token's ratio within 1e-4 of 1 (a random tiny

@@ -24,33 +24,77 @@ With torchvision installed (a CUDA build of vLLM) neither is changed.
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
 import importlib.util
 import sys
+from types import ModuleType
 
 TORCHVISION_PROCESSOR = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
+VLLM_QWEN2_VL = "vllm.model_executor.models.qwen2_vl"
 
 
 def register() -> None:
-    """Run by vLLM in each of its processes; safe to run more than once."""
-    if _has_torchvision():
+    """Run by vLLM in each of its processes; safe to run more than once. Costs nothing until
+    vLLM imports its Qwen2-VL module (importing it here would add seconds to every process of
+    a text-only run)."""
+    if any(isinstance(f, _Qwen2VLHook) for f in sys.meta_path) or _has_torchvision():
         return
+    if VLLM_QWEN2_VL in sys.modules:
+        _prepare()
+        _patch(sys.modules[VLLM_QWEN2_VL])
+    else:
+        sys.meta_path.insert(0, _Qwen2VLHook())
+
+
+class _Qwen2VLHook(importlib.abc.MetaPathFinder):
+    """Finds vLLM's Qwen2-VL module as usual, and wraps its loading in `_prepare`/`_patch`."""
+
+    def find_spec(self, name, path, target=None):
+        if name != VLLM_QWEN2_VL:
+            return None
+        sys.meta_path.remove(self)  # once; and find_spec below must not find this hook again
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _PatchingLoader(spec.loader)
+        return spec
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, loader: importlib.abc.Loader):
+        self.loader = loader
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        _prepare()
+        self.loader.exec_module(module)
+        _patch(module)
+
+
+def _prepare() -> None:
     if TORCHVISION_PROCESSOR not in sys.modules:
         from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl
 
         sys.modules[TORCHVISION_PROCESSOR] = image_processing_pil_qwen2_vl
     import tandem.weights.tiny_vlm  # noqa: F401  (registers TinyVLProcessor with AutoProcessor)
-    from transformers import Qwen2VLProcessor
-    from vllm.model_executor.models.qwen2_vl import Qwen2VLProcessingInfo
 
-    def get_hf_processor(self: Qwen2VLProcessingInfo, **kwargs: object) -> Qwen2VLProcessor:
+
+def _patch(module: ModuleType) -> None:
+    from transformers import Qwen2VLProcessor
+
+    info = module.Qwen2VLProcessingInfo
+
+    def get_hf_processor(self, **kwargs: object) -> Qwen2VLProcessor:
         # a tuple of classes makes vLLM load through AutoProcessor and check the type
         return self.ctx.get_hf_processor((Qwen2VLProcessor,), **kwargs)
 
-    def get_supported_mm_limits(self: Qwen2VLProcessingInfo) -> dict[str, int | None]:
+    def get_supported_mm_limits(self) -> dict[str, int | None]:
         return {"image": None}  # videos need the video processor, hence torchvision
 
-    Qwen2VLProcessingInfo.get_hf_processor = get_hf_processor
-    Qwen2VLProcessingInfo.get_supported_mm_limits = get_supported_mm_limits
+    info.get_hf_processor = get_hf_processor
+    info.get_supported_mm_limits = get_supported_mm_limits
 
 
 def _has_torchvision() -> bool:
