@@ -457,17 +457,20 @@ class Supervisor:
         does not wait to be asked, and leaves its last status on disk (`_read_final_status`)."""
         master = self.children[0]
         call = asyncio.ensure_future(client.call(GetStatus(), timeout=2.0, retries=0))
-        exit_seen = asyncio.ensure_future(until_exit([master], 2.0))
         try:
-            await asyncio.wait([call, exit_seen], return_when=asyncio.FIRST_COMPLETED)
-            if call.done() and not call.cancelled() and call.exception() is None:
+            while not call.done() and master.returncode is None:
+                # until_exit returns on the master's exit, or after a slice without one
+                exit_seen = asyncio.ensure_future(until_exit([master], 2.0))
+                await asyncio.wait([call, exit_seen], return_when=asyncio.FIRST_COMPLETED)
+                exit_seen.cancel()
+                await asyncio.gather(exit_seen, return_exceptions=True)
+            if call.done() and call.exception() is None:
                 self.progress.status = call.result()
             elif call.done() and not isinstance(call.exception(), (PeerDead, RequestFailed)):
                 call.result()
         finally:
-            for task in (call, exit_seen):
-                task.cancel()
-            await asyncio.gather(call, exit_seen, return_exceptions=True)
+            call.cancel()
+            await asyncio.gather(call, return_exceptions=True)
 
     def _read_final_status(self) -> None:
         """The status the master wrote as it closed (newer than any it answered)."""
