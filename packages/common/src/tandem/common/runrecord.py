@@ -148,7 +148,13 @@ def read_run_record(path: str | Path) -> RunRecord | None:
     """The run a journal records, or None when it holds no whole first record."""
     from .codec import decode
     from .errors import ProtocolError
-    from .messages.master import RunAmended, RunStarted, TrainerResumed, TrainerStepDone
+    from .messages.master import (
+        JournalSnapshot,
+        RunAmended,
+        RunStarted,
+        TrainerResumed,
+        TrainerStepDone,
+    )
 
     try:
         data = Path(path).read_bytes()
@@ -167,6 +173,9 @@ def read_run_record(path: str | Path) -> RunRecord | None:
         except ProtocolError:
             break
         if record is None:
+            if isinstance(msg, JournalSnapshot):  # a compacted journal: the run so far
+                record = RunRecord(msg.run_id, msg.total_steps, msg.config, msg.trainer_steps)
+                continue
             if not isinstance(msg, RunStarted):
                 break
             record = RunRecord(msg.run_id, msg.total_steps, msg.config)

@@ -148,6 +148,17 @@ class RunClock:
     # trainer resumed from an older checkpoint moves the newer versions aside, and a grant
     # made from the journal's `newest` named a version that was gone (issue 32 item 5)
     awaiting_trainer: bool = False
+    # Bounded memory: the trainer resumes only from a checkpoint it keeps (the newest
+    # `keep_checkpoints` reported), so the steps before the oldest of them are never released,
+    # granted or reported again. Their per-step and per-batch entries above are dropped
+    # (`checkpointed`); what later questions still need of them is kept as totals: how many
+    # completed batches and extra batches they took (asynchronous numbering), and for a stale
+    # report of one of their batches, the explorer's newest report (`is_reported`).
+    keep_checkpoints: int = 2
+    checkpoints: list[int] = field(default_factory=list)  # the newest reported, oldest first
+    forgotten_through: int = 0  # steps before it are forgotten
+    completed_base: int = 0  # completed batches dropped from the head of completed_groups
+    forgotten_extra: int = 0  # extra batches of the forgotten steps
 
     # -- inputs --------------------------------------------------------------------------------
 
@@ -231,7 +242,11 @@ class RunClock:
 
     def is_reported(self, name: str, step: int, batch: int | None) -> bool:
         """`name` already reported `batch` of `step`: it was counted, and is never again."""
-        return batch is not None and self.reported.get(batch) == (name, step)
+        if batch is None:
+            return False
+        if step < self.forgotten_through:  # trained and checkpointed: a report is a repeat
+            return self.newest_reported.get(name, -1) >= batch
+        return self.reported.get(batch) == (name, step)
 
     def holds(self, name: str) -> tuple[tuple[int, int, int] | None, int | None]:
         """What `name` holds as the master counts it: the batch granted and not reported, as
@@ -296,6 +311,46 @@ class RunClock:
             raise StepMismatch(f"the trainer reported step {step}, but the master has "
                                f"released {released}")
 
+    def checkpointed(self, step: int) -> None:
+        """The trainer wrote a checkpoint holding steps 0..step-1. Once it keeps
+        `keep_checkpoints` of them, the steps before the oldest are forgotten."""
+        self.checkpoints = sorted({*self.checkpoints, step})[-self.keep_checkpoints:]
+        if len(self.checkpoints) == self.keep_checkpoints:
+            self._forget(min(self.checkpoints[0], self.trainer_done))
+
+    def _forget(self, floor: int) -> None:
+        if floor <= self.forgotten_through:
+            return
+        steps = range(self.forgotten_through, floor)
+        if self.plan.asynchronous:
+            per = self.plan.batches_per_step
+            dropped = sum(self.windows[s][1] if s in self.windows else per for s in steps)
+            self.forgotten_extra += sum(self.extra.get(s, 0) for s in steps)
+        else:
+            dropped = len(self.completed_groups)  # read by asynchronous plans only
+        del self.completed_groups[:dropped], self.completed_informative[:dropped]
+        self.completed_base += dropped
+        for per_step in (self.done, self.groups, self.informative, self.extra, self.windows):
+            for s in steps:
+                per_step.pop(s, None)
+        self.uncounted = {s for s in self.uncounted if s >= floor}
+        self.reported = {b: r for b, r in self.reported.items() if r[1] >= floor}
+        # a resume goes back to `floor` at the earliest: of the versions up to it, the newest
+        older = [v for v in self.published_versions if v <= floor]
+        self.published_versions = [v for v in self.published_versions
+                                   if v > floor or older and v == max(older)]
+        self.forgotten_through = floor
+
+    def extend(self, total_steps: int) -> list[Decision]:
+        """The run was made longer on resume (`--resume --set master.total_steps=N`, restored
+        from a snapshot): a run that stopped for being done goes on."""
+        if total_steps == self.total_steps:
+            return []
+        self.total_steps = total_steps
+        if self.stopped and not self.exhausted and self.trainer_done < total_steps:
+            self.stopped, self.stop = False, None
+        return self._release()
+
     def trainer_step_done(self, step: int) -> list[Decision]:
         self.trainer_done = max(self.trainer_done, step + 1)
         self.awaiting_trainer = False  # its lineage goes on
@@ -336,6 +391,11 @@ class RunClock:
         if step > self.trainer_done:
             raise StepMismatch(f"the trainer resumed at step {step} but the master counted "
                                f"only {self.trainer_done} trainer steps")
+        if step < self.forgotten_through:
+            raise StepMismatch(f"the trainer resumed at step {step}, before its checkpoint of "
+                               f"step {self.forgotten_through} (the oldest of the "
+                               f"{self.keep_checkpoints} it keeps, trainer.keep_checkpoints)")
+        self.checkpoints = [c for c in self.checkpoints if c <= step]
         if step < self.trainer_done:
             self.trainer_done = step
             if self.plan.method == "nccl":
@@ -418,12 +478,13 @@ class RunClock:
             return self.windows[step]
         per = self.plan.batches_per_step
         first = self._first_batch(step)
-        have = len(self.completed_groups) - first
+        have = len(self.completed_groups) + self.completed_base - first
         if have < per:
             return None
         if self.top_up_target is None:
             return first, per
-        counts = self.completed_informative[first:first + min(have, per + self.max_extra)]
+        head = first - self.completed_base
+        counts = self.completed_informative[head:head + min(have, per + self.max_extra)]
         for n in range(per, len(counts) + 1):
             if (None in counts[:n] or sum(counts[:n]) >= self.top_up_target
                     or n == per + self.max_extra):
@@ -436,13 +497,14 @@ class RunClock:
         they shift every later batch back to the step that will train it: the staleness bound
         is then the one of that step, not of one further ahead, and the plan's total counts
         them as the steps' own."""
-        taken = sum(self.extra.get(s, 0) for s in self.windows)
+        taken = self.forgotten_extra + sum(self.extra.get(s, 0) for s in self.windows)
         return self.plan.step_of_batch(max(0, live - taken))
 
     def _first_batch(self, step: int) -> int:
         """Asynchronous plans: the index, in completion order, of step `step`'s first batch."""
         per = self.plan.batches_per_step
-        return sum(self.windows[s][1] if s in self.windows else per for s in range(step))
+        return self.completed_base + sum(self.windows[s][1] if s in self.windows else per
+                                         for s in range(self.forgotten_through, step))
 
     def counters(self) -> dict[str, Any]:
         return dict(total_steps=self.total_steps, trainer_steps_done=self.trainer_done,
@@ -470,7 +532,8 @@ class RunClock:
             if self.plan.asynchronous:
                 first, batches = self.windows[t] = self._window(t)
                 self.extra[t] = batches - self.plan.batches_per_step
-                counts = self.completed_groups[first:first + batches]
+                head = first - self.completed_base
+                counts = self.completed_groups[head:head + batches]
                 groups = None if None in counts else sum(counts)
             else:
                 batches = len(self.done.get(t, ())) + self.extra.get(t, 0)
@@ -569,7 +632,7 @@ class RunClock:
             return []
         if any(s.running is not None or s.redo is not None for s in self.alive):
             return []
-        have = len(self.completed_groups) - self._first_batch(t)
+        have = len(self.completed_groups) + self.completed_base - self._first_batch(t)
         wanted = max(1, self.plan.batches_per_step - have)
         out: list[Barrier] = []
         for slot in self.producing:

@@ -36,6 +36,7 @@ from tandem.common.messages.master import (
     ExplorerStepDone,
     GetStatus,
     Goodbye,
+    JournalSnapshot,
     LeaseExpired,
     LeaseStatus,
     LeaseTasks,
@@ -68,6 +69,7 @@ from tandem.common.trace import Tracer
 
 from .clock import DeclaredDead, Decision, RunClock, StepMismatch
 from .journal import Journal, JournalError
+from .snapshot import capture, restore
 from .taskset import TaskDispatcher, load_rows
 
 log = structlog.get_logger(__name__)
@@ -137,6 +139,7 @@ class Master:
                               top_up_target=tc.groups_per_step if tc.dynamic_sampling else None,
                               max_extra=tc.max_oversample,
                               colocated=colocated_explorer(config),
+                              keep_checkpoints=tc.keep_checkpoints,
                               colocated_sleeps_last=not evaluates_at_end(
                                   config, colocated_explorer(config)))
         # sync.max_staleness: auto: the rule, and the bound with what was measured under it
@@ -149,7 +152,8 @@ class Master:
                              and config.logging.trace else None, "master")
         self.registry: dict[str, Registration] = {}
         self.liveness = Liveness(config.transport.liveness)
-        self.journal = Journal(self.run_dir / cfg.journal)
+        self.journal = Journal(self.run_dir / cfg.journal,
+                               compact_bytes=cfg.journal_compact_bytes)
         self.run_id = f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         self.server = RpcServer(cfg.address, name="master", transport=config.transport)
         self.publisher = Publisher(cfg.publish_address, name="master",
@@ -294,11 +298,16 @@ class Master:
         before they change anything, so a refused message leaves no trace."""
         decisions = self._appliers[type(msg)](msg)
         self.journal.append(msg)
+        if self.journal.compaction_due:
+            self.journal.compact(capture(self))
         return decisions
 
     def _replay(self) -> None:
         path = self.journal.path
         for number, msg in self.journal.replay():
+            if isinstance(msg, JournalSnapshot):  # first, standing for records 1..number
+                restore(self, msg, f"{path} snapshot of records 1..{number}")
+                continue
             where = f"{path} record {number}"
             apply = self._appliers.get(type(msg))
             if apply is None:
@@ -472,6 +481,7 @@ class Master:
 
     def _apply_trainer_checkpointed(self, msg: TrainerCheckpointed) -> list[Decision]:
         self.trainer_checkpoint = msg.step
+        self.clock.checkpointed(msg.step)
         return []
 
     def _apply_awaiting(self, msg: AwaitingTrainer) -> list[Decision]:

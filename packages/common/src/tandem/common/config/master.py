@@ -110,6 +110,10 @@ class MasterConfig(Section):
     journal: str = Field(default="master/journal.bin",
                          description="the run journal (the messages that changed the run), "
                                      "relative to the run dir")
+    journal_compact_bytes: int = Field(
+        default=16 * 2**20, ge=0,
+        description="bytes of records after which the master writes its state as a snapshot "
+                    "that replaces the journal (bounds its size and replay time); 0: never")
     stop_grace: float = Field(default=2.0, ge=0,
                               description="seconds the master keeps serving after `Stop`, so "
                                           "every component hears it and `tandem status` works")

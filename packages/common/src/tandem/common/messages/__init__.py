@@ -48,6 +48,7 @@ from .master import (
     ExplorerStepDone,
     GetStatus,
     Goodbye,
+    JournalSnapshot,
     LeaseExpired,
     LeaseStatus,
     LeaseTasks,

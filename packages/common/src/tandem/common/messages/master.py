@@ -26,6 +26,7 @@ accepted request that changes the run's state, plus the master's own decisions b
 (`RunStarted`, `RunAmended`, `TasksLeased`, `TasksExhausted`, `LeaseExpired`, `ExplorerLeft`,
 `StalenessSet`),
 each encoded with `tandem.common.codec` and replayed through the handler that applied it live.
+A compacted journal starts with `JournalSnapshot`, the state its earlier records built.
 """
 
 from __future__ import annotations
@@ -371,6 +372,20 @@ class RunStarted(Message):
     config: dict[str, Any] | None = Field(
         default=None, description="the run's config, resolved, secrets as ${env:...} "
                                   "references (tandem.common.runrecord); None in older journals")
+
+
+@wire("master.journal.snapshot")
+class JournalSnapshot(Message):
+    """Master to its journal, first record of a compacted journal: the state that replaying
+    records 1..`records` built (docs/master.md, "Compaction"); the records after it follow."""
+
+    records: int = Field(ge=1, description="the records this snapshot stands for")
+    format: int = Field(ge=1, description="the layout of `state` (tandem.master.snapshot)")
+    run_id: str
+    total_steps: int = Field(ge=1)
+    config: dict[str, Any] | None = None
+    trainer_steps: int = Field(ge=0, description="trainer steps counted")
+    state: dict[str, Any]
 
 
 @wire("master.journal.amended")
