@@ -31,8 +31,13 @@ Measured per scale, over the steps after --warmup:
 - buffer put and sample throughput, database size with pruning (peak and at the end);
 - journal size and replay time (`Master._replay`, in this process), extrapolated linearly to
   --target-steps; and the replayed state against the live master's (accounting, not timing).
-A last phase (--journal-steps, default 10,000) writes a journal of that many steps with one
-explorer through the real master and times its replay, which shows the replay is linear.
+A last phase (--journal-explorers, --journal-steps: 1 explorer x 10,000 steps and 256 x 1,000)
+writes journals through the master's own commit path (`Master._commit`: the apply methods and
+the journal the handlers use, in this process, no sockets), twice from the same messages: with
+compaction off (the journal as it grew before compaction) and with `master.journal_compact_bytes`
+(default: the config's). Each is replayed in a fresh process (seconds, peak RSS, the state's
+counters); with --before-src, the uncompacted one also by an older tandem checkout (the code
+before compaction), side by side.
 
     .venv/bin/python tools/bench_scale.py [--explorers 16,64,256] [--steps 40,30,20] [--quick]
 """
@@ -565,6 +570,141 @@ def summarise(n: int, steps: int, args, run, tr: dict, stats: list[dict], replay
         explorer_hosts_cpu_s=sum(s["cpu"] for s in stats))
 
 
+# -- the journal: compacted, against one that only grows ----------------------------------------
+
+REPLAY = """
+import json, resource, sys, time
+from tandem.common.config import load_config
+from tandem.common.logging import configure_logging
+from tandem.master.service import Master
+configure_logging("bench-scale-replay", level="error")
+master = Master(load_config(sys.argv[1], sys.argv[2:]))
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+began = time.perf_counter()
+master._replay()
+seconds = time.perf_counter() - began
+print(json.dumps(dict(seconds=seconds, records=master.journal.records,
+                      counters=master.status().counters.model_dump(),
+                      rss_before_mb=base / 1024,
+                      peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)))
+"""
+
+
+def replay_in_process(config: Path, overrides: list[str], src: Path | None = None) -> dict:
+    """Replay a journal in a fresh process: with `src`, an older tandem checkout's packages."""
+    env = dict(os.environ)
+    if src is not None:
+        env["PYTHONPATH"] = os.pathsep.join(str(p) for p in sorted(src.glob("packages/*/src")))
+    out = subprocess.run([sys.executable, "-c", REPLAY, str(config), *overrides], env=env,
+                         capture_output=True, text=True, timeout=3600)
+    if out.returncode:
+        raise RuntimeError(f"replay ({src or 'this tree'}) failed: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def write_journals(root: Path, n: int, steps: int, args) -> dict:
+    """The same run journaled twice through `Master._commit`, without and with compaction: a
+    synchronous run of `n` explorers and `steps` steps, records as the live master's."""
+    from tandem.common.config import load_config
+    from tandem.common.messages.master import PlanKnobs, RunStarted, TasksLeased
+    from tandem.master.service import Master
+
+    root.mkdir(parents=True)
+    config = write_run(root, n, 10, args)  # 10 steps of tasks, over steps / 10 epochs
+    common = [f"master.total_steps={steps}", f"master.taskset.epochs={max(1, steps // 10)}"]
+    plain = common + [f"run_dir={root / 'plain'}", "master.journal_compact_bytes=0"]
+    compacted = common + [f"run_dir={root / 'compacted'}"]
+    if args.journal_compact_bytes is not None:
+        compacted.append(f"master.journal_compact_bytes={args.journal_compact_bytes}")
+    masters = [Master(load_config(str(config), o)) for o in (plain, compacted)]
+    spent, snapshots = [0.0, 0.0], []
+    for m in masters:
+        m._replay()
+        m.journal.open()
+        m._commit(RunStarted(run_id="bench-journal", total_steps=steps,
+                             plan=PlanKnobs(**m.plan.describe())))
+    masters[1].journal.on_compaction_step = (
+        lambda step: step == "dir_synced" and snapshots.append(masters[1].journal._bytes))
+    barriers, goes = [], []
+
+    def commit(msg) -> None:
+        for i, m in enumerate(masters):
+            began = time.perf_counter()
+            decisions = m._commit(msg)
+            spent[i] += time.perf_counter() - began
+        for topic, d in decisions:
+            (barriers if topic.startswith("barrier.") else goes if topic == "trainer"
+             else []).append(d)
+
+    commit(Register(name="trainer", role="trainer"))
+    for i in range(n):
+        commit(Register(name=f"explorer-{i}", role="explorer"))
+    metrics = dict(reward_mean=0.5, response_len_mean=1875.0, generated_tokens=30000.0,
+                   rollout_s=args.rollout_seconds, tokens_per_s=15000.0)
+    dispatcher = masters[0].dispatcher
+    while barriers or goes:
+        while barriers:
+            b = barriers.pop(0)
+            lease = dispatcher.new_lease_id()
+            commit(TasksLeased(lease_id=lease, explorer=b.explorer, step=b.step,
+                               refs=dispatcher.plan_lease(args.tasks_per_explorer),
+                               deadline=time.time() + 300, granted_at=time.time()))
+            commit(CompleteTasks(lease_id=lease))
+            commit(ExplorerStepDone(explorer=b.explorer, step=b.step, version=b.version,
+                                    batch=b.batch, informative=args.tasks_per_explorer,
+                                    experiences=args.tasks_per_explorer * args.repeat,
+                                    metrics=metrics))
+        if goes:
+            go = goes.pop(0)
+            commit(TrainerStepDone(step=go.step, version=go.step + 1, metrics=TRAINER_METRICS))
+            if go.publish is not None:
+                commit(WeightsPublished(version=go.publish, method="checkpoint",
+                                        path=f"weights/v{go.publish}"))
+            if (go.step + 1) % args.checkpoint_every == 0:
+                commit(TrainerCheckpointed(step=go.step + 1))
+    assert all(m.clock.stopped and m.clock.trainer_done == steps for m in masters)
+    paths = [m.journal.path for m in masters]
+    for m in masters:
+        m.journal.close()
+    return dict(config=config, overrides=(plain, compacted), bytes=[p.stat().st_size for p in paths],
+                records=masters[0].journal.records, commit_s=spent, snapshots=len(snapshots),
+                snapshot_bytes=snapshots[-1] if snapshots else 0,
+                compact_bytes=masters[1].journal.compact_bytes)
+
+
+def journal_phase(root: Path, n: int, steps: int, args) -> dict:
+    j = write_journals(root, n, steps, args)
+    # replay compacts nothing (only a commit does), and an older tandem has no such key
+    plain, compacted = ([o for o in os_ if "journal_compact_bytes" not in o]
+                        for os_ in j.pop("overrides"))
+    config = j.pop("config")
+    j["replay"] = {"this tree, uncompacted": replay_in_process(config, plain),
+                   "this tree, compacted": replay_in_process(config, compacted)}
+    if args.before_src:
+        j["replay"]["before, uncompacted"] = replay_in_process(config, plain,
+                                                               Path(args.before_src))
+    counters = [r["counters"] for r in j["replay"].values()]
+    j.update(explorers=n, steps=steps,
+             replay_matches=all(c == counters[0] for c in counters))
+    return j
+
+
+def journal_table(journals: list[dict]) -> None:
+    print(f"journal: {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
+    print(f"{'expl':>5} {'steps':>6} {'records':>9} {'replayed by':<24} {'on disk MB':>10} "
+          f"{'replay s':>9} {'peak RSS MB':>11} {'snapshots':>9} {'commit s':>8}")
+    for j in journals:
+        for label, r in j["replay"].items():
+            compacted = label.endswith(", compacted")
+            print(f"{j['explorers']:>5} {j['steps']:>6} {j['records']:>9} {label:<24} "
+                  f"{j['bytes'][compacted] / 1e6:>10.2f} {r['seconds']:>9.2f} "
+                  f"{r['peak_rss_mb'] - r['rss_before_mb']:>+11.1f} "
+                  f"{j['snapshots'] if compacted else '-':>9} "
+                  f"{j['commit_s'][compacted]:>8.2f}")
+        print(f"      (every replay to the same counters: {j['replay_matches']}; compaction "
+              f"every {j['compact_bytes'] / 2**20:g} MiB)")
+
+
 def table(rows: list[dict], args) -> None:
     print(f"control plane, synchronous plan over files, {args.tasks_per_explorer} tasks x "
           f"{args.repeat} responses of {args.tokens[0]}-{args.tokens[1]} tokens per explorer "
@@ -592,7 +732,8 @@ def table(rows: list[dict], args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--explorers", default="16,64,256", help="scales, comma-separated")
+    parser.add_argument("--explorers", default="16,64,256",
+                        help="scales, comma-separated (\"\": only the journal phase)")
     parser.add_argument("--steps", default="40,30,20",
                         help="steps per scale (one value, or one per scale)")
     parser.add_argument("--warmup", type=int, default=3, help="steps not measured, per scale")
@@ -612,9 +753,17 @@ def main() -> None:
                         help="the real step the control plane's share is taken of")
     parser.add_argument("--target-steps", type=int, default=10_000,
                         help="run length the journal figures are extrapolated to")
-    parser.add_argument("--journal-steps", type=int, default=10_000,
-                        help="steps of the one-explorer run whose journal replay is timed "
-                             "(0: skip)")
+    parser.add_argument("--journal-explorers", default="1,256",
+                        help="explorers of each journal written and replayed (comma-separated)")
+    parser.add_argument("--journal-steps", default="10000,1000",
+                        help="steps of each journal (one value, or one per --journal-explorers;"
+                             " 0: skip the phase)")
+    parser.add_argument("--journal-compact-bytes", type=int, default=None,
+                        help="master.journal_compact_bytes of the compacted journal (default: "
+                             "the config's)")
+    parser.add_argument("--before-src", default=None,
+                        help="a checkout of an older tandem (e.g. a git worktree) whose master "
+                             "also replays the uncompacted journal, for a before/after")
     parser.add_argument("--quick", action="store_true",
                         help="tiny sizes, seconds: checks the tool, measures nothing")
     parser.add_argument("--out", default=".bench/scale.json")
@@ -628,41 +777,42 @@ def main() -> None:
         args.explorers, args.steps, args.warmup, args.tokens = "3", "6", 1, "16-64"
         args.tasks_per_explorer, args.repeat = 2, 2
         args.rollout_seconds, args.train_seconds, args.idle_seconds = 0.05, 0.02, 0.3
-        args.checkpoint_every, args.journal_steps = 2, 0
+        args.checkpoint_every, args.journal_steps = 2, "0"
     args.tokens = tuple(int(x) for x in args.tokens.split("-"))
-    scales = [int(x) for x in args.explorers.split(",")]
+    scales = [int(x) for x in args.explorers.split(",") if x]  # "": the journal phase only
     steps = [int(x) for x in args.steps.split(",")]
-    steps = steps * len(scales) if len(steps) == 1 else steps
-    if len(steps) != len(scales) or min(steps) < args.warmup + 2:
+    steps = steps * len(scales) if len(steps) == 1 else steps[:len(scales)]
+    if scales and (len(steps) != len(scales) or min(steps) < args.warmup + 2):
         parser.error("--steps: one value, or one per scale, each at least --warmup + 2")
+    journal_scales = [int(x) for x in args.journal_explorers.split(",")]
+    journal_steps = [int(x) for x in args.journal_steps.split(",")]
+    journal_steps = (journal_steps * len(journal_scales) if len(journal_steps) == 1
+                     else journal_steps)
+    if len(journal_steps) != len(journal_scales):
+        parser.error("--journal-steps: one value, or one per --journal-explorers")
+    if not any(journal_steps):
+        journal_scales = journal_steps = []
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
         for n, k in zip(scales, steps):
             rows.append(asyncio.run(simulate(n, k, args, Path(tmp) / f"n{n}")))
             print(f"{n} explorers: {rows[-1]['step_wall_s']:.3f} s/step", flush=True)
-        journal = None
-        if args.journal_steps:
-            one = argparse.Namespace(**{**vars(args), "tokens": (16, 64), "repeat": 2,
-                                        "tasks_per_explorer": 1, "rollout_seconds": 0.0,
-                                        "train_seconds": 0.0, "idle_seconds": 0.5,
-                                        "checkpoint_every": 100})
-            r = asyncio.run(simulate(1, args.journal_steps, one, Path(tmp) / "journal"))
-            journal = dict(steps=r["steps"], bytes=r["journal_bytes"],
-                           records=r["journal_records"], replay_s=r["replay_s"],
-                           replay_matches_live=r["accounting"]["replay_matches_live"],
-                           step_wall_s=r["step_wall_s"])
-    table(rows, args)
-    if journal:
-        print(f"journal of {journal['steps']} steps, 1 explorer, written by the real master: "
-              f"{journal['bytes'] / 1e6:.1f} MB, {journal['records']} records, replayed in "
-              f"{journal['replay_s']:.2f} s (state as live: {journal['replay_matches_live']})")
+        journals = []
+        for n, k in zip(journal_scales, journal_steps):
+            journals.append(journal_phase(Path(tmp) / f"journal-{n}", n, k, args))
+            print(f"journal of {n} explorers x {k} steps: done", flush=True)
+    if rows:
+        table(rows, args)
+    if journals:
+        journal_table(journals)
     bad = [(r["explorers"], k) for r in rows for k, v in r["accounting"].items()
-           if v is False]
+           if v is False] + [(j["explorers"], "journal replay_matches") for j in journals
+                             if not j["replay_matches"]]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(benchmark="control_plane_scale", date=time.strftime("%Y-%m-%d"),
                                    argv=sys.argv[1:], quick=args.quick, results=rows,
-                                   journal=journal, accounting_failures=bad), indent=2))
+                                   journals=journals, accounting_failures=bad), indent=2))
     print(f"wrote {out}")
     if bad:
         sys.exit(f"bench_scale: accounting failed: {bad}")
