@@ -101,3 +101,19 @@ def test_the_vision_quickstart_run_grades_counts_with_the_vision_reward(tmp_path
     assert config.reward.functions == {"vision": 1.0}
     assert explorer.workflow_args["reward_fn"] == "vision" and explorer.sampling.max_tokens == 3
     assert [t.path for t in config.eval.tasksets] == [str(heldout)]
+
+
+def test_colour_tasks_take_turns_and_show_their_colour(tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    from tandem.master.vision_task import COLOURS, colour_tasks
+
+    rows = colour_tasks(tmp_path, "train", 9, seed=0)
+    assert [r["answer"] for r in rows] == list("ABC" * 3)  # any 3 in a row: each colour once
+    assert colour_tasks(tmp_path / "again", "train", 9, seed=0) == rows
+    for row in rows:
+        pixels = np.asarray(Image.open(tmp_path / row["messages"][0]["content"][0]["image"]))
+        assert pixels.shape == (32, 32, 3) and (pixels == pixels[0, 0]).all()
+        nearest = min(COLOURS, key=lambda k: np.abs(pixels[0, 0] - COLOURS[k]).sum())
+        assert nearest == row["answer"] == row["truth"]["answer"]

@@ -45,7 +45,7 @@ def prompt_text(processor, row: dict[str, Any]) -> str:
 
 def warm_start_vlm(model_dir: Path, out_dir: Path, taskset: Path, *, steps: int,
                    lr: float = 1e-3, batch: int = 32, seed: int = 0) -> float:
-    """Supervised fine-tuning on image + question -> the count; returns the last loss.
+    """Supervised fine-tuning on image + question -> the answer; returns the last loss.
     The loss covers the answer and the turn's end only, not the prompt or its image tokens."""
     import torch
     from transformers import AutoModelForImageTextToText, AutoProcessor

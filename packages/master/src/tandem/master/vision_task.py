@@ -1,8 +1,12 @@
-"""The vision quickstart's synthetic task: "how many circles?", drawn with Pillow.
+"""The vision runs' synthetic tasks, drawn with Pillow: "how many circles?" and "which colour?".
 
 Each task is one small PNG of 1 to `most` filled circles (one radius; random colour and place, no
 two overlapping) on white, plus `distractors` filled squares that do not count.
 The answer is the number of circles, graded by the `vision` reward's `{"count": n}` truth.
+
+"Which colour?" (`colour_tasks`) is the easy one, for a run that must show learning in
+seconds (tests/e2e/test_vision_up.py): a picture filled with a shade of one of three colours,
+the answer the colour's letter (A red, B green, C blue), graded by the `k12` reward's choice letters.
 
 `write_taskset(folder, ...)` writes the PNGs under `folder/images/` and a JSONL taskset per
 split beside them; a row's chat `messages` carry the image as a content part whose path is
@@ -87,6 +91,41 @@ def counting_tasks(folder: Path, split: str, n: int, *, seed: int, size: int = 6
                 {"type": "image", "image": name}, {"type": "text", "text": QUESTION}]}],
             "answer": str(count),
             "truth": {"count": count},
+            "reward_args": {},
+        })
+    return rows
+
+
+COLOUR_QUESTION = "Colour?"
+COLOURS = {"A": (220, 40, 40), "B": (30, 170, 60), "C": (40, 90, 220)}
+
+
+def colour_tasks(folder: Path, split: str, n: int, *, seed: int,
+                 size: int = 32) -> list[dict[str, Any]]:
+    """`n` "which colour?" tasks, their images written to `folder/images/{split}-{i}.png`: the
+    whole picture a shade of one `COLOURS` entry (each channel moved by up to 30, so pictures
+    differ and the held-out ones are new), the answer its letter. The colours take turns, so an
+    unshuffled batch of a multiple of three tasks asks for each equally often: a step's
+    advantages then favour no letter over the others, and the policy can only gain by looking. Every patch shows the answer, so
+    a random tiny VLM reads it within about 20 supervised steps (a disc on white, a fifth of
+    the picture: not within 30)."""
+    from PIL import Image
+
+    rng = random.Random(f"{seed}:colour:{split}")
+    images = folder / "images"
+    images.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i in range(n):
+        letter = sorted(COLOURS)[i % len(COLOURS)]
+        name = f"images/{split}-{i:05d}.png"
+        shade = tuple(min(255, max(0, c + rng.randint(-30, 30))) for c in COLOURS[letter])
+        Image.new("RGB", (size, size), shade).save(folder / name, format="PNG")
+        rows.append({
+            "id": f"colour-{split}-{i}",
+            "messages": [{"role": "user", "content": [
+                {"type": "image", "image": name}, {"type": "text", "text": COLOUR_QUESTION}]}],
+            "answer": letter,
+            "truth": {"answer": letter},
             "reward_args": {},
         })
     return rows
