@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 from tandem.common.messages.master import Status
-from tandem.master.service import Master, final_status_path
+from tandem.master.journal import final_status_path
+from tandem.master.service import Master
 
 sys.path.insert(0, str(Path(__file__).parent))
 from master_peers import explorer_loop, make_config, trainer_loop

@@ -248,4 +248,10 @@ def read_journal(path: str | Path) -> list[Message]:
     return [msg for _, msg in Journal(path).replay()]
 
 
-__all__ = ["MAX_RECORD_BYTES", "Journal", "JournalError", "read_journal"]
+def final_status_path(journal: Path) -> Path:
+    """Where a master writes its `Status` as it closes: beside its journal (`tandem up` reads
+    the run's outcome there)."""
+    return journal.with_name("status.json")
+
+
+__all__ = ["MAX_RECORD_BYTES", "Journal", "JournalError", "final_status_path", "read_journal"]

@@ -68,7 +68,7 @@ from tandem.common.sync import SyncPlan
 from tandem.common.trace import Tracer
 
 from .clock import DeclaredDead, Decision, RunClock, StepMismatch
-from .journal import Journal, JournalError
+from .journal import Journal, JournalError, final_status_path
 from .snapshot import capture, restore
 from .taskset import TaskDispatcher, load_rows
 
@@ -96,11 +96,6 @@ def total_steps_for(config: RunConfig, dispatcher: TaskDispatcher | None) -> int
         raise ConfigError([f"master.taskset: {dispatcher.total} tasks (x epochs) fill no step of "
                            f"{per_step} tasks (sum of explorers[*].batch_size)"])
     return steps
-
-
-def final_status_path(journal: Path) -> Path:
-    """Where a master writes its `Status` as it closes: beside its journal."""
-    return journal.with_name("status.json")
 
 
 @dataclass
@@ -900,4 +895,4 @@ class Master:
         await asyncio.to_thread(self.journal.maybe_sync)
 
 
-__all__ = ["Master", "final_status_path", "total_steps_for"]
+__all__ = ["Master", "total_steps_for"]

@@ -255,6 +255,8 @@ class Supervisor:
 
     def prepare(self) -> Path:
         private_run_dir(self.run_dir)
+        # an earlier invocation's last status (a resume): never this run's outcome
+        self._final_status_path().unlink(missing_ok=True)
         path = self.run_dir / "config.yaml"
         data = self.config.model_dump(mode="json")
         metrics = data["logging"]["metrics"]
@@ -474,13 +476,16 @@ class Supervisor:
 
     def _read_final_status(self) -> None:
         """The status the master wrote as it closed (newer than any it answered)."""
-        from .service import final_status_path
-
-        path = final_status_path(self.run_dir / self.config.master.journal)
+        path = self._final_status_path()
         try:
             self.progress.status = Status.model_validate_json(path.read_text())
         except (OSError, ValueError) as exc:
             log.warning("up.final_status_unread", path=str(path), error=str(exc))
+
+    def _final_status_path(self) -> Path:
+        from .journal import final_status_path
+
+        return final_status_path(self.run_dir / self.config.master.journal)
 
     def _clean_exit_unexplained(self) -> bool:
         return not self._stopped() and self.children[0].returncode is None and any(
