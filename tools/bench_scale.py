@@ -617,7 +617,7 @@ def write_journals(root: Path, n: int, steps: int, args) -> dict:
     if args.journal_compact_bytes is not None:
         compacted.append(f"master.journal_compact_bytes={args.journal_compact_bytes}")
     masters = [Master(load_config(str(config), o)) for o in (plain, compacted)]
-    spent, snapshots = [0.0, 0.0], []
+    spent, snapshots, compaction_s = [0.0, 0.0], [], []
     for m in masters:
         m._replay()
         m.journal.open()
@@ -629,9 +629,11 @@ def write_journals(root: Path, n: int, steps: int, args) -> dict:
 
     def commit(msg) -> None:
         for i, m in enumerate(masters):
-            began = time.perf_counter()
+            before, began = len(snapshots), time.perf_counter()
             decisions = m._commit(msg)
             spent[i] += time.perf_counter() - began
+            if len(snapshots) > before:  # this commit compacted: capture, write, 2 fsyncs
+                compaction_s.append(time.perf_counter() - began)
         for topic, d in decisions:
             (barriers if topic.startswith("barrier.") else goes if topic == "trainer"
              else []).append(d)
@@ -668,6 +670,7 @@ def write_journals(root: Path, n: int, steps: int, args) -> dict:
         m.journal.close()
     return dict(config=config, overrides=(plain, compacted), bytes=[p.stat().st_size for p in paths],
                 records=masters[0].journal.records, commit_s=spent, snapshots=len(snapshots),
+                compaction_ms=1e3 * statistics.fmean(compaction_s) if compaction_s else 0.0,
                 snapshot_bytes=snapshots[-1] if snapshots else 0,
                 compact_bytes=masters[1].journal.compact_bytes)
 
@@ -692,15 +695,16 @@ def journal_phase(root: Path, n: int, steps: int, args) -> dict:
 def journal_table(journals: list[dict]) -> None:
     print(f"journal: {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
     print(f"{'expl':>5} {'steps':>6} {'records':>9} {'replayed by':<24} {'on disk MB':>10} "
-          f"{'replay s':>9} {'peak RSS MB':>11} {'snapshots':>9} {'commit s':>8}")
+          f"{'replay s':>9} {'peak RSS MB':>11} {'snapshots':>9} {'ms each':>7} "
+          f"{'snapshot KB':>11}")
     for j in journals:
         for label, r in j["replay"].items():
             compacted = label.endswith(", compacted")
             print(f"{j['explorers']:>5} {j['steps']:>6} {j['records']:>9} {label:<24} "
                   f"{j['bytes'][compacted] / 1e6:>10.2f} {r['seconds']:>9.2f} "
-                  f"{r['peak_rss_mb'] - r['rss_before_mb']:>+11.1f} "
-                  f"{j['snapshots'] if compacted else '-':>9} "
-                  f"{j['commit_s'][compacted]:>8.2f}")
+                  f"{r['peak_rss_mb']:>11.1f} {j['snapshots'] if compacted else '-':>9} "
+                  f"{j['compaction_ms'] if compacted else 0:>7.1f} "
+                  f"{j['snapshot_bytes'] / 1e3 if compacted else 0:>11.1f}")
         print(f"      (every replay to the same counters: {j['replay_matches']}; compaction "
               f"every {j['compact_bytes'] / 2**20:g} MiB)")
 
