@@ -117,6 +117,9 @@ def test_every_component_signalled_at_once_stops_within_its_bound(tmp_path, tiny
     saved = [e for e in after if e.get("event") == "checkpoint.saved"]
     calls = [e for e in after if e.get("event") == "rpc.stopping_call"
              and e["type"] != "heartbeat"]
+    # its Goodbye to the master comes last, after every report (docs/protocol.md)
+    assert [e["type"] for e in calls][-1:] == ["master.goodbye"], calls
+    calls = calls[:-1]
     if learner == counted:
         assert saved and saved[-1]["step"] == counted, (counted, saved)
         assert [e["type"] for e in calls][-2:] == [
