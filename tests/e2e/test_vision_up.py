@@ -4,8 +4,9 @@ on a tiny Qwen2-VL with the "which colour?" task, every assertion read from the 
 The task images reach the buffer once each, the experiences name them, the trainer builds
 their inputs (`batch/images`), the placeholders stay out of the action mask, the trainer's
 logprobs agree with the engine's (`mismatch/kl`), and the reward rose. The model is warm-started
-by 12 SFT steps, enough for the format and a start on the colours (sampled reward about 0.4,
-chance 1/3), and GRPO takes it to about 0.9 in 15 steps. Fixed seeds, an unshuffled taskset
+by 12 SFT steps of seed 0, enough for the format and a start on the colours (sampled reward
+about 0.4, chance 1/3; other SFT seeds learn the colours outright, docs/vision.md), and GRPO
+takes it to about 0.85 in 15 steps. Fixed seeds, an unshuffled taskset
 whose colours take turns (each step asks for each colour equally often) and the synchronous
 preset (step s rolled out on version s) make the run the same every time: the verdict counts
 steps, never seconds.
