@@ -62,6 +62,10 @@ def test_spans_are_timed_with_tokens_and_sync_bytes(tmp_path):
     endpoint.observe_spans(tracer)
     tracer.record("train", 10.0, 12.5, step=0, tokens=300)
     tracer.record("sync", 13.0, 13.25, version=1, method="checkpoint", bytes=4096)
+    # an asynchronous plan's version: the copy on the step's path (no bytes), then the file
+    # written and announced behind the next step, which moved the bytes
+    tracer.record("sync", 15.0, 15.01, version=2, method="checkpoint", behind=True)
+    tracer.record("publish", 15.01, 15.5, version=2, method="checkpoint", bytes=1024)
     tracer.record("wait", 14.0, 14.5, what="sample")
     tracer.event("buffer_fill", ready=3)  # an instant, not a duration: not timed
     try:
@@ -72,7 +76,8 @@ def test_spans_are_timed_with_tokens_and_sync_bytes(tmp_path):
     assert 'tandem_trainer_span_seconds_sum{kind="sync",what="checkpoint"} 0.25' in text
     assert 'tandem_trainer_span_seconds_count{kind="wait",what="sample"} 1.0' in text
     assert "tandem_trainer_tokens_total 300.0" in text
-    assert "tandem_trainer_weight_sync_bytes_total 4096.0" in text
+    assert "tandem_trainer_weight_sync_bytes_total 5120.0" in text
+    assert 'tandem_trainer_span_seconds_count{kind="publish",what="checkpoint"} 1.0' in text
     assert "buffer_fill" not in text
 
 

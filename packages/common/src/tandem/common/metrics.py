@@ -29,7 +29,7 @@ from .errors import ConfigError
 log = structlog.get_logger(__name__)
 
 # sleep / wake: a colocated explorer's engine releasing and retaking its weights
-SPAN_KINDS = ("train", "rollout", "wait", "sync", "eval", "sleep", "wake")
+SPAN_KINDS = ("train", "rollout", "wait", "sync", "publish", "eval", "sleep", "wake")
 SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
@@ -124,7 +124,9 @@ class MetricsEndpoint:
             seconds.labels(kind, str(what)).observe(span_seconds)
             if kind in ("train", "rollout") and attrs.get("tokens"):
                 tokens.inc(float(attrs["tokens"]))
-            if kind == "sync" and attrs.get("bytes"):
+            # an asynchronous plan's checkpoint is written behind the next step: its bytes are
+            # on the `publish` span, not on the short `sync` (the copy) that precedes it
+            if kind in ("sync", "publish") and attrs.get("bytes"):
                 sync_bytes.inc(float(attrs["bytes"]))
 
         tracer.observers.append(observe)
