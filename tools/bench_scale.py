@@ -692,6 +692,48 @@ def journal_phase(root: Path, n: int, steps: int, args) -> dict:
     return j
 
 
+def clock_memory(n: int, steps: int, preset: str, keep_checkpoints: int) -> dict:
+    """Bytes `RunClock` holds after a run of `n` explorers and `steps` steps with a checkpoint
+    every 10 (tracemalloc), with the trainer keeping `keep_checkpoints` of them."""
+    import tracemalloc
+    from dataclasses import replace
+
+    from tandem.common.sync import SyncPlan
+    from tandem.master.clock import RunClock
+
+    tracemalloc.start()
+    try:
+        clock = RunClock(replace(SyncPlan.preset(preset), batches_per_step=n), steps,
+                         keep_checkpoints=keep_checkpoints)
+        barriers, goes = [], []
+
+        def take(decisions) -> None:
+            for topic, d in decisions:
+                (barriers if topic.startswith("barrier.") else goes if topic == "trainer"
+                 else []).append(d)
+
+        for i in range(n):
+            take(clock.join(f"explorer-{i}"))
+        while barriers or goes:
+            if barriers:
+                b = barriers.pop(0)
+                take(clock.explorer_draining(b.explorer, b.step, b.batch))
+                take(clock.explorer_done(b.explorer, b.step, b.batch, b.version, groups=2,
+                                         informative=2))
+            if goes:
+                go = goes.pop(0)
+                take(clock.trainer_step_done(go.step))
+                if go.publish is not None:
+                    take(clock.published(go.publish))
+                if (go.step + 1) % 10 == 0:
+                    clock.checkpointed(go.step + 1)
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return dict(explorers=n, steps=steps, preset=preset, keep_checkpoints=keep_checkpoints,
+                bytes=held, reported=len(clock.reported))
+
+
 def journal_table(journals: list[dict]) -> None:
     print(f"journal: {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
     print(f"{'expl':>5} {'steps':>6} {'records':>9} {'replayed by':<24} {'on disk MB':>10} "
@@ -768,6 +810,9 @@ def main() -> None:
     parser.add_argument("--before-src", default=None,
                         help="a checkout of an older tandem (e.g. a git worktree) whose master "
                              "also replays the uncompacted journal, for a before/after")
+    parser.add_argument("--clock-steps", default="1500",
+                        help="run lengths at which RunClock's memory is measured, 8 explorers, "
+                             "with and without forgetting (\"\": skip)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny sizes, seconds: checks the tool, measures nothing")
     parser.add_argument("--out", default=".bench/scale.json")
@@ -781,7 +826,9 @@ def main() -> None:
         args.explorers, args.steps, args.warmup, args.tokens = "3", "6", 1, "16-64"
         args.tasks_per_explorer, args.repeat = 2, 2
         args.rollout_seconds, args.train_seconds, args.idle_seconds = 0.05, 0.02, 0.3
-        args.checkpoint_every, args.journal_steps = 2, "0"
+        args.checkpoint_every = 2
+        args.journal_explorers, args.journal_steps, args.journal_compact_bytes = "2", "20", 3000
+        args.clock_steps = "40"
     args.tokens = tuple(int(x) for x in args.tokens.split("-"))
     scales = [int(x) for x in args.explorers.split(",") if x]  # "": the journal phase only
     steps = [int(x) for x in args.steps.split(",")]
@@ -805,8 +852,15 @@ def main() -> None:
         for n, k in zip(journal_scales, journal_steps):
             journals.append(journal_phase(Path(tmp) / f"journal-{n}", n, k, args))
             print(f"journal of {n} explorers x {k} steps: done", flush=True)
+    clocks = [clock_memory(8, int(k), preset, keep) for k in args.clock_steps.split(",") if k
+              for preset in ("synchronous", "fully_async") for keep in (10**9, 2)]
     if rows:
         table(rows, args)
+    for c in clocks:
+        kept = "every step" if c["keep_checkpoints"] > 10**6 else (
+            f"steps after the oldest of {c['keep_checkpoints']} checkpoints")
+        print(f"RunClock, {c['explorers']} explorers, {c['preset']}, {c['steps']} steps, "
+              f"keeping {kept}: {c['bytes'] / 1e3:.0f} KB ({c['reported']} batches reported)")
     if journals:
         journal_table(journals)
     bad = [(r["explorers"], k) for r in rows for k, v in r["accounting"].items()
@@ -816,7 +870,8 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(benchmark="control_plane_scale", date=time.strftime("%Y-%m-%d"),
                                    argv=sys.argv[1:], quick=args.quick, results=rows,
-                                   journals=journals, accounting_failures=bad), indent=2))
+                                   journals=journals, clock_memory=clocks,
+                                   accounting_failures=bad), indent=2))
     print(f"wrote {out}")
     if bad:
         sys.exit(f"bench_scale: accounting failed: {bad}")

@@ -1,7 +1,7 @@
 """tools/bench_scale.py --quick: the real master and buffer against a few simulated explorers
 and a simulated trainer. Checks the tool's accounting, never its timings: every step trained
 once, every group put trained exactly once, nothing stored twice, and the master's journal
-replays to the state the live master reported."""
+replays to the state the live master reported, also compacted."""
 
 from __future__ import annotations
 
@@ -32,3 +32,7 @@ def test_quick_simulation_trains_every_step_and_group_once_and_the_journal_repla
     assert live["batches_done"] == row["explorers"] * row["steps"]
     assert acc["replay_matches_live"]
     assert row["journal_records"] > 0 and row["journal_bytes"] > 0
+    # the journal phase: the same run compacted and not, each replayed in a fresh process
+    (journal,) = report["journals"]
+    assert journal["replay_matches"] and journal["snapshots"] > 0
+    assert journal["bytes"][1] < journal["bytes"][0]
