@@ -17,6 +17,7 @@ from tandem.common.messages.base import Heartbeat
 from tandem.common.messages.master import (
     CompleteTasks,
     ExplorerStepDone,
+    JournalSnapshot,
     LeaseTasks,
     Register,
     RunStarted,
@@ -90,9 +91,12 @@ def test_the_weight_groups_member_key_never_reaches_the_journal(tmp_path):
     assert read_journal(tmp_path / "j.bin") == [published.model_copy(update={"rendezvous": None})]
 
 
-async def test_replay_reproduces_the_state_of_a_finished_run(tmp_path, zmq_sockets_closed):
+@pytest.mark.parametrize("compact", [0, 1500], ids=["uncompacted", "compacted"])
+async def test_replay_reproduces_the_state_of_a_finished_run(tmp_path, zmq_sockets_closed,
+                                                             compact):
     config = make_config(tmp_path, "sync.preset=one_step_off_policy", "master.total_steps=4",
-                         "master.task_lease_seconds=30")
+                         "master.task_lease_seconds=30",
+                         f"master.journal_compact_bytes={compact}")
     master = Master(config)
     await master.start()
     seen, trained = [], []
@@ -115,6 +119,9 @@ async def test_replay_reproduces_the_state_of_a_finished_run(tmp_path, zmq_socke
         (c.name, c.role) for c in live.components]
     assert again.dispatcher.cursor == master.dispatcher.cursor == 16
     assert again.clock.published_count == master.clock.published_count
+    # compacted by the live master's handlers: a snapshot first, then the records after it
+    head = read_journal(journal_path(tmp_path))[0]
+    assert isinstance(head, JournalSnapshot) == bool(compact)
 
 
 @pytest.mark.parametrize("tear", ["cut", "zeroed"])
