@@ -110,7 +110,10 @@ def restore(master: Master, snap: JournalSnapshot, where: str) -> None:
     clock.extend(master.clock.total_steps)  # a --resume that made the run longer
     master.clock = clock
     if state.tasks is not None:
-        tasks = master._need_taskset()
+        if master.dispatcher is None:
+            raise JournalError(f"{where}: the run leased tasks but this master has no taskset; "
+                               "set master.taskset.path as the run did")
+        tasks = master.dispatcher
         t = state.tasks
         tasks.cursor, tasks.completed, tasks.expired = t.cursor, t.completed, t.expired
         tasks.returned.clear()
