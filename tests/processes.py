@@ -155,6 +155,17 @@ def catches(pid: int, sig: int) -> bool:
     return bool(int(caught, 16) >> (sig - 1) & 1)
 
 
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
+    """`predicate()`'s first true value, polled every `interval` seconds; `timeout` only bounds
+    a hang (a verdict never rests on it: the moment waited for is the system's own event)."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what} ({timeout:g}s)")
+        time.sleep(interval)
+    return value
+
+
 def alive(pid: int) -> bool:
     """Whether `pid` still runs (a zombie, exited and not yet reaped, does not)."""
     return any(state not in "ZX" for state in thread_states(pid))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 from typing import Self
 
@@ -15,7 +14,7 @@ import yaml
 
 
 import resume_check
-from processes import alive, freeze
+from processes import alive, freeze, wait_for
 from tandem.common.messages import (
     LeaseExpired,
     TrainerResumed,
@@ -38,14 +37,6 @@ def component_pid(up_pid: int, name: str) -> int | None:
     return None
 
 
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def newest_published(run_dir: Path, *, since_resume: int = 0) -> int:

@@ -18,7 +18,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -27,7 +26,7 @@ import yaml
 
 import bench_stop
 import resume_check
-from processes import freeze
+from processes import freeze, wait_for
 from tandem.common.trace import JsonlTail, read_trace
 
 AT_STEP = 2
@@ -50,14 +49,6 @@ def write_config(tmp_path: Path, model_dir: Path, preset: str) -> Path:
     return path
 
 
-def wait_for(predicate, timeout: float, what: str):
-    """Poll `predicate` until it holds; `timeout` only bounds a hang."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def reach(proc: subprocess.Popen, run_dir: Path, record: str, step: int) -> None:

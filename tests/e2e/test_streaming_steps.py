@@ -12,14 +12,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 
-from processes import freeze
+from processes import freeze, wait_for
 from tandem.common.config import RunConfig
 from tandem.common.messages import ExplorerStepDone, StalenessSet, TasksLeased
 from tandem.common.sync import SyncPlan
@@ -67,13 +66,6 @@ def samples_scored(run_dir: Path) -> int:
                    if line.startswith("tandem_explorer_reward{") and 'stat="evaluated"' in line))
 
 
-def wait_for(predicate, what: str, timeout: float = 150):
-    """`predicate()`'s first true value; `timeout` only bounds a hang."""
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, f"no {what} within {timeout:g}s"
-        time.sleep(0.02)
-    return value
 
 
 def test_the_next_step_rolls_out_while_this_one_drains(tmp_path, tiny_model_dir):
@@ -110,10 +102,10 @@ def test_the_next_step_rolls_out_while_this_one_drains(tmp_path, tiny_model_dir)
                             stderr=subprocess.STDOUT, text=True)
     buffer = None
     try:
-        buffer = wait_for(lambda: child_pid(proc.pid, "buffer"), "buffer process", 60)
+        buffer = wait_for(lambda: child_pid(proc.pid, "buffer"), 60, "buffer process")
         freeze(buffer)
         # step 0 is 12 samples: one more scored is step 1 generating while step 0 drains
-        wait_for(lambda: samples_scored(run_dir) > 12, "sample of step 1 scored")
+        wait_for(lambda: samples_scored(run_dir) > 12, 150, "sample of step 1 scored")
         records = journal(run_dir)
         os.kill(buffer, signal.SIGCONT)
         buffer = None

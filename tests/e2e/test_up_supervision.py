@@ -8,14 +8,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import yaml
 
-from processes import freeze
+from processes import freeze, wait_for
 from tandem.common.messages import ExplorerStepDone, TrainerStepDone
 from tandem.master.journal import JournalError, read_journal
 from tandem.master.quickstart import reversal_tasks, write_jsonl
@@ -59,14 +58,6 @@ def run_processes(run_dir: Path) -> list[int]:
     return found
 
 
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def trained_steps(run_dir: Path) -> int:
