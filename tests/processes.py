@@ -194,34 +194,55 @@ def freeze(pid: int, timeout: float = 60.0) -> None:
         time.sleep(0.005)
 
 
-def run_group(argv: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
+def run_group(argv: list[str], timeout: float, *, stall: float | None = None,
+              **kwargs) -> subprocess.CompletedProcess:
     """`subprocess.run(argv, capture_output=True, text=True)` in a session of its own: past
     `timeout`, the whole group (a `tandem up` and the components it started) gets SIGTERM, then
-    SIGKILL 20 s later, before TimeoutExpired is raised, so nothing it started is left behind."""
+    SIGKILL 20 s later, before TimeoutExpired is raised, so nothing it started is left behind.
+
+    With `stall`, a run is also hung when its group spends less than a second of CPU in `stall`
+    seconds of wall-clock: a run that computes (a quickstart's SFT and GRPO) gets its share of a
+    loaded machine's cores and goes on, however long that takes up to `timeout`, while a
+    deadlock, whose processes only wait, is caught after `stall` seconds."""
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, **kwargs)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        out = err = ""
-        for sig, wait in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                pass
-            try:
-                out, err = proc.communicate(timeout=wait)
-            except subprocess.TimeoutExpired:
-                continue
-            # the leader is gone; the rest of its group got the same signal and may still be
-            # on its way out (longer on a loaded machine): gone too before this returns
-            deadline = time.monotonic() + wait
-            while _group(proc.pid) and time.monotonic() < deadline:
-                time.sleep(0.02)
-            if not _group(proc.pid):
+    deadline = time.monotonic() + timeout
+    cpu, moved = _group_cpu(proc.pid), time.monotonic()
+    while True:
+        try:
+            out, err = proc.communicate(timeout=timeout if stall is None else 5.0)
+            return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+        except subprocess.TimeoutExpired:
+            now = time.monotonic()
+            if stall is not None and (used := _group_cpu(proc.pid)) - cpu >= 1.0:
+                cpu, moved = used, now
+            if now > deadline or (stall is not None and now - moved > stall):
                 break
-        raise subprocess.TimeoutExpired(argv, timeout, output=out, stderr=err) from None
-    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+    out = err = ""
+    for sig, wait in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            out, err = proc.communicate(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
+        # the leader is gone; the rest of its group got the same signal and may still be
+        # on its way out (longer on a loaded machine): gone too before this returns
+        wait_until = time.monotonic() + wait
+        while _group(proc.pid) and time.monotonic() < wait_until:
+            time.sleep(0.02)
+        if not _group(proc.pid):
+            break
+    raise subprocess.TimeoutExpired(argv, timeout, output=out, stderr=err) from None
+
+
+def _group_cpu(pgid: int) -> float:
+    """CPU seconds spent by process group `pgid`'s processes and the children they reaped."""
+    ticks = sum(int(f[11]) + int(f[12]) + int(f[13]) + int(f[14])
+                for _, f in proc_stats() if int(f[2]) == pgid)
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _group(pgid: int) -> list[int]:

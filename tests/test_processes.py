@@ -72,6 +72,21 @@ def test_run_group_past_its_timeout_stops_the_grandchildren_too():
     assert set(descendants()) - before == set()
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="/proc")
+@pytest.mark.timeout(120)
+def test_run_group_with_stall_stops_a_group_that_only_waits_and_lets_one_that_computes_finish():
+    # a group that waits (as a deadlocked run does) is hung after `stall`, long before its
+    # `timeout` (the test's own 120 s would fail it first if `stall` did nothing)...
+    before = set(descendants())
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_group([sys.executable, "-c", ORPHANING + "; sys.stdout.flush(); p.wait()"],
+                  timeout=3600, stall=3)
+    assert set(descendants()) - before == set()
+    # ... while one that computes goes on however long a loaded machine makes it take
+    work = "import time\nend = time.process_time() + 2\nwhile time.process_time() < end: pass"
+    assert run_group([sys.executable, "-c", work], timeout=3600, stall=30).returncode == 0
+
+
 # forks a grandchild that outlives its parent, then exits once re-parented (to pytest)
 EXITING_ORPHAN = """
 import os, time

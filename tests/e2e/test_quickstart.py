@@ -10,16 +10,17 @@ from pathlib import Path
 import pytest
 from processes import run_group
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(540)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1560)]
 
 
 def test_quickstart_raises_heldout_accuracy(tmp_path):
     run_dir = tmp_path / "qs"
     tandem = Path(sys.executable).parent / "tandem"
-    # about 100 s on 2 quiet cores; the bound leaves room for a busy machine
+    # about 100 s on 2 quiet cores and about 90 s of CPU, which a loaded machine stretches to
+    # many minutes: a hang is a run that stops computing (`stall`), not a slow one
     proc = run_group(
         [str(tandem), "quickstart", "--plain", "--run-dir", str(run_dir), "--steps", "50"],
-        timeout=480)
+        timeout=1500, stall=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((run_dir / "result.json").read_text())
     assert result["after"]["sampled/accuracy"] >= result["before"]["sampled/accuracy"] + 0.1, \
