@@ -5,24 +5,17 @@ restarted buffer still holds it, and a sample carries each image once, as raw by
 from __future__ import annotations
 
 import asyncio
-import io
 import sqlite3
 
 import numpy as np
 import pytest
-from PIL import Image
+from vision_helpers import picture
 
 from tandem.common.errors import RequestFailed
 from tandem.common.images import image_hash, normalise
 from tandem.common.messages import PutExperiences, SampleGroups
 
 from buffer_helpers import Running, config_for, make_group
-
-
-def picture(color) -> bytes:
-    out = io.BytesIO()
-    Image.new("RGB", (16, 16), color).save(out, format="PNG")
-    return normalise(out.getvalue())
 
 
 def with_images(group, *hashes):
@@ -38,7 +31,7 @@ def stored_images(tmp_path) -> list[tuple[str, int]]:
 
 
 def test_an_image_is_stored_once_and_sampled_once(tmp_path):
-    red, blue = picture((255, 0, 0)), picture((0, 0, 255))
+    red, blue = normalise(picture((255, 0, 0), (16, 16))), normalise(picture((0, 0, 255), (16, 16)))
     r, b = image_hash(red), image_hash(blue)
     g1 = with_images(make_group("t1", 4), r)
     g2 = with_images(make_group("t2", 4), r, b)
@@ -72,7 +65,7 @@ def test_an_image_is_stored_once_and_sampled_once(tmp_path):
 
 @pytest.mark.parametrize("case", ["unknown", "wrong_hash"])
 def test_a_put_with_a_missing_or_false_image_is_refused_whole(tmp_path, case):
-    red = picture((255, 0, 0))
+    red = normalise(picture((255, 0, 0), (16, 16)))
     group = with_images(make_group("t", 2), image_hash(red))
     images = {} if case == "unknown" else {image_hash(red): np.frombuffer(b"other", np.uint8)}
 
@@ -92,7 +85,7 @@ def test_an_image_goes_with_the_last_experience_that_names_it(open_store, tmp_pa
     """Retention prunes images with the rows: consumed groups' rows go (keep_consumed=0), and
     with them every image no kept row names; an image a waiting group still names stays, and
     goes when that group's rows go. A retried put of a pruned group stores nothing again."""
-    red, blue = picture((255, 0, 0)), picture((0, 0, 255))
+    red, blue = normalise(picture((255, 0, 0), (16, 16))), normalise(picture((0, 0, 255), (16, 16)))
     r, b = image_hash(red), image_hash(blue)
     store = open_store(keep_consumed=0)
     given = {r: red, b: blue}
@@ -124,7 +117,7 @@ def test_an_image_goes_with_the_last_experience_that_names_it(open_store, tmp_pa
 
 
 def test_a_database_older_than_image_refs_counts_them_on_open(open_store, tmp_path):
-    red = picture((255, 0, 0))
+    red = normalise(picture((255, 0, 0), (16, 16)))
     r = image_hash(red)
     store = open_store(keep_consumed=0)
     asyncio.run(store.put(with_images(make_group("t1", 2), r), [2, 2], {r: red}))

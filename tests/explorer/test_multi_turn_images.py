@@ -5,9 +5,9 @@ the images' hashes, with the placeholders out of the action mask."""
 from __future__ import annotations
 
 import asyncio
-import io
 
 import pytest
+from vision_helpers import picture
 
 from tandem.common.images import image_hash, normalise
 from tandem.common.messages.experience import Task
@@ -15,14 +15,6 @@ from tandem.explorer.sampling import SamplingParams
 from tandem.explorer.workflows import RolloutContext, create_workflow
 
 pytest.importorskip("PIL")
-
-
-def picture(colour) -> bytes:
-    from PIL import Image
-
-    out = io.BytesIO()
-    Image.new("RGB", (64, 64), colour).save(out, format="PNG")
-    return normalise(out.getvalue())
 
 
 def test_multi_turn_episode_shows_the_task_images_on_every_turn(tiny_vlm_dir):
@@ -33,7 +25,7 @@ def test_multi_turn_episode_shows_the_task_images_on_every_turn(tiny_vlm_dir):
         # the random model never writes a valid guess: three model turns, two replies between
         wf = create_workflow("multi_turn", engine.tokenizer, {
             "env": "guess_number", "max_turns": 3, "max_episode_tokens": 400})
-        red, blue = picture((255, 0, 0)), picture((0, 0, 255))
+        red, blue = normalise(picture((255, 0, 0))), normalise(picture((0, 0, 255)))
         tasks = [Task(id="g0", payload={"secret": 7, "low": 1, "high": 10,
                                         "images": [red, blue]}),
                  Task(id="g1", payload={"seed": 3})]

@@ -12,16 +12,15 @@ Marked `vllm`: runs under `make test-vllm`, skips without vLLM.
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 
 import pytest
 from processes import vllm_processes
+from vision_helpers import ResponseParity, picture
 
 from tandem.common.config.master import TasksetFormat
 from tandem.common.images import image_hash
 from tandem.common.messages import Task
-from tandem.common.messages.reward import Score
 from tandem.common.tasks import load_tasks
 from tandem.explorer.sampling import SamplingParams
 
@@ -29,21 +28,6 @@ pytestmark = pytest.mark.vllm
 
 TEMPERATURE = 0.8
 REPEAT = 4
-
-
-class ResponseParity:
-    """Mixed rewards in every group, so the step's gradients are not zero."""
-
-    async def score(self, items):
-        return [Score(score=float(len(i.response) % 2)) for i in items]
-
-
-def picture(color, size=(64, 64)) -> bytes:
-    from PIL import Image
-
-    out = io.BytesIO()
-    Image.new("RGB", size, color).save(out, format="PNG")
-    return out.getvalue()
 
 
 @pytest.fixture(scope="module")

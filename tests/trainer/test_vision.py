@@ -13,19 +13,17 @@ agree (KL < 1e-3) on the same weights.
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+from vision_helpers import ResponseParity, picture
 
 from tandem.buffer import SqliteStore
 from tandem.common.config.master import TasksetFormat
 from tandem.common.images import image_hash
 from tandem.common.messages import Task
-from tandem.common.messages.reward import Score
 from tandem.common.tasks import load_tasks
 from tandem.explorer.sampling import SamplingParams
 from tandem.explorer.workflows.base import RolloutContext
@@ -35,21 +33,6 @@ from tandem.trainer.learner import Learner
 
 TEMPERATURE = 0.8
 REPEAT = 4
-
-
-class ResponseParity:
-    """A deterministic reward (response length parity): mixed rewards in every group, so
-    the advantages, and the gradients, are not zero. The data path is under test here; the
-    vision reward's learning run is tests/e2e's."""
-
-    async def score(self, items):
-        return [Score(score=float(len(i.response) % 2)) for i in items]
-
-
-def picture(color, size=(64, 64)) -> bytes:
-    out = io.BytesIO()
-    Image.new("RGB", size, color).save(out, format="PNG")
-    return out.getvalue()
 
 
 @pytest.fixture(scope="module")
