@@ -15,7 +15,6 @@ import asyncio
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from collections.abc import Callable
@@ -44,7 +43,6 @@ from tandem.common.messages.master import (
     Register,
     Registered,
     ReleaseTasks,
-    Role,
     RunCounters,
     RunAmended,
     RunStarted,
@@ -69,7 +67,7 @@ from tandem.common.trace import Tracer
 
 from .clock import DeclaredDead, Decision, RunClock, StepMismatch
 from .journal import Journal, JournalError, final_status_path
-from .snapshot import capture, restore
+from .snapshot import Registration, capture, restore
 from .taskset import TaskDispatcher, load_rows
 
 log = structlog.get_logger(__name__)
@@ -96,19 +94,6 @@ def total_steps_for(config: RunConfig, dispatcher: TaskDispatcher | None) -> int
         raise ConfigError([f"master.taskset: {dispatcher.total} tasks (x epochs) fill no step of "
                            f"{per_step} tasks (sum of explorers[*].batch_size)"])
     return steps
-
-
-@dataclass
-class Registration:
-    """One component in the master's registry, as its `Register` said."""
-
-    name: str
-    role: Role
-    address: str | None = None
-    pid: int | None = None
-    host: str | None = None
-    meta: dict[str, Any] = field(default_factory=dict)
-    alive: bool = True
 
 
 def _show(value: Any) -> str:

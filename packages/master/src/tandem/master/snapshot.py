@@ -14,7 +14,7 @@ the older layout (or refuse it in one line, as below for a newer one).
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
@@ -22,6 +22,7 @@ from pydantic import BaseModel, ValidationError
 from tandem.common.messages.master import (
     JournalSnapshot,
     PlanKnobs,
+    Role,
     RunStarted,
     WeightsPublished,
 )
@@ -36,6 +37,21 @@ if TYPE_CHECKING:
     from .service import Master
 
 FORMAT = 1
+
+
+@dataclass
+class Registration:
+    """One component in the master's registry, as its `Register` said (kept in a snapshot)."""
+
+    name: str
+    role: Role
+    address: str | None = None
+    pid: int | None = None
+    host: str | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+    alive: bool = True
+
+
 
 
 class TasksState(BaseModel):
@@ -89,8 +105,6 @@ def capture(master: Master) -> JournalSnapshot:
 
 def restore(master: Master, snap: JournalSnapshot, where: str) -> None:
     """Set `master`'s state to `snap`'s, as replaying the records it stands for would."""
-    from .service import Registration
-
     if snap.format > FORMAT:
         raise JournalError(f"{where}: a snapshot of format {snap.format}, newer than this "
                            f"tandem reads ({FORMAT}); resume the run with the tandem that "
