@@ -200,7 +200,8 @@ def run_group(argv: list[str], timeout: float, *, stall: float | None = None,
     `timeout`, the whole group (a `tandem up` and the components it started) gets SIGTERM, then
     SIGKILL 20 s later, before TimeoutExpired is raised, so nothing it started is left behind.
 
-    With `stall`, a run is also hung when its group spends less than a second of CPU in `stall`
+    With `stall`, a run is also hung when the processes below this one (its own and the
+    components it started, whatever their session) spend less than a second of CPU in `stall`
     seconds of wall-clock: a run that computes (a quickstart's SFT and GRPO) gets its share of a
     loaded machine's cores and goes on, however long that takes up to `timeout`, while a
     deadlock, whose processes only wait, is caught after `stall` seconds."""
@@ -214,8 +215,13 @@ def run_group(argv: list[str], timeout: float, *, stall: float | None = None,
             return subprocess.CompletedProcess(argv, proc.returncode, out, err)
         except subprocess.TimeoutExpired:
             now = time.monotonic()
-            if stall is not None and (used := _group_cpu(proc.pid)) - cpu >= 1.0:
-                cpu, moved = used, now
+            if stall is not None:
+                used = _group_cpu(proc.pid)
+                # a member that exited took its CPU seconds out of the sum (its parent, or the
+                # subreaper it was re-parented to, holds them now): count from the lower sum
+                cpu = min(cpu, used)
+                if used - cpu >= 1.0:
+                    cpu, moved = used, now
             if now > deadline or (stall is not None and now - moved > stall):
                 break
     out = err = ""
@@ -239,9 +245,13 @@ def run_group(argv: list[str], timeout: float, *, stall: float | None = None,
 
 
 def _group_cpu(pgid: int) -> float:
-    """CPU seconds spent by process group `pgid`'s processes and the children they reaped."""
+    """CPU seconds spent by the processes below this one (`tandem up` starts each component in
+    a session of its own, and a zygote's forks are re-parented here once it exits, so neither
+    `pgid`'s group nor its session holds them all) and the children they reaped. It drops when
+    one exits; `run_group` counts from the lower sum."""
+    below = set(descendants()) | {pgid}
     ticks = sum(int(f[11]) + int(f[12]) + int(f[13]) + int(f[14])
-                for _, f in proc_stats() if int(f[2]) == pgid)
+                for pid, f in proc_stats() if pid in below)
     return ticks / os.sysconf("SC_CLK_TCK")
 
 

@@ -85,6 +85,12 @@ def test_run_group_with_stall_stops_a_group_that_only_waits_and_lets_one_that_co
     # ... while one that computes goes on however long a loaded machine makes it take
     work = "import time\nend = time.process_time() + 2\nwhile time.process_time() < end: pass"
     assert run_group([sys.executable, "-c", work], timeout=3600, stall=30).returncode == 0
+    # ... also when the computing happens in a session of its own, as `tandem up`'s components
+    # do (counting the leader's group alone, a quickstart's GRPO phase looked hung at load 8)
+    busy = "import time\nend = time.time() + 10\nwhile time.time() < end: pass"
+    leader = (f"import subprocess, sys; subprocess.run([sys.executable, '-c', {busy!r}], "
+              "start_new_session=True, check=True)")
+    assert run_group([sys.executable, "-c", leader], timeout=3600, stall=8).returncode == 0
 
 
 # forks a grandchild that outlives its parent, then exits once re-parented (to pytest)
