@@ -208,7 +208,7 @@ def run_group(argv: list[str], timeout: float, *, stall: float | None = None,
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, **kwargs)
     deadline = time.monotonic() + timeout
-    cpu, moved = _group_cpu(proc.pid), time.monotonic()
+    cpu, moved = _cpu_below(proc.pid), time.monotonic()
     while True:
         try:
             out, err = proc.communicate(timeout=timeout if stall is None else 5.0)
@@ -216,7 +216,7 @@ def run_group(argv: list[str], timeout: float, *, stall: float | None = None,
         except subprocess.TimeoutExpired:
             now = time.monotonic()
             if stall is not None:
-                used = _group_cpu(proc.pid)
+                used = _cpu_below(proc.pid)
                 # a member that exited took its CPU seconds out of the sum (its parent, or the
                 # subreaper it was re-parented to, holds them now): count from the lower sum
                 cpu = min(cpu, used)
@@ -244,12 +244,12 @@ def run_group(argv: list[str], timeout: float, *, stall: float | None = None,
     raise subprocess.TimeoutExpired(argv, timeout, output=out, stderr=err) from None
 
 
-def _group_cpu(pgid: int) -> float:
+def _cpu_below(leader: int) -> float:
     """CPU seconds spent by the processes below this one (`tandem up` starts each component in
     a session of its own, and a zygote's forks are re-parented here once it exits, so neither
-    `pgid`'s group nor its session holds them all) and the children they reaped. It drops when
+    `leader`'s group nor its session holds them all) and the children they reaped. It drops when
     one exits; `run_group` counts from the lower sum."""
-    below = set(descendants()) | {pgid}
+    below = set(descendants()) | {leader}
     ticks = sum(int(f[11]) + int(f[12]) + int(f[13]) + int(f[14])
                 for pid, f in proc_stats() if pid in below)
     return ticks / os.sysconf("SC_CLK_TCK")
