@@ -54,6 +54,11 @@ class PureReward(RewardFunction):
     def score(self, item: ScoreItem) -> Score:
         raise NotImplementedError
 
+    def warm_up(self) -> None:
+        """Pay this function's one-off costs (lazy imports, parser tables) now. A worker
+        process calls it for every isolated function before it says ready, so that the first
+        item a fresh worker scores is not charged for them against `reward.timeout`."""
+
 
 class AsyncReward(RewardFunction):
     """A reward that waits on something (a subprocess, a model); cancelled on timeout.

@@ -2,7 +2,8 @@
 
 Protocol on stdin/stdout, each frame a 4-byte big-endian length and a msgpack map:
 parent -> worker: first `{"reward": the reward section, "plugins": [what the parent imported]}`,
-then `{"fn": name, "item": {...}}` per evaluation; worker -> parent: `{"ready": true}` once the functions are imported, then one
+then `{"fn": name, "item": {...}}` per evaluation; worker -> parent: `{"ready": true, "warmed":
+[names]}` once the isolated functions are built and warmed up (`warm`), then one
 `{"score", "components", "reason"}` or `{"error": "..."}` per evaluation. The worker runs each
 function on its main thread, so it needs no time limit of its own: the parent kills it when an
 evaluation overruns. It exits on EOF, and with its parent (PR_SET_PDEATHSIG).
@@ -38,6 +39,39 @@ def _die_with_parent() -> None:
         pass  # not Linux: EOF on stdin still ends the worker
 
 
+def instance(name: str, config):
+    from .functions import lookup
+
+    fn = lookup(name)(config)
+    fn.in_worker = True
+    return fn
+
+
+def warm(config) -> dict:
+    """Every isolated pure function this worker may be asked for, built and warmed up
+    (`PureReward.warm_up`) before the worker says ready: the parent's time limit starts when
+    it hands over an item, and a replacement worker's first item must not pay for imports. A
+    function that fails here is left to fail on its first item, where the error is reported."""
+    from tandem.common.plugins import REWARDS, load_installed
+
+    from .base import PureReward
+    from .functions import lookup
+
+    load_installed()
+    out = {}
+    for name in REWARDS.names():
+        try:
+            cls = lookup(name)
+            if not (issubclass(cls, PureReward) and cls.isolated):
+                continue
+            fn = instance(name, config)
+            fn.warm_up()
+        except Exception:  # noqa: BLE001 (reported by the first evaluation that needs it)
+            continue
+        out[name] = fn
+    return out
+
+
 def main() -> None:
     _die_with_parent()
     # Ctrl-C, and a supervisor's SIGTERM to the parent's process group, are the parent's: it
@@ -52,22 +86,16 @@ def main() -> None:
     from tandem.common.messages.reward import ScoreItem
     from tandem.common.plugins import load_plugins
 
-    from .base import PureReward
-    from .functions import lookup
-
     first = read_frame(stdin)
     load_plugins(first["plugins"])
     config = RewardConfig.model_validate(first["reward"])
-    instances: dict[str, PureReward] = {}
-    import math_verify  # noqa: F401  (the slow import, done before saying ready)
-
-    write_frame(stdout, {"ready": True})
+    instances = warm(config)
+    write_frame(stdout, {"ready": True, "warmed": sorted(instances)})
     while (request := read_frame(stdin)) is not None:
         try:
             name = request["fn"]
             if name not in instances:
-                instances[name] = lookup(name)(config)
-                instances[name].in_worker = True
+                instances[name] = instance(name, config)
             score = instances[name].score(ScoreItem.model_validate(request["item"]))
             write_frame(stdout, score.model_dump())
         except Exception as exc:
