@@ -66,7 +66,9 @@ def warm(config) -> dict:
                 continue
             fn = instance(name, config)
             fn.warm_up()
-        except Exception:  # noqa: BLE001 (reported by the first evaluation that needs it)
+        except Exception as exc:
+            print(f"reward worker: {name} not warmed up ({type(exc).__name__}: {exc}); its "
+                  "first item builds it", file=sys.stderr)
             continue
         out[name] = fn
     return out
