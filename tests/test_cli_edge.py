@@ -160,13 +160,18 @@ def test_tandem_up_whose_master_cannot_start_exits_1_with_one_line(tmp_path, tin
     assert f"tandem-master: cannot bind {UNBINDABLE}" in line and "logs/master.out" in line
 
 
-def lock_holder(run_dir: Path, name: str, timeout: float = 30.0) -> int:
-    """The pid written into the run dir's lock for `name`, once a process holds it."""
+def lock_holder(run_dir: Path, name: str, proc: subprocess.Popen | None = None,
+                timeout: float = 30.0) -> int:
+    """The pid written into the run dir's lock for `name`, once a process holds it; fails at
+    once if `proc`, which should take it, exits first. Every component takes its lock before
+    it imports torch (tandem.common.cli.run_component), so `timeout` bounds a light start."""
     path = run_dir / "locks" / f"{name}.lock"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if path.exists() and (text := path.read_text().strip()):
             return int(text)
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"{name} exited {proc.returncode} before it took {path}")
         time.sleep(0.05)
     raise AssertionError(f"nobody took {path} within {timeout}s")
 
@@ -180,12 +185,17 @@ def test_a_second_process_on_a_held_run_dir_exits_1_with_one_line(cli, tmp_path,
     first = ComponentProcess(cli, argv(cli, run_dir, tiny_model_dir, *waiting))
     try:
         name = "explorer-0" if cli == "explorer" else cli
-        holder = lock_holder(run_dir, name)
+        holder = lock_holder(run_dir, name, first.proc)
         assert holder == first.proc.pid
-        result = run(argv(cli, run_dir, tiny_model_dir, *waiting), timeout=60)
+        # the lock comes before any heavy import: the second one learns who holds the run
+        # dir without loading torch or transformers (the trainer used to import torch first)
+        notes = tmp_path / "second"
+        result = run(argv(cli, run_dir, tiny_model_dir, *waiting), timeout=60,
+                     env=heavy_imports_noted(notes))
         assert result.returncode == 1, result.stderr[-3000:]
         line = the_one_line(result, cli)
         assert f"run dir {run_dir} is in use: another {name} (pid {holder})" in line
+        assert not list(notes.glob("imported-*")), list(notes.glob("imported-*"))
         assert first.proc.poll() is None  # the first one is untouched
     finally:
         first.stop()

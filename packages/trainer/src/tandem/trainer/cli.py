@@ -7,6 +7,7 @@ weight path, the other ranks follow it (see docs/trainer.md). Exit codes as ever
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -19,17 +20,20 @@ from tandem.common.cli import config_options, load_config_or_exit, run_component
 def main(config_path: str | None, overrides: tuple[str, ...], resume: bool) -> None:
     """Train the policy on experiences from the buffer, on the master's schedule."""
     config = load_config_or_exit("tandem-trainer", config_path, overrides, resume=resume)
-
-    from . import distributed as dd
-
-    info = dd.from_env()
+    # torchrun's RANK names the process; torch loads in build(), once the run dir's lock is
+    # held and the placement applied (a second trainer on a held run dir then exits before
+    # it imports torch, and the first holds the lock seconds sooner)
+    rank = int(os.environ.get("RANK", "0"))
 
     def build():
         import transformers
 
         from tandem.common.errors import TandemError
 
+        from . import distributed as dd
         from .trainer import Trainer
+
+        info = dd.from_env()
 
         transformers.utils.logging.disable_progress_bar()
         device = dd.resolve_device(config.trainer.device, info)
@@ -41,11 +45,13 @@ def main(config_path: str | None, overrides: tuple[str, ...], resume: bool) -> N
             raise TandemError(f"trainer cannot load its model (model.path "
                               f"{config.model.path}): {exc}") from None
 
-    name = "trainer" if info.rank == 0 else f"trainer-rank{info.rank}"
+    name = "trainer" if rank == 0 else f"trainer-rank{rank}"
     try:
         code = run_component("tandem-trainer", config, name, build)
     finally:
-        dd.shutdown()
+        dd = sys.modules.get("tandem.trainer.distributed")
+        if dd is not None:  # the process group, if build() got as far as joining it
+            dd.shutdown()
     sys.exit(code)
 
 
