@@ -324,5 +324,9 @@ async def test_a_stop_requested_before_serve_makes_every_service_return(tmp_path
         component.request_stop()
         try:
             await asyncio.wait_for(component.serve(), 10)
+            if isinstance(component, RewardService):
+                # stopped before it began: no worker process was started (their imports took
+                # over the 10 s above on a loaded machine)
+                assert component.scorer._pool is None, component.scorer._pool
         finally:
             await component.close()

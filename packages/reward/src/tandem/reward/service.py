@@ -62,9 +62,22 @@ class RewardService:
         return bound
 
     async def serve(self) -> None:
-        """Serve until `request_stop()` or `close()`; the caller then calls `close()`."""
-        await self.start()
-        await self._stop.wait()
+        """Serve until `request_stop()` or `close()`; the caller then calls `close()`. A stop
+        requested before serve() starts nothing; one that comes while the worker processes
+        start (seconds on a loaded machine) ends the start at once."""
+        if self._stop.is_set():
+            return
+        starting = asyncio.ensure_future(self.start())
+        stopped = asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            if starting.done():
+                starting.result()  # a start that failed raises here
+                await stopped
+        finally:
+            for task in (starting, stopped):
+                task.cancel()
+            await asyncio.gather(starting, stopped, return_exceptions=True)
 
     def request_stop(self) -> None:
         """Ask `serve()` to return; safe from a signal handler."""
