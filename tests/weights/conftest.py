@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -22,9 +23,20 @@ def tiny_model(tiny_model_dir):
     return AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
 
 
+# modes whose peer joins a weight group: it says "ready" once its imports and its engine are
+# done, just before it joins
+JOINING = ("broadcast", "stall", "fake-vllm")
+# only catches a peer that hangs before it joins: its imports (torch, and transformers with a
+# model) took 30 s and more at load 8, which a test's sync.timeout must not have to cover
+READY_TIMEOUT = 600.0
+
+
 @pytest.fixture
 def spawn():
-    """Start `weights_peer.py` receivers; each is stopped (SIGTERM, then kill) at teardown."""
+    """Start `weights_peer.py` receivers; each is stopped (SIGTERM, then kill) at teardown.
+    A joining peer is returned once it said "ready": the sender's join timeout then times the
+    join, as an explorer's does (its engine is loaded before it asks for a rendezvous), not a
+    process starting on a busy machine."""
     procs: list[subprocess.Popen] = []
 
     def start(*args: str) -> subprocess.Popen:
@@ -32,6 +44,14 @@ def spawn():
         proc = subprocess.Popen([sys.executable, str(PEER), *map(str, args)], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         procs.append(proc)
+        if args[0] in JOINING:
+            ready, _, _ = select.select([proc.stdout], [], [], READY_TIMEOUT)
+            line = proc.stdout.readline() if ready else ""
+            if line.strip() != "ready":
+                proc.kill()
+                _, err = proc.communicate()
+                pytest.fail(f"weights peer {args[0]} exited {proc.returncode} or hung before "
+                            f"it was ready:\n{err[-3000:]}")
         return proc
 
     yield start

@@ -13,7 +13,8 @@ VERSIONS is a comma-separated list, received one after the other in the same gro
 MODEL_DIR, each version is loaded into a fresh copy of that Hugging Face model (`load_into`);
 without one, into a plain dict (an engine without transformers: starts in a second, not ten).
 Either way the loaded tensors are written to OUT_DIR/v{N}.safetensors for the test to compare
-bit by bit. Exit code 0 on success, 3 on a tandem error (its message on stderr).
+bit by bit. A peer that joins a group (broadcast, fake-vllm, stall) prints "ready" just before
+it joins. Exit code 0 on success, 3 on a tandem error (its message on stderr).
 """
 
 from __future__ import annotations
@@ -98,6 +99,11 @@ def shm_publish(run_dir: str, versions: str) -> None:
         publisher.publish(99, tensors)
 
 
+def ready() -> None:
+    """Imports and engine done: the test's spawn() returns, and this process joins next."""
+    print("ready", flush=True)
+
+
 def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     from tandem.common.errors import TandemError
@@ -109,6 +115,7 @@ def main(argv: list[str]) -> int:
             rendezvous, member, out_dir, versions, timeout, *model = args
             engine = ModuleEngine(model[0]) if model else DictEngine()
             receiver = WeightReceiver(json.loads(rendezvous), member, timeout=float(timeout))
+            ready()
             receiver.join()
             for version in (int(v) for v in versions.split(",")):
                 engine.load_weights(receiver.receive(version))
@@ -125,6 +132,7 @@ def main(argv: list[str]) -> int:
             rendezvous, explorer, out_dir, version, timeout = args
             engine = DictEngine()
             worker = type("Worker", (TandemWeightExtension, FakeVllmWorker), {})(engine)
+            ready()
             worker.tandem_join(json.loads(rendezvous), explorer, float(timeout))
             count = worker.tandem_receive(int(version))
             worker.tandem_leave()
@@ -150,6 +158,7 @@ def main(argv: list[str]) -> int:
         elif mode == "stall":
             rendezvous, member, timeout = args
             receiver = WeightReceiver(json.loads(rendezvous), member, timeout=float(timeout))
+            ready()
             receiver.join()
             time.sleep(120)  # holding `receiver`: a member that is there but never takes part
         else:
