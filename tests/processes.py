@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from tandem.common.spawn import proc_stats
+from tandem.common.spawn import proc_stats, stat_fields
 
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 
@@ -242,6 +242,12 @@ def run_group(argv: list[str], timeout: float, *, stall: float | None = None,
         if not _group(proc.pid):
             break
     raise subprocess.TimeoutExpired(argv, timeout, output=out, stderr=err) from None
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) process `pid` has spent itself."""
+    fields = stat_fields(pid)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _cpu_below(leader: int) -> float:

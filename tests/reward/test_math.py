@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from processes import cpu_seconds
 
 from tandem.common.config.reward import RewardConfig
 from tandem.common.messages.reward import ScoreItem
@@ -120,14 +121,6 @@ async def test_a_pool_that_cannot_start_fails_every_item_quickly(monkeypatch):
     assert scorer.stats["math"]["errors"] == 3
 
 
-def _cpu_seconds(pid: int) -> float:
-    import os
-
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-
-
 async def test_a_fresh_workers_first_item_pays_no_warm_up_inside_its_time_limit():
     """math-verify builds its grammar on the first parse (0.16 s of CPU on 2 quiet cores, over
     a second on a loaded one): a worker does that before it says ready, so the first item a
@@ -139,10 +132,10 @@ async def test_a_fresh_workers_first_item_pays_no_warm_up_inside_its_time_limit(
         [worker] = list(scorer._pool._all)
         costs = []
         for n in (2, 3, 4):
-            before = _cpu_seconds(worker.proc.pid)
+            before = cpu_seconds(worker.proc.pid)
             [score] = await scorer.score([ScoreItem(response=f"\\boxed{{\\frac{{1}}{{{n}}}}}",
                                                     truth=str(1 / n))])
-            costs.append(_cpu_seconds(worker.proc.pid) - before)
+            costs.append(cpu_seconds(worker.proc.pid) - before)
             assert score.score == 1.0, score
         # clock ticks are 10 ms: the first may cost a tick or two more, not the grammar
         assert costs[0] <= min(costs[1:]) + 0.03, costs

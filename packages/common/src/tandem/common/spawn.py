@@ -36,14 +36,20 @@ async def kill(proc: asyncio.subprocess.Process) -> None:
     await proc.wait()
 
 
+def stat_fields(pid: int) -> list[str]:
+    """The fields of /proc/<pid>/stat after the command: state, ppid, pgrp, session, ...;
+    OSError or IndexError when the process is gone."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
+
+
 def proc_stats() -> Iterator[tuple[int, list[str]]]:
-    """(pid, the fields of /proc/<pid>/stat after the command: state, ppid, pgrp, session, ...)
-    for every process now; one that exits while it is read is left out."""
+    """(pid, `stat_fields(pid)`) for every process now; one that exits while it is read is
+    left out."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            fields = (entry / "stat").read_text().rsplit(") ", 1)[1].split()
+            fields = stat_fields(int(entry.name))
         except (OSError, IndexError):
             continue
         yield int(entry.name), fields

@@ -2,8 +2,8 @@
 
 Protocol on stdin/stdout, each frame a 4-byte big-endian length and a msgpack map:
 parent -> worker: first `{"reward": the reward section, "plugins": [what the parent imported]}`,
-then `{"fn": name, "item": {...}}` per evaluation; worker -> parent: `{"ready": true, "warmed":
-[names]}` once the isolated functions are built and warmed up (`warm`), then one
+then `{"fn": name, "item": {...}}` per evaluation; worker -> parent: `{"ready": true}` once the
+isolated functions are built and warmed up (`warm`), then one
 `{"score", "components", "reason"}` or `{"error": "..."}` per evaluation. The worker runs each
 function on its main thread, so it needs no time limit of its own: the parent kills it when an
 evaluation overruns. It exits on EOF, and with its parent (PR_SET_PDEATHSIG).
@@ -39,10 +39,8 @@ def _die_with_parent() -> None:
         pass  # not Linux: EOF on stdin still ends the worker
 
 
-def instance(name: str, config):
-    from .functions import lookup
-
-    fn = lookup(name)(config)
+def instance(cls, config):
+    fn = cls(config)
     fn.in_worker = True
     return fn
 
@@ -64,7 +62,7 @@ def warm(config) -> dict:
             cls = lookup(name)
             if not (issubclass(cls, PureReward) and cls.isolated):
                 continue
-            fn = instance(name, config)
+            fn = instance(cls, config)
             fn.warm_up()
         except Exception as exc:
             print(f"reward worker: {name} not warmed up ({type(exc).__name__}: {exc}); its "
@@ -88,16 +86,18 @@ def main() -> None:
     from tandem.common.messages.reward import ScoreItem
     from tandem.common.plugins import load_plugins
 
+    from .functions import lookup
+
     first = read_frame(stdin)
     load_plugins(first["plugins"])
     config = RewardConfig.model_validate(first["reward"])
     instances = warm(config)
-    write_frame(stdout, {"ready": True, "warmed": sorted(instances)})
+    write_frame(stdout, {"ready": True})
     while (request := read_frame(stdin)) is not None:
         try:
             name = request["fn"]
             if name not in instances:
-                instances[name] = instance(name, config)
+                instances[name] = instance(lookup(name), config)
             score = instances[name].score(ScoreItem.model_validate(request["item"]))
             write_frame(stdout, score.model_dump())
         except Exception as exc:
