@@ -125,6 +125,28 @@ async def test_sandbox_refuses_without_bwrap_and_names_the_key(monkeypatch):
     await sandbox.close()
 
 
+async def test_the_episode_timeout_counts_from_the_agents_call_not_its_process_start():
+    # the agent's module takes 3 s to import, its episode 2 s: the start is not the agent's time
+    sandbox = AgentSandbox("slow_import_agent:instant", AgentSandboxArgs(), timeout=2,
+                           max_retries=0, slots=1)
+    try:
+        played = await sandbox.play("ep-0", "http://127.0.0.1:9/v1", {})
+    finally:
+        await sandbox.close()
+    assert (played.reason, played.result) == ("ok", 1.0)
+
+
+async def test_an_agent_that_never_starts_is_bounded_by_start_seconds():
+    sandbox = AgentSandbox("stuck_import_agent:never", AgentSandboxArgs(start_seconds=1),
+                           timeout=60, max_retries=0, slots=1)
+    try:
+        played = await sandbox.play("ep-0", "http://127.0.0.1:9/v1", {})
+    finally:
+        await sandbox.close()
+    assert played.reason.startswith("start_timeout: the agent was not called within "
+                                    "workflow_args.sandbox.start_seconds = 1s"), played.reason
+
+
 def test_agent_must_be_importable_by_its_episode():
     with pytest.raises(ValueError, match="module-level function"):
         create_workflow("agent", None, {"fn": "hostile_agents:local_agent"})

@@ -55,6 +55,9 @@ _RESERVED = {
 }
 # seconds a killed run's processes get to exit before the sandbox goes on and says which remain
 KILL_WAIT = 5.0
+# The first line a program run with `start_seconds` writes to stdout once its own work begins
+# (its interpreter started, its imports done): its wall clock counts from there.
+STARTED = b"#tandem-sandbox: started\n"
 
 
 def install_hint(key: str) -> str:
@@ -71,7 +74,8 @@ _JOIN = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift
 class Run:
     """How one run ended. `status`: ok, exit (nonzero code), runtime_error, memory,
     syntax_error, file_size, not_reached (assert mode: the test could not finish), cpu,
-    signal, timeout (wall clock) or output_limit."""
+    signal, timeout (wall clock), start_timeout (no `STARTED` line within `start_seconds`)
+    or output_limit."""
 
     status: str
     exit_code: int | None
@@ -412,9 +416,14 @@ class Sandbox:
 
     async def run(self, program: str, *, stdin: bytes = b"", test: str | None = None,
                   setup: str = "", wall_seconds: float | None = None,
+                  start_seconds: float | None = None,
                   binds: tuple[tuple[str, str], ...] = ()) -> Run:
         """Run `program` (stdio mode), or `program` against `test` (assert mode, `setup` run
         before both); the wall clock is `code.wall_seconds`, or `wall_seconds` if shorter.
+        `start_seconds`: the program says when its own work begins by writing `STARTED` first
+        on stdout (dropped from `Run.stdout`), and its wall clock counts from there; until
+        then, a launch that a loaded machine slows down (bubblewrap, the interpreter, the
+        program's imports) is bounded by `start_seconds` alone.
         `binds`: (host path, path inside) pairs this run alone sees, read-only (a unix socket
         stays connectable)."""
         if self._slot_queue is None:
@@ -425,14 +434,15 @@ class Sandbox:
             if test is not None:
                 head = setup.encode()
                 stdin = b"%010d" % len(head) + head + test.encode()
-            return await self._run(slot, run_dir, program, stdin, test, wall_seconds, binds)
+            return await self._run(slot, run_dir, program, stdin, test, wall_seconds,
+                                   start_seconds, binds)
         finally:
             await asyncio.shield(asyncio.to_thread(shutil.rmtree, run_dir, True))
             self._slot_queue.put_nowait(slot)
 
     async def _run(self, slot: int, run_dir: Path, program: str, stdin: bytes,
                    test: str | None, wall_seconds: float | None,
-                   binds: tuple[tuple[str, str], ...]) -> Run:
+                   start_seconds: float | None, binds: tuple[tuple[str, str], ...]) -> Run:
         cfg = self.config
         work = run_dir / "work"
         work.mkdir(parents=True)
@@ -461,23 +471,34 @@ class Sandbox:
             on_cancel=lambda started: self._kill(started, slot))
         out, err = bytearray(), bytearray()
         over = asyncio.Event()
-        readers = [asyncio.create_task(self._read(proc.stdout, out, over)),
+        started = asyncio.Event() if start_seconds is not None else None
+        readers = [asyncio.create_task(self._read(proc.stdout, out, over, started)),
                    asyncio.create_task(self._read(proc.stderr, err, over))]
         feeder = asyncio.create_task(self._feed(proc, stdin))
         waiter = asyncio.create_task(proc.wait())
         limit = asyncio.create_task(over.wait())
+        began = asyncio.create_task(started.wait()) if started is not None else None
         status = None
         try:
-            done, _ = await asyncio.wait({waiter, limit}, timeout=max(wall, 0.0),
-                                         return_when=asyncio.FIRST_COMPLETED)
-            if limit in done:
-                status = "output_limit"
-            elif not done:
-                status = "timeout"
+            if began is not None:
+                done, _ = await asyncio.wait({waiter, limit, began}, timeout=start_seconds,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if limit in done:
+                    status = "output_limit"
+                elif not done:
+                    status = "start_timeout"
+            if status is None and not waiter.done():
+                done, _ = await asyncio.wait({waiter, limit}, timeout=max(wall, 0.0),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if limit in done:
+                    status = "output_limit"
+                elif not done:
+                    status = "timeout"
         finally:
             # Also on cancellation (the evaluation's own deadline): nothing may outlive the run.
-            for task in (feeder, limit):
-                task.cancel()
+            for task in (feeder, limit, began):
+                if task is not None:
+                    task.cancel()
             await self._kill(proc, slot)
             waiter.cancel()
             await self._drain(proc, readers)
@@ -500,11 +521,21 @@ class Sandbox:
             pass  # the candidate did not read its input; its output says what it did
 
     async def _read(self, stream: asyncio.StreamReader, into: bytearray,
-                    over: asyncio.Event) -> None:
+                    over: asyncio.Event, started: asyncio.Event | None = None) -> None:
         """Read to EOF, keeping at most max_output_bytes; more sets `over` (the run is killed)
-        and is read and dropped, so the pipe drains and the process can be reaped."""
+        and is read and dropped, so the pipe drains and the process can be reaped. With
+        `started`, a leading `STARTED` line sets it and is dropped."""
         cap = self.config.max_output_bytes
-        while chunk := await stream.read(65536):
+        head = bytearray() if started is not None else None
+        while (chunk := await stream.read(65536)) or head:
+            if head is not None:
+                head += chunk
+                if chunk and len(head) < len(STARTED) and STARTED.startswith(head):
+                    continue  # the marker may arrive in pieces
+                if head.startswith(STARTED):
+                    started.set()
+                    del head[:len(STARTED)]
+                chunk, head = bytes(head), None
             if len(into) < cap:
                 into += chunk[:cap - len(into)]
             elif not over.is_set():

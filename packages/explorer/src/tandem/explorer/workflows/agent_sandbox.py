@@ -30,7 +30,7 @@ import structlog
 from pydantic import BaseModel, ConfigDict, Field
 
 from tandem.common.config.reward import CodeSandboxConfig
-from tandem.common.sandbox import Run, Sandbox
+from tandem.common.sandbox import STARTED, Run, Sandbox
 
 from . import agent_worker
 
@@ -54,8 +54,14 @@ class AgentSandboxArgs(BaseModel):
     memory_mb: int = Field(default=1024, ge=128,
                            description="memory of the episode's processes (a cgroup, when "
                                        "writable) and address space per process, MiB")
+    start_seconds: float = Field(
+        default=60.0, gt=0,
+        description="wall clock the episode's process may take to start (the sandbox, the "
+                    "interpreter, the openai client, the agent's module) before the agent is "
+                    "called; workflow_args.timeout counts from that call")
     cpu_seconds: float | None = Field(
-        default=None, gt=0, description="CPU time of the episode; default: workflow_args.timeout")
+        default=None, gt=0, description="CPU time of the episode's process, its start "
+                                        "included; default: workflow_args.timeout")
     nproc: int = Field(default=64, ge=4, description="processes and threads (RLIMIT_NPROC)")
     open_files: int = Field(default=256, ge=32, description="file descriptors (RLIMIT_NOFILE)")
     file_size_mb: float = Field(default=64.0, gt=0,
@@ -109,8 +115,10 @@ class AgentSandbox:
         try:
             socket = SOCKET if self.sandbox.isolated else str(bridge.path)
             spec = {"path": self.path, "fn": self.fn, "task": task, "key": key,
-                    "socket": socket, "timeout": self.timeout, "max_retries": self.max_retries}
+                    "socket": socket, "timeout": self.timeout, "max_retries": self.max_retries,
+                    "started": STARTED.decode()}
             run = await self.sandbox.run(self._program, stdin=json.dumps(spec).encode() + b"\n",
+                                         start_seconds=self.args.start_seconds,
                                          binds=((str(bridge.path), SOCKET),))
         finally:
             await bridge.close()
@@ -132,6 +140,10 @@ class AgentSandbox:
         detail = f": {run.detail}" if run.detail else ""
         if run.status == "timeout":
             return Played(reason=f"timeout: ran past workflow_args.timeout = {self.timeout:g}s")
+        if run.status == "start_timeout":
+            return Played(reason=f"start_timeout: the agent was not called within {KEY}."
+                                 f"start_seconds = {self.args.start_seconds:g}s of the episode's "
+                                 f"process starting{detail}")
         if run.status == "memory":
             return Played(reason=f"memory: ran out of {KEY}.memory_mb = {cfg.memory_mb} MiB")
         if run.status == "cpu":

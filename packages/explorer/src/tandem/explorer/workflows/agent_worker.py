@@ -2,11 +2,13 @@
 
 `tandem.common.sandbox_runner` runs it as the candidate: under the slot's uid, with the
 sandbox's resource limits, after `python -I -S`. It reads one JSON line on stdin (the agent's
-import path, "module:function", the task payload, the episode's key, the endpoint's socket and
-the client's timeout and retries), serves the endpoint on a loopback port of the sandbox's own
-network namespace (forwarding each connection to the unix socket the explorer bound in), calls
-the agent with an `openai.AsyncOpenAI` client on that URL and key, and writes one JSON line to
-the sandbox's stdout: {"result": ...}, {"raised": "Type: message"} or {"garbage": "..."}.
+import path, "module:function", the task payload, the episode's key, the endpoint's socket, the
+client's timeout and retries, and the line that says the agent starts), serves the endpoint on
+a loopback port of the sandbox's own network namespace (forwarding each connection to the unix
+socket the explorer bound in), writes that start line to the sandbox's stdout (the episode's
+timeout counts from there, not from the interpreter's start), calls the agent with an
+`openai.AsyncOpenAI` client on that URL and key, and writes one JSON line: {"result": ...},
+{"raised": "Type: message"} or {"garbage": "..."}.
 
 The agent's own prints go to stderr: stdout carries only that line. Standard library and the
 `openai` client only; nothing of tandem is imported here.
@@ -50,11 +52,14 @@ def _load(spec: str):
     return target
 
 
-def _reply(out: int, message: dict) -> None:
-    data = json.dumps(message).encode() + b"\n"
+def _write(out: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(out, view):]
+
+
+def _reply(out: int, message: dict) -> None:
+    _write(out, json.dumps(message).encode() + b"\n")
 
 
 async def _play(spec: dict, out: int) -> None:
@@ -68,6 +73,7 @@ async def _play(spec: dict, out: int) -> None:
     os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"] = url, spec["key"]
     client = openai.AsyncOpenAI(base_url=url, api_key=spec["key"],
                                 max_retries=spec["max_retries"], timeout=spec["timeout"])
+    _write(out, spec["started"].encode())
     try:
         result = await fn(spec["task"], client)
     except MemoryError:
