@@ -1,4 +1,5 @@
-"""Length-prefixed msgpack frames on a pipe: the scorer <-> worker process protocol."""
+"""Length-prefixed msgpack frames on a pipe, and unframed messages on a SEQPACKET socket: the
+scorer <-> template and worker process protocols (`worker`)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,13 @@ import msgpack
 HEADER = struct.Struct(">I")
 
 
+def encode(obj: object) -> bytes:
+    """One msgpack message, unframed (a SEQPACKET socket keeps the boundaries)."""
+    return msgpack.packb(obj, use_bin_type=True)
+
+
 def pack(obj: object) -> bytes:
-    body = msgpack.packb(obj, use_bin_type=True)
+    body = encode(obj)
     return HEADER.pack(len(body)) + body
 
 

@@ -3,13 +3,17 @@
 A thread cannot be stopped and math-verify's own limit (SIGALRM) works on the main thread
 only, so an evaluation that must be bounded runs in a worker process; when it overruns, the
 worker is killed (SIGKILL) and a fresh one started in the background, and the evaluation
-scores 0 with reason `timeout`.
+scores 0 with reason `timeout`. Workers are forked from one template process that imported
+and warmed up the functions once (`worker`), so starting or replacing one costs a fork.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
+import socket
 import sys
 import time
 
@@ -21,11 +25,12 @@ from tandem.common.errors import TandemError
 from tandem.common.messages.reward import Score, ScoreItem
 from tandem.common.spawn import kill, spawn
 
-from .frames import HEADER, pack, unpack
+from .frames import HEADER, encode, pack, unpack
 
 log = structlog.get_logger(__name__)
 
 STARTUP_TIMEOUT = 120.0
+KILL_WAIT = 10.0  # seconds a SIGKILLed worker has to be reported gone by the template
 
 
 class EvaluationTimeout(Exception):
@@ -36,8 +41,170 @@ class WorkerDied(Exception):
     """The worker process ended while it held an evaluation; a fresh one replaces it."""
 
 
+class _Forked:
+    """A worker forked by the template, seen as `asyncio.subprocess.Process` shows a child:
+    `pid`, `returncode` (None while it runs), `stdin`/`stdout` streams, `wait()`, `kill()`.
+    Signalled through a pidfd, so a pid the kernel reused is never hit."""
+
+    def __init__(self, pid: int, pidfd: int, stdin: asyncio.StreamWriter,
+                 stdout: asyncio.StreamReader):
+        self.pid, self.pidfd, self.stdin, self.stdout = pid, pidfd, stdin, stdout
+        self.returncode: int | None = None
+        self._exited = asyncio.Event()
+
+    def exited(self, code: int) -> None:
+        if self.returncode is None:
+            self.returncode = code
+            self._exited.set()
+            with contextlib.suppress(OSError):
+                os.close(self.pidfd)
+            self.stdin.close()
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError, OSError):
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+
+    async def wait(self) -> int:
+        await self._exited.wait()
+        return self.returncode
+
+
+class _Template:
+    """The process the workers are forked from (`worker.template`): started, imported and
+    warmed up once; `fork()` returns a `_Forked` worker. Its exit ends every worker (they die
+    with it) and fails what waits on it."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, control: socket.socket):
+        self.proc, self.control = proc, control
+        self.workers: dict[int, _Forked] = {}
+        self._early: dict[int, int] = {}  # exits read before fork() registered the worker
+        self._replies: asyncio.Queue[tuple[dict, list[int]]] = asyncio.Queue()
+        self._lock = asyncio.Lock()
+        self.dead = False
+        asyncio.get_running_loop().add_reader(control.fileno(), self._readable)
+
+    @classmethod
+    async def start(cls, config: RewardConfig) -> _Template:
+        env = dict(os.environ)
+        env["PYTHONUNBUFFERED"] = "1"
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            proc = await spawn(
+                sys.executable, "-m", "tandem.reward.worker", str(theirs.fileno()),
+                stdin=asyncio.subprocess.PIPE, env=env, pass_fds=(theirs.fileno(),),
+                on_cancel=kill)
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        ours.setblocking(False)
+        template = cls(proc, ours)
+        try:
+            # the template imports the plugins this process imported, so a plugin's isolated
+            # reward function is found there too (docs/extending.md)
+            proc.stdin.write(pack({"reward": config.model_dump(mode="json"),
+                                   "plugins": loaded_plugins()}))
+            await proc.stdin.drain()
+            proc.stdin.close()
+            hello, _ = await asyncio.wait_for(template._replies.get(), STARTUP_TIMEOUT)
+            if not hello.get("ready"):
+                raise TandemError(f"reward worker template sent {hello!r} instead of ready")
+        except (TimeoutError, ConnectionError) as exc:
+            await template.close()
+            raise TandemError(f"reward worker template (pid {proc.pid}) did not start within "
+                              f"{STARTUP_TIMEOUT:g}s: {type(exc).__name__}") from exc
+        except BaseException:
+            await template.close()
+            raise
+        return template
+
+    def _readable(self) -> None:
+        try:
+            data, fds, _, _ = socket.recv_fds(self.control, 1 << 16, 1)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data, fds = b"", []
+        if not data:
+            self._gone()
+            return
+        reply = unpack(data)
+        if "exited" in reply:
+            worker = self.workers.pop(reply["exited"], None)
+            if worker is not None:
+                worker.exited(reply["code"])
+            else:
+                self._early[reply["exited"]] = reply["code"]
+            for fd in fds:
+                os.close(fd)
+            return
+        self._replies.put_nowait((reply, fds))
+
+    def _gone(self) -> None:
+        """The template exited: its workers died with it (PR_SET_PDEATHSIG)."""
+        if self.dead:
+            return
+        self.dead = True
+        with contextlib.suppress(Exception):
+            asyncio.get_running_loop().remove_reader(self.control.fileno())
+        for worker in self.workers.values():
+            worker.exited(-signal.SIGKILL)
+        self.workers.clear()
+        self._replies.put_nowait(({"gone": True}, []))
+
+    async def fork(self) -> _Forked:
+        loop = asyncio.get_running_loop()
+        async with self._lock:
+            if self.dead:
+                raise ConnectionError("the reward worker template exited")
+            in_r, in_w = os.pipe()
+            out_r, out_w = os.pipe()
+            try:
+                socket.send_fds(self.control, [encode({"fork": True})], [in_r, out_w])
+            finally:
+                os.close(in_r)
+                os.close(out_w)
+            try:
+                reply, fds = await asyncio.wait_for(self._replies.get(), STARTUP_TIMEOUT)
+            except BaseException:
+                os.close(in_w)
+                os.close(out_r)
+                raise
+            if "forked" not in reply or len(fds) != 1:
+                os.close(in_w)
+                os.close(out_r)
+                for fd in fds:
+                    os.close(fd)
+                raise ConnectionError(f"the reward worker template answered {reply!r}")
+        reader = asyncio.StreamReader(loop=loop)
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),
+                                     os.fdopen(out_r, "rb", buffering=0))
+        transport, protocol = await loop.connect_write_pipe(
+            asyncio.streams.FlowControlMixin, os.fdopen(in_w, "wb", buffering=0))
+        writer = asyncio.StreamWriter(transport, protocol, None, loop)
+        worker = _Forked(reply["forked"], fds[0], writer, reader)
+        if self.dead:
+            worker.exited(-signal.SIGKILL)
+        elif worker.pid in self._early:
+            worker.exited(self._early.pop(worker.pid))
+        else:
+            self.workers[worker.pid] = worker
+        return worker
+
+    async def close(self) -> None:
+        """Close the socket and kill the template; a worker still running dies with it."""
+        if not self.dead:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(self.control.fileno())
+        self.control.close()
+        await kill(self.proc)
+        self._gone()
+
+
 class _Worker:
-    def __init__(self, proc: asyncio.subprocess.Process):
+    def __init__(self, proc: _Forked):
         self.proc = proc
 
     async def send(self, obj: object) -> None:
@@ -50,7 +217,11 @@ class _Worker:
         return unpack(await self.proc.stdout.readexactly(size))
 
     async def kill(self) -> None:
-        await kill(self.proc)
+        self.proc.kill()
+        try:
+            await asyncio.wait_for(self.proc.wait(), KILL_WAIT)
+        except TimeoutError:
+            log.warning("reward.worker_slow_exit", pid=self.proc.pid, seconds=KILL_WAIT)
 
 
 class WorkerPool:
@@ -63,6 +234,8 @@ class WorkerPool:
         self._all: set[_Worker] = set()
         self._spawning: set[asyncio.Task] = set()
         self._starting: asyncio.Future | None = None
+        self._forker: _Template | None = None
+        self._template_lock = asyncio.Lock()
         self._closed = False
         self.killed = 0
 
@@ -84,19 +257,25 @@ class WorkerPool:
             raise failed[0]
         log.info("reward.pool_ready", workers=self.size)
 
+    async def _template(self) -> _Template:
+        """The template the workers are forked from; started again if it exited."""
+        async with self._template_lock:
+            if self._forker is None or self._forker.dead:
+                if self._forker is not None:
+                    await self._forker.close()
+                self._forker = await _Template.start(self.config)
+            return self._forker
+
     async def _spawn(self) -> _Worker:
-        env = dict(os.environ)
-        env["PYTHONUNBUFFERED"] = "1"
-        proc = await spawn(
-            sys.executable, "-m", "tandem.reward.worker", stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, env=env, on_cancel=kill)
+        template = await self._template()
+        try:
+            proc = await template.fork()
+        except (TimeoutError, ConnectionError) as exc:
+            raise TandemError(f"reward worker template (pid {template.proc.pid}) did not fork "
+                              f"a worker within {STARTUP_TIMEOUT:g}s: {exc}") from exc
         worker = _Worker(proc)
         self._all.add(worker)
         try:
-            # the worker imports the plugins this process imported, so a plugin's isolated
-            # reward function is found there too (docs/extending.md)
-            await worker.send({"reward": self.config.model_dump(mode="json"),
-                               "plugins": loaded_plugins()})
             hello = await asyncio.wait_for(worker.recv(), STARTUP_TIMEOUT)
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
             await worker.kill()
@@ -180,3 +359,6 @@ class WorkerPool:
                 worker.proc.stdin.close()
         await asyncio.gather(*(w.kill() for w in self._all), return_exceptions=True)
         self._all.clear()
+        if self._forker is not None:
+            await self._forker.close()
+            self._forker = None

@@ -1,22 +1,38 @@
-"""A worker process for pure reward functions: `python -m tandem.reward.worker`.
+"""Reward worker processes for pure reward functions: `python -m tandem.reward.worker`.
 
-Protocol on stdin/stdout, each frame a 4-byte big-endian length and a msgpack map:
-parent -> worker: first `{"reward": the reward section, "plugins": [what the parent imported]}`,
-then `{"fn": name, "item": {...}}` per evaluation; worker -> parent: `{"ready": true}` once the
-isolated functions are built and warmed up (`warm`), then one
-`{"score", "components", "reason"}` or `{"error": "..."}` per evaluation. The worker runs each
-function on its main thread, so it needs no time limit of its own: the parent kills it when an
-evaluation overruns. It exits on EOF, and with its parent (PR_SET_PDEATHSIG).
+The pool (`pool.WorkerPool`) starts one *template* process, which imports the reward functions
+(and the plugins the pool's process imported), builds and warms up every isolated one
+(`warm`), and then forks each worker: a worker costs a fork, not an interpreter and its
+imports, so a pool of four starts for the price of one and a worker killed for overrunning is
+replaced in milliseconds. Started from a process of its own, not forked from the pool's, so
+no thread or socket of that process (ZeroMQ, asyncio) is carried into a worker.
+
+Template protocol: on stdin one frame (a 4-byte big-endian length and a msgpack map)
+`{"reward": the reward section, "plugins": [what the parent imported]}`; then, on the unix
+SEQPACKET socket whose fd is its argument, one msgpack message each way: template -> parent
+`{"ready": true}` once warmed up; parent -> template `{"fork": true}` carrying two fds (the
+worker's stdin and stdout), answered by `{"forked": pid}` carrying a pidfd of the worker; and
+`{"exited": pid, "code": returncode}` when a worker ends (negative: the signal). It exits when
+the parent closes the socket, killing its workers, and with its parent (PR_SET_PDEATHSIG).
+
+Worker protocol on its stdin/stdout, frames as above: parent -> worker `{"fn": name, "item":
+{...}}` per evaluation; worker -> parent `{"ready": true}` first, then one `{"score",
+"components", "reason"}` or `{"error": "..."}` per evaluation. The worker runs each function on
+its main thread, so it needs no time limit of its own: the parent kills it when an evaluation
+overruns. It exits on EOF, and with the template.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
+import selectors
 import signal
+import socket
 import sys
 
-from .frames import HEADER, pack, unpack
+from .frames import HEADER, encode, pack, unpack
 
 
 def read_frame(stream) -> object | None:
@@ -72,26 +88,12 @@ def warm(config) -> dict:
     return out
 
 
-def main() -> None:
-    _die_with_parent()
-    # Ctrl-C, and a supervisor's SIGTERM to the parent's process group, are the parent's: it
-    # may still drain a step that needs us, then stops us itself (or we die with it)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
-    sys.stdout = sys.stderr  # a stray print in a function must not corrupt the protocol
-    # math-verify logs every parse failure with the whole input; the reason says enough.
-    logging.getLogger("math_verify").setLevel(logging.CRITICAL)
-    from tandem.common.config.reward import RewardConfig
+def serve(stdin, stdout, instances: dict, config) -> None:
+    """Answer evaluations on `stdin`/`stdout` until EOF."""
     from tandem.common.messages.reward import ScoreItem
-    from tandem.common.plugins import load_plugins
 
     from .functions import lookup
 
-    first = read_frame(stdin)
-    load_plugins(first["plugins"])
-    config = RewardConfig.model_validate(first["reward"])
-    instances = warm(config)
     write_frame(stdout, {"ready": True})
     while (request := read_frame(stdin)) is not None:
         try:
@@ -102,6 +104,90 @@ def main() -> None:
             write_frame(stdout, score.model_dump())
         except Exception as exc:
             write_frame(stdout, {"error": f"{type(exc).__name__}: {exc}"[:500]})
+
+
+def _worker(stdin_fd: int, stdout_fd: int, keep_out: list[int], instances: dict,
+            config) -> None:
+    """The forked worker's life; never returns into the template's loop."""
+    code = 1
+    try:
+        _die_with_parent()  # the template; PR_SET_PDEATHSIG is not inherited across fork
+        for fd in keep_out:
+            os.close(fd)
+        os.dup2(stdin_fd, 0)
+        os.dup2(stdout_fd, 1)
+        os.close(stdin_fd)
+        os.close(stdout_fd)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        serve(os.fdopen(0, "rb"), os.fdopen(1, "wb"), instances, config)
+        code = 0
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def template(control_fd: int) -> None:
+    from tandem.common.config.reward import RewardConfig
+    from tandem.common.plugins import load_plugins
+
+    first = read_frame(sys.stdin.buffer)
+    load_plugins(first["plugins"])
+    config = RewardConfig.model_validate(first["reward"])
+    instances = warm(config)
+    control = socket.socket(fileno=control_fd)
+    control.sendall(encode({"ready": True}))
+    workers: dict[int, int] = {}  # pidfd -> pid
+    with selectors.DefaultSelector() as sel:
+        sel.register(control, selectors.EVENT_READ)
+        while True:
+            for key, _ in sel.select():
+                if key.fileobj is control:
+                    data, fds, _, _ = socket.recv_fds(control, 1 << 16, 2)
+                    if not data:  # the pool closed: its workers go with it
+                        for pid in workers.values():
+                            try:
+                                os.kill(pid, signal.SIGKILL)
+                            except ProcessLookupError:
+                                pass
+                        return
+                    if len(fds) != 2:
+                        for fd in fds:
+                            os.close(fd)
+                        control.sendall(encode({"error": "fork needs two fds"}))
+                        continue
+                    keep_out = [control.fileno(), sel.fileno(), *workers]
+                    pid = os.fork()
+                    if pid == 0:
+                        _worker(fds[0], fds[1], keep_out, instances, config)
+                    for fd in fds:
+                        os.close(fd)
+                    pidfd = os.pidfd_open(pid)
+                    workers[pidfd] = pid
+                    sel.register(pidfd, selectors.EVENT_READ)
+                    socket.send_fds(control, [encode({"forked": pid})], [pidfd])
+                else:  # a worker's pidfd: it ended
+                    pidfd = key.fd
+                    sel.unregister(pidfd)
+                    pid = workers.pop(pidfd)
+                    _, status = os.waitpid(pid, 0)
+                    os.close(pidfd)
+                    control.sendall(encode({"exited": pid,
+                                             "code": os.waitstatus_to_exitcode(status)}))
+
+
+def main() -> None:
+    _die_with_parent()
+    # Ctrl-C, and a supervisor's SIGTERM to the parent's process group, are the parent's: it
+    # may still drain a step that needs us, then stops us itself (or we die with it)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.stdout = sys.stderr  # a stray print in a function must not corrupt the protocol
+    # math-verify logs every parse failure with the whole input; the reason says enough.
+    logging.getLogger("math_verify").setLevel(logging.CRITICAL)
+    template(int(sys.argv[1]))
 
 
 if __name__ == "__main__":
