@@ -106,12 +106,14 @@ def serve(stdin, stdout, instances: dict, config) -> None:
             write_frame(stdout, {"error": f"{type(exc).__name__}: {exc}"[:500]})
 
 
-def _worker(stdin_fd: int, stdout_fd: int, keep_out: list[int], instances: dict,
-            config) -> None:
+def _worker(template_pid: int, stdin_fd: int, stdout_fd: int, keep_out: list[int],
+            instances: dict, config) -> None:
     """The forked worker's life; never returns into the template's loop."""
     code = 1
     try:
         _die_with_parent()  # the template; PR_SET_PDEATHSIG is not inherited across fork
+        if os.getppid() != template_pid:  # it died before the line above: nobody to serve
+            return
         for fd in keep_out:
             os.close(fd)
         os.dup2(stdin_fd, 0)
@@ -140,6 +142,7 @@ def template(control_fd: int) -> None:
     control = socket.socket(fileno=control_fd)
     control.sendall(encode({"ready": True}))
     workers: dict[int, int] = {}  # pidfd -> pid
+    me = os.getpid()
     with selectors.DefaultSelector() as sel:
         sel.register(control, selectors.EVENT_READ)
         while True:
@@ -161,7 +164,7 @@ def template(control_fd: int) -> None:
                     keep_out = [control.fileno(), sel.fileno(), *workers]
                     pid = os.fork()
                     if pid == 0:
-                        _worker(fds[0], fds[1], keep_out, instances, config)
+                        _worker(me, fds[0], fds[1], keep_out, instances, config)
                     for fd in fds:
                         os.close(fd)
                     pidfd = os.pidfd_open(pid)
