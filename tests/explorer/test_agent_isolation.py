@@ -136,6 +136,22 @@ async def test_the_episode_timeout_counts_from_the_agents_call_not_its_process_s
     assert (played.reason, played.result) == ("ok", 1.0)
 
 
+async def test_the_episode_cpu_limit_counts_from_the_agents_call():
+    # 2.5 s of CPU while the module imports, a 2 s CPU budget: the start is not the agent's
+    args = AgentSandboxArgs(cpu_seconds=2)
+    sandbox = AgentSandbox("cpu_import_agent:instant", args, timeout=60, max_retries=0, slots=1)
+    spinner = AgentSandbox("cpu_import_agent:spins", args, timeout=60, max_retries=0, slots=1)
+    try:
+        played = await sandbox.play("ep-0", "http://127.0.0.1:9/v1", {})
+        spun = await spinner.play("ep-1", "http://127.0.0.1:9/v1", {})
+    finally:
+        await sandbox.close()
+        await spinner.close()
+    assert (played.reason, played.result) == ("ok", 1.0)
+    # and what the agent itself spends is bounded by it
+    assert spun.reason == "cpu: ran past workflow_args.sandbox.cpu_seconds = 2s", spun.reason
+
+
 async def test_an_agent_that_never_starts_is_bounded_by_start_seconds():
     sandbox = AgentSandbox("stuck_import_agent:never", AgentSandboxArgs(start_seconds=1),
                            timeout=60, max_retries=0, slots=1)

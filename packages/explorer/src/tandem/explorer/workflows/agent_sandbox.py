@@ -60,8 +60,8 @@ class AgentSandboxArgs(BaseModel):
                     "interpreter, the openai client, the agent's module) before the agent is "
                     "called; workflow_args.timeout counts from that call")
     cpu_seconds: float | None = Field(
-        default=None, gt=0, description="CPU time of the episode's process, its start "
-                                        "included; default: workflow_args.timeout")
+        default=None, gt=0, description="CPU time of the episode's process from the agent's "
+                                        "call, as its timeout; default: workflow_args.timeout")
     nproc: int = Field(default=64, ge=4, description="processes and threads (RLIMIT_NPROC)")
     open_files: int = Field(default=256, ge=32, description="file descriptors (RLIMIT_NOFILE)")
     file_size_mb: float = Field(default=64.0, gt=0,
@@ -88,8 +88,11 @@ class AgentSandbox:
         self.fn, self.args = fn, args
         self.timeout, self.max_retries = timeout, max_retries
         self.path = [os.path.abspath(p) for p in sys.path if p and Path(p).exists()]
+        self.cpu_seconds = args.cpu_seconds or timeout
+        # the process's CPU limit covers its start too (at most start_seconds of it): the
+        # episode lowers it to what it spent plus cpu_seconds when it calls the agent
         self.sandbox = Sandbox(CodeSandboxConfig(
-            cpu_seconds=args.cpu_seconds or timeout, wall_seconds=timeout,
+            cpu_seconds=self.cpu_seconds + args.start_seconds, wall_seconds=timeout,
             memory_mb=args.memory_mb, nproc=args.nproc, open_files=args.open_files,
             file_size_mb=args.file_size_mb, isolation=args.isolation, uid_base=args.uid_base),
             slots=slots, readable=tuple(self.path), key=KEY)
@@ -116,7 +119,7 @@ class AgentSandbox:
             socket = SOCKET if self.sandbox.isolated else str(bridge.path)
             spec = {"path": self.path, "fn": self.fn, "task": task, "key": key,
                     "socket": socket, "timeout": self.timeout, "max_retries": self.max_retries,
-                    "started": STARTED.decode()}
+                    "cpu_seconds": self.cpu_seconds, "started": STARTED.decode()}
             run = await self.sandbox.run(self._program, stdin=json.dumps(spec).encode() + b"\n",
                                          start_seconds=self.args.start_seconds,
                                          binds=((str(bridge.path), SOCKET),))
@@ -147,7 +150,7 @@ class AgentSandbox:
         if run.status == "memory":
             return Played(reason=f"memory: ran out of {KEY}.memory_mb = {cfg.memory_mb} MiB")
         if run.status == "cpu":
-            return Played(reason=f"cpu: ran past {KEY}.cpu_seconds = {cfg.cpu_seconds:g}s")
+            return Played(reason=f"cpu: ran past {KEY}.cpu_seconds = {self.cpu_seconds:g}s")
         if run.status == "output_limit":
             return Played(reason=f"output_limit: wrote over {cfg.max_output_bytes} bytes")
         if run.status == "ok":

@@ -3,10 +3,11 @@
 `tandem.common.sandbox_runner` runs it as the candidate: under the slot's uid, with the
 sandbox's resource limits, after `python -I -S`. It reads one JSON line on stdin (the agent's
 import path, "module:function", the task payload, the episode's key, the endpoint's socket, the
-client's timeout and retries, and the line that says the agent starts), serves the endpoint on
-a loopback port of the sandbox's own network namespace (forwarding each connection to the unix
-socket the explorer bound in), writes that start line to the sandbox's stdout (the episode's
-timeout counts from there, not from the interpreter's start), calls the agent with an
+client's timeout, retries and CPU seconds, and the line that says the agent starts), serves the
+endpoint on a loopback port of the sandbox's own network namespace (forwarding each connection
+to the unix socket the explorer bound in), lowers its CPU limit to what it spent so far plus
+its CPU seconds, writes that start line to the sandbox's stdout (the episode's timeout and CPU
+count from there, not from the interpreter's start), calls the agent with an
 `openai.AsyncOpenAI` client on that URL and key, and writes one JSON line: {"result": ...},
 {"raised": "Type: message"} or {"garbage": "..."}.
 
@@ -18,6 +19,7 @@ import asyncio
 import importlib
 import json
 import os
+import resource
 import sys
 
 
@@ -58,6 +60,18 @@ def _write(out: int, data: bytes) -> None:
         view = view[os.write(out, view):]
 
 
+def _budget_cpu(seconds: float) -> None:
+    """Lower this process's CPU limit to what it has spent so far (the interpreter, the
+    imports) plus `seconds`: the episode's CPU, like its wall clock, counts from the call."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    soft = int(usage.ru_utime + usage.ru_stime + seconds) + 1
+    _, hard = resource.getrlimit(resource.RLIMIT_CPU)
+    if hard != resource.RLIM_INFINITY:
+        soft = min(soft, hard)
+    resource.setrlimit(resource.RLIMIT_CPU, (soft, soft + 1 if hard == resource.RLIM_INFINITY
+                                              else min(soft + 1, hard)))
+
+
 def _reply(out: int, message: dict) -> None:
     _write(out, json.dumps(message).encode() + b"\n")
 
@@ -73,6 +87,7 @@ async def _play(spec: dict, out: int) -> None:
     os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"] = url, spec["key"]
     client = openai.AsyncOpenAI(base_url=url, api_key=spec["key"],
                                 max_retries=spec["max_retries"], timeout=spec["timeout"])
+    _budget_cpu(spec["cpu_seconds"])
     _write(out, spec["started"].encode())
     try:
         result = await fn(spec["task"], client)
