@@ -222,7 +222,10 @@ async def test_memory_is_limited_per_run_not_per_process(probe_config):
         "    kids.append(pid)\n    if os.read(r, 1) != b'1':\n        sys.exit(3)\n"
         "alive = sum(os.waitpid(p, os.WNOHANG)[0] == 0 for p in kids)\n"
         "print('held', alive * 150, 'MiB')")
-    reward = CodeReward(probe_config)
+    # the verdict is the kernel's memory kill; a wall clock that a loaded machine can reach
+    # first (4 s: six 150 MiB allocations under load) would race it, so it is only a backstop
+    code = probe_config.code.model_copy(update={"wall_seconds": 120.0, "cpu_seconds": 60.0})
+    reward = CodeReward(probe_config.model_copy(update={"code": code}))
     await reward.start()
     try:
         if reward.sandbox.cgroups is None:
