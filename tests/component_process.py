@@ -12,6 +12,8 @@ import subprocess
 import threading
 import time
 
+from backstop import BACKSTOP
+
 
 class ComponentProcess:
     """A tandem CLI process; its JSON log lines (stderr) are drained by a thread."""
@@ -30,7 +32,7 @@ class ComponentProcess:
             self.lines.put(line)
         self.lines.put(None)
 
-    def wait_for(self, event: str, timeout: float) -> dict:
+    def wait_for(self, event: str, timeout: float = BACKSTOP) -> dict:
         deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
             try:
@@ -50,8 +52,8 @@ class ComponentProcess:
         raise AssertionError(f"{self.name} did not log {event} within {timeout}s (exit code "
                              f"{self.proc.poll()}); last lines:\n{''.join(self.raw[-15:])}")
 
-    def stop(self, timeout: float = 10.0) -> int:
-        """SIGTERM, then SIGKILL if it has not exited `timeout` s later; the exit code."""
+    def stop(self, timeout: float = BACKSTOP) -> int:
+        """SIGTERM, then SIGKILL if it has not exited `timeout` s later (a hang); the exit code."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:

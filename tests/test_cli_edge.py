@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from backstop import BACKSTOP
 from component_process import ComponentProcess
 from processes import catches, freeze
 
@@ -60,10 +61,9 @@ def prog(cli: str) -> str:
 
 
 # Each verdict here is an exit code and a line, never a clock: the wall-clock bound only ends a
-# process that hangs. A component that exits on an unreachable master imports torch, loads its
-# model and starts its reward workers first, 15 s of CPU that took 158 s of wall-clock beside
-# three `make test` at once (load 13) and ran past the 120 s this bound once was.
-BACKSTOP = 900.0
+# process that hangs (tests/backstop.py). A component that exits on an unreachable master imports
+# torch, loads its model and starts its reward workers first, 15 s of CPU that took 158 s of
+# wall-clock beside three `make test` at once (load 13) and ran past the 120 s this bound once was.
 
 
 def run(cmd: list[str], timeout: float = BACKSTOP,
