@@ -364,7 +364,7 @@ class Supervisor:
             if child.zygote is not None and not self._stop_reason:
                 child.start()
         if self.config.up.restart == "never":  # nothing will be forked again: free its pages
-            self.zygote.close()
+            await asyncio.to_thread(self.zygote.close)  # its exit takes seconds under load
 
     def _reap_orphans(self) -> None:
         known = {c.proc.pid for c in self.children if c.proc is not None}

@@ -328,7 +328,9 @@ class Zygote:
 
     def close(self) -> None:
         """End the zygote and wait for it: one that answered exits when its stdin closes, one
-        still importing is terminated (SIGTERM's default action), a stuck one killed."""
+        still importing is terminated (SIGTERM's default action), a stuck one killed. The wait
+        is bounded by up.start_timeout, as its start was: an interpreter holding torch takes
+        seconds to exit on a loaded machine, and a fixed 5 s turned that exit into a SIGKILL."""
         importing = self.ready_after is None and self.refused is None
         self.refused = self.refused or "the zygote was closed"
         try:
@@ -338,7 +340,7 @@ class Zygote:
         if importing and self.proc.poll() is None:
             self.proc.terminate()
         try:
-            self.proc.wait(5)
+            self.proc.wait(self.timeout)
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(5)
