@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import zmq.asyncio
 
+from backstop import BACKSTOP
 from tandem.common.auth import generate_keypair, stop_authenticators
 from tandem.common.config import CurveConfig, TransportConfig
 from tandem.common.errors import PeerDead
@@ -30,9 +31,9 @@ async def test_only_allowed_client_keys_connect():
     good = RpcClient(address, peer="secure", factory=SocketFactory(transport(good_pub, good_sec), ctx))
     bad = RpcClient(address, peer="secure", factory=SocketFactory(transport(bad_pub, bad_sec), ctx))
     try:
-        assert isinstance(await good.call(Heartbeat(name="g")), HeartbeatAck)
+        assert isinstance(await good.call(Heartbeat(name="g"), timeout=BACKSTOP), HeartbeatAck)
         with pytest.raises(PeerDead):
-            await bad.call(Heartbeat(name="b"))
+            await bad.call(Heartbeat(name="b"))  # 0.5 s of silence: refused at the handshake
     finally:
         await good.close()
         await bad.close()

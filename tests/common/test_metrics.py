@@ -8,6 +8,7 @@ import urllib.request
 
 import pytest
 
+from backstop import BACKSTOP
 from tandem.common.config import TransportConfig
 from tandem.common.config.logs import MetricsConfig
 from tandem.common.errors import RequestFailed
@@ -16,17 +17,17 @@ from tandem.common.metrics import MetricsEndpoint, served_endpoints
 from tandem.common.rpc import RpcClient, RpcServer
 from tandem.common.trace import Tracer
 
-FAST = TransportConfig(rpc_timeout=2.0, rpc_retries=0)
+PATIENT = TransportConfig(rpc_timeout=BACKSTOP, rpc_retries=0)
 ON = MetricsConfig(enabled=True, port=0)
 
 
 def scrape(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=5) as reply:
+    with urllib.request.urlopen(url, timeout=BACKSTOP) as reply:
         return reply.read().decode()
 
 
 async def test_rpc_error_replies_are_counted_by_code(tmp_path, zmq_sockets_closed):
-    server = RpcServer("tcp://127.0.0.1:0", name="buffer", transport=FAST)
+    server = RpcServer("tcp://127.0.0.1:0", name="buffer", transport=PATIENT)
 
     @server.handler(AckLease)
     async def on_ack(msg, ctx):
@@ -38,7 +39,7 @@ async def test_rpc_error_replies_are_counted_by_code(tmp_path, zmq_sockets_close
 
     endpoint = MetricsEndpoint(ON, "buffer", run_dir=tmp_path)
     endpoint.rpc_errors(server)
-    client = RpcClient(await server.start(), peer="buffer", transport=FAST)
+    client = RpcClient(await server.start(), peer="buffer", transport=PATIENT)
     try:
         url = endpoint.start()
         assert served_endpoints(tmp_path) == [("buffer", url)]
@@ -114,13 +115,13 @@ def test_close_releases_the_port_without_waiting_for_the_serving_loop(tmp_path):
 
     def held() -> None:
         passing.set()
-        release.wait(30)
+        release.wait(2 * BACKSTOP)  # past closer.join's bound: only the test lets it go
 
     server.service_actions = held
-    assert passing.wait(10)
+    assert passing.wait(BACKSTOP)
     closer = threading.Thread(target=endpoint.close, daemon=True)
     closer.start()
-    closer.join(10)
+    closer.join(BACKSTOP)
     try:
         assert not closer.is_alive(), "close() waited for the serving loop"
         port = int(url.rsplit(":", 1)[1].split("/")[0])

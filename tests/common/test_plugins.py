@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from backstop import BACKSTOP
 from tandem.common.config import load_config
 from tandem.common.errors import ConfigError
 from tandem.common.plugins import ENGINES, REWARDS, WORKFLOWS, EngineCapabilities, load_plugins
@@ -119,7 +120,7 @@ def _tandem_plan(tmp_path: Path, config: str) -> subprocess.CompletedProcess:
     path = tmp_path / "run.yaml"
     path.write_text(textwrap.dedent(config))
     return subprocess.run([str(TANDEM), "up", str(path)], capture_output=True, text=True,
-                          timeout=120, cwd=tmp_path)
+                          timeout=BACKSTOP, cwd=tmp_path)
 
 
 @pytest.mark.parametrize("case", ["duplicate", "broken", "unknown_reward"])

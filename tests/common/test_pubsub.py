@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
+from backstop import BACKSTOP
 from tandem.common.config import TransportConfig
 from tandem.common.errors import WaitTimeout
 from tandem.common.heartbeat import Heartbeater, Liveness
@@ -14,6 +16,25 @@ from tandem.common.pubsub import Publisher, Subscriber
 from tandem.common.rpc import RpcClient, RpcServer
 
 T = TransportConfig(rpc_timeout=1.0, rpc_retries=0)
+
+
+async def subscribed(pub: Publisher, sub: Subscriber) -> None:
+    """Return once the subscriptions `sub` sends as it connects have reached `pub`, so that
+    what is published from now on reaches it live. A PUB drops what no subscription matches:
+    probes go out on a topic under `sub`'s last one (each withdrawn at once, so no snapshot
+    holds it) until one arrives; the ones published after it are on their way and read too."""
+    topic = f"{sub.topics[-1]}.probe"
+    deadline = time.monotonic() + BACKSTOP
+    while True:
+        sent = await pub.publish(topic, Stop(reason="probe"))
+        pub.withdraw(topic)
+        try:
+            await sub.recv(0.05)
+            break
+        except WaitTimeout:
+            assert time.monotonic() < deadline, "the subscription never reached the publisher"
+    while sub.last_seq[topic] < sent:
+        await sub.recv(BACKSTOP)
 
 
 async def _master():
@@ -33,12 +54,12 @@ async def test_late_joiner_gets_current_state_then_live_events(zmq_sockets_close
     sub = Subscriber(pub_address, topics=["barrier.e0", "stop"], transport=T, snapshot=client,
                      resync_interval=0.2)
     try:
-        first = await sub.recv(2)
+        first = await sub.recv(BACKSTOP)
         assert (first.topic, first.seq, first.body.step) == ("barrier.e0", 3, 2)
-        await asyncio.sleep(0.3)  # let the subscription reach the publisher
+        await subscribed(pub, sub)
         await pub.publish("stop", Stop(reason="done"))
         await pub.publish("barrier.e0", Barrier(explorer="e0", step=3, version=1, wait=True))
-        got = [await sub.recv(2), await sub.recv(2)]
+        got = [await sub.recv(BACKSTOP), await sub.recv(BACKSTOP)]
         assert [(e.topic, e.seq) for e in got] == [("stop", 1), ("barrier.e0", 4)]
         assert sub.gaps == 0
     finally:
@@ -53,12 +74,12 @@ async def test_gap_is_detected_and_wait_times_out_naming_the_knob(zmq_sockets_cl
     sub = Subscriber(pub_address, topics=["t"], transport=T)
     try:
         await sub.start()
-        await asyncio.sleep(0.3)
+        await subscribed(pub, sub)
         await pub.publish("t", Stop(reason="1"))
-        assert (await sub.recv(2)).seq == 1
+        assert (await sub.recv(BACKSTOP)).seq == 1
         pub._seq["t"] = 5  # as if events 2..5 were lost on the way
         await pub.publish("t", Stop(reason="6"))
-        assert (await sub.recv(2)).seq == 6
+        assert (await sub.recv(BACKSTOP)).seq == 6
         assert sub.gaps == 1
         with pytest.raises(WaitTimeout, match="no barrier .* within 0.2s; raise sync.timeout"):
             await sub.recv(0.2, what="barrier")
@@ -72,21 +93,24 @@ async def test_heartbeater_reports_dead_and_alive_again(zmq_sockets_closed):
     server = RpcServer("tcp://127.0.0.1:0", name="master", transport=T)
     address = await server.start()
     client = RpcClient(address, peer="master", transport=T)
-    events: list[str] = []
-    hb = Heartbeater(client, name="e0", interval=0.05, liveness=0.2,
-                     on_dead=lambda p: events.append(f"dead:{p}"),
-                     on_alive=lambda p: events.append(f"alive:{p}"))
+    events: asyncio.Queue[str] = asyncio.Queue()
+    # 1 s: longer than a live server takes to answer on a loaded machine, short to wait out
+    hb = Heartbeater(client, name="e0", interval=0.05, liveness=1.0,
+                     on_dead=lambda p: events.put_nowait(f"dead:{p}"),
+                     on_alive=lambda p: events.put_nowait(f"alive:{p}"))
     try:
         hb.start()
-        await asyncio.sleep(0.2)
-        assert events == [] and any(k.startswith("client-") for k in server.last_seen)
+        deadline = time.monotonic() + BACKSTOP
+        while not any(k.startswith("client-") for k in server.last_seen):
+            assert time.monotonic() < deadline, "no heartbeat reached the server"
+            await asyncio.sleep(0.02)
+        assert events.empty()
         await server.close()
-        await asyncio.sleep(0.6)
-        assert events == ["dead:master"]
+        assert await asyncio.wait_for(events.get(), BACKSTOP) == "dead:master"
         server = RpcServer(address, name="master", transport=T)
         await server.start()
-        await asyncio.sleep(0.6)
-        assert events == ["dead:master", "alive:master"]
+        assert await asyncio.wait_for(events.get(), BACKSTOP) == "alive:master"
+        assert events.empty()
     finally:
         await hb.close()
         await client.close()
@@ -113,7 +137,7 @@ async def test_a_snapshot_replays_topics_in_the_order_they_were_published(zmq_so
     client = RpcClient(address, peer="master", transport=T)
     sub = Subscriber(pub_address, topics=["barrier.e0", "weights"], transport=T, snapshot=client)
     try:
-        got = [await sub.recv(2), await sub.recv(2)]
+        got = [await sub.recv(BACKSTOP), await sub.recv(BACKSTOP)]
         assert [e.topic for e in got] == ["weights", "barrier.e0"]
     finally:
         await sub.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from backstop import BACKSTOP
 from tandem.common.config import TransportConfig
 from tandem.common.config.reward import RewardConfig
 from tandem.common.errors import ProtocolError
@@ -44,7 +45,7 @@ async def test_scores_come_back_in_order_across_split_requests(zmq_sockets_close
 
     server, address = await scripted_service(counted)
     try:
-        async with RemoteScorer(address, transport=FAST, timeout=5, max_batch=3) as scorer:
+        async with RemoteScorer(address, transport=FAST, timeout=BACKSTOP, max_batch=3) as scorer:
             scores = await scorer.score(items(7))
             assert await scorer.score([]) == []
     finally:
@@ -64,7 +65,7 @@ async def test_a_reply_with_another_number_of_scores_is_refused(answer, max_batc
                                                                 zmq_sockets_closed):
     server, address = await scripted_service(answer)
     try:
-        async with RemoteScorer(address, transport=FAST, timeout=5,
+        async with RemoteScorer(address, transport=FAST, timeout=BACKSTOP,
                                 max_batch=max_batch) as scorer:
             with pytest.raises(ProtocolError, match=message) as err:
                 await scorer.score(items(n))

@@ -154,7 +154,7 @@ def test_config_preset_fills_knobs_and_explicit_keys_win():
         load_config(None, ["sync.offset=null", "sync.method=nccl"])
 
 
-@settings(derandomize=True, max_examples=200)
+@settings(derandomize=True, max_examples=200, deadline=None)
 @given(interval=st.integers(1, 6), offset=st.integers(0, 6), step=st.integers(0, 60))
 def test_synchronous_rule_properties(interval, offset, step):
     plan = SyncPlan(method="checkpoint", interval=interval, offset=offset)

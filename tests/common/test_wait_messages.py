@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 
 import pytest
 from structlog.testing import capture_logs
 
+from backstop import BACKSTOP
 from tandem.common.config import TransportConfig
 from tandem.common.errors import PeerDead
 from tandem.common.heartbeat import Heartbeater
@@ -39,9 +41,8 @@ async def test_peer_dead_names_the_key_that_raises_the_liveness(zmq_sockets_clos
     beat = Heartbeater(client, name="explorer-0", interval=0.05, liveness=0.1)
     with capture_logs() as logs:
         beat.start()
-        for _ in range(100):
-            if not beat.alive:
-                break
+        deadline = time.monotonic() + BACKSTOP
+        while beat.alive and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         await beat.close()
     await client.close()

@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
 from pathlib import Path
 
-from tandem.common.config import load_config
+from backstop import BACKSTOP
+from tandem.common.config import TransportConfig, load_config
 from tandem.common.messages.master import (
     CompleteTasks,
     ExplorerStepDone,
@@ -23,6 +25,9 @@ from tandem.common.pubsub import Subscriber
 from tandem.common.rpc import RpcClient
 from tandem.master.service import Master
 
+# a call waits for its answer however slow the machine is; only a hang runs it out
+PATIENT = TransportConfig(rpc_timeout=BACKSTOP, rpc_retries=0)
+
 
 def write_tasks(path: Path, n: int) -> Path:
     with open(path, "w") as f:
@@ -35,8 +40,25 @@ def make_config(tmp_path: Path, *overrides: str, tasks: int = 40):
     return load_config(None, [
         f"run_dir={tmp_path / 'run'}", "master.address=tcp://127.0.0.1:0",
         "master.publish_address=tcp://127.0.0.1:0", f"master.taskset.path={taskset}",
-        "master.taskset.id_field=id", "master.stop_grace=0.2", "transport.liveness=1.0",
-        "transport.heartbeat_interval=0.1", "explorers.0.batch_size=4", *overrides])
+        "master.taskset.id_field=id", "master.stop_grace=0.2",
+        # these peers send no heartbeats: none is declared dead unless a test lowers this
+        f"transport.liveness={BACKSTOP}", "transport.heartbeat_interval=0.1",
+        "explorers.0.batch_size=4", *overrides])
+
+
+def master_client(master, name: str) -> RpcClient:
+    """An RPC client of `master` (anything with its `address`) whose calls wait for their
+    answer up to BACKSTOP."""
+    return RpcClient(master.address, peer="master", name=name, transport=PATIENT)
+
+
+async def until(condition, what: str) -> None:
+    """Return once `condition()` holds, polled while this loop serves the master; BACKSTOP
+    only bounds a hang."""
+    deadline = time.monotonic() + BACKSTOP
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen within {BACKSTOP:g}s"
+        await asyncio.sleep(0.02)
 
 
 class Peer:
@@ -44,17 +66,16 @@ class Peer:
 
     def __init__(self, master: Master, name: str, role: str, topics: list[str]):
         self.name, self.role = name, role
-        self.rpc = RpcClient(master.address, peer="master", name=name)
+        self.rpc = master_client(master, name)
         self.sub = Subscriber(master.publish_address, topics=topics,
                               snapshot=RpcClient(master.address, peer="master", name=name + "-s"),
                               resync_interval=0.2)
 
     async def start(self):
         await self.sub.start()
-        return await self.rpc.call(Register(name=self.name, role=self.role, pid=os.getpid()),
-                                   timeout=2)
+        return await self.rpc.call(Register(name=self.name, role=self.role, pid=os.getpid()))
 
-    async def next(self, kind: str, timeout: float = 3.0):
+    async def next(self, kind: str, timeout: float = BACKSTOP):
         while True:
             ev = await self.sub.recv(timeout, what=kind)
             if ev.topic.startswith(kind) or ev.topic == "stop":
@@ -62,7 +83,7 @@ class Peer:
 
     async def close(self, goodbye: bool = False):
         if goodbye:  # as a component's close() ends: leaving, after the Stop
-            await self.rpc.call(Goodbye(name=self.name), timeout=2)
+            await self.rpc.call(Goodbye(name=self.name))
         await self.sub.close()
         await self.sub.snapshot_client.close()
         await self.rpc.close()
@@ -81,14 +102,13 @@ async def explorer_loop(master: Master, name: str, steps_seen: list, batch_size:
             if msg.batch <= last:
                 continue  # a repeat
             last = msg.batch
-            lease = await peer.rpc.call(LeaseTasks(explorer=name, count=batch_size,
-                                                   step=msg.step), timeout=2)
+            lease = await peer.rpc.call(LeaseTasks(explorer=name, count=batch_size, step=msg.step))
             await asyncio.sleep(0.01)  # "roll out"
-            await peer.rpc.call(CompleteTasks(lease_id=lease.lease_id), timeout=2)
+            await peer.rpc.call(CompleteTasks(lease_id=lease.lease_id))
             steps_seen.append((name, msg.step, msg.version, msg.wait,
                                [t.id for t in lease.tasks]))
             await peer.rpc.call(ExplorerStepDone(explorer=name, step=msg.step, batch=msg.batch,
-                                                 version=msg.version), timeout=2)
+                                                 version=msg.version))
     finally:
         await peer.close(goodbye)
 
@@ -105,15 +125,15 @@ async def trainer_loop(master: Master, trained: list, method: str = "checkpoint"
             msg = await peer.next("trainer")
             if msg.TYPE == "master.stop":
                 if trained:
-                    await peer.rpc.call(TrainerCheckpointed(step=trained[-1][0] + 1), timeout=2)
+                    await peer.rpc.call(TrainerCheckpointed(step=trained[-1][0] + 1))
                 return
             if until is not None and msg.step >= until:
                 return
             await asyncio.sleep(0.01)  # "train"
             trained.append((msg.step, msg.publish, msg.groups))
-            await peer.rpc.call(TrainerStepDone(step=msg.step, version=msg.step + 1), timeout=2)
+            await peer.rpc.call(TrainerStepDone(step=msg.step, version=msg.step + 1))
             if msg.publish is not None:
                 await peer.rpc.call(WeightsPublished(version=msg.publish, method=method,
-                                                     path=f"weights/v{msg.publish}"), timeout=2)
+                                                     path=f"weights/v{msg.publish}"))
     finally:
         await peer.close(goodbye)

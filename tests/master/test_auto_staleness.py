@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from backstop import BACKSTOP
 from tandem.common.errors import ConfigError
 from tandem.common.messages.master import StalenessSet, TrainerStepDone, WeightsPublished
 from tandem.common.sync import SyncPlan
@@ -59,10 +60,10 @@ async def trainer_with_metrics(master: Master, kl: list[float], trained: list):
             tracer.event("train", step=msg.step, version=msg.step)
             await peer.rpc.call(TrainerStepDone(step=msg.step, version=msg.step + 1,
                                                 metrics={"mismatch/kl": kl[msg.step],
-                                                         "loss/total": 0.1}), timeout=2)
+                                                         "loss/total": 0.1}))
             if msg.publish is not None:
                 await peer.rpc.call(WeightsPublished(version=msg.publish, method="checkpoint",
-                                                     path=f"weights/v{msg.publish}"), timeout=2)
+                                                     path=f"weights/v{msg.publish}"))
     finally:
         tracer.close()
         await peer.close()
@@ -79,7 +80,7 @@ async def test_the_bound_moves_with_the_metric_is_journaled_traced_and_resumed(
     seen, trained = [], []
     try:
         await asyncio.wait_for(asyncio.gather(explorer_loop(master, "explorer-0", seen),
-                                              trainer_with_metrics(master, kl, trained)), 30)
+                                              trainer_with_metrics(master, kl, trained)), BACKSTOP)
     finally:
         await master.close()
     assert trained == list(range(8))

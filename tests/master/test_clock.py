@@ -400,13 +400,12 @@ async def test_a_grant_ahead_is_journaled_and_a_restarted_master_replays_it(tmp_
     try:
         await peer.start()
         first = await peer.next("barrier")
-        lease = await peer.rpc.call(LeaseTasks(explorer="explorer-0", count=4, step=0), timeout=2)
-        await peer.rpc.call(ExplorerDraining(explorer="explorer-0", step=0, batch=0), timeout=2)
+        lease = await peer.rpc.call(LeaseTasks(explorer="explorer-0", count=4, step=0))
+        await peer.rpc.call(ExplorerDraining(explorer="explorer-0", step=0, batch=0))
         ahead = await peer.next("barrier")  # granted before step 0 is reported
         assert (first.step, first.batch, ahead.step, ahead.batch) == (0, 0, 1, 1)
         # a second lease, for the step ahead, while the first is open: other tasks
-        second = await peer.rpc.call(LeaseTasks(explorer="explorer-0", count=4, step=1),
-                                     timeout=2)
+        second = await peer.rpc.call(LeaseTasks(explorer="explorer-0", count=4, step=1))
         assert not {t.id for t in lease.tasks} & {t.id for t in second.tasks}
     finally:
         await peer.close()
@@ -421,9 +420,9 @@ async def test_a_grant_ahead_is_journaled_and_a_restarted_master_replays_it(tmp_
         assert slot.running == (0, 0, 0) and slot.ahead == (1, 1, 0)
         await peer.sub.start()  # the snapshot is the newest barrier: the one ahead
         assert (await peer.next("barrier")).batch == 1
-        await peer.rpc.call(CompleteTasks(lease_id=lease.lease_id), timeout=2)
+        await peer.rpc.call(CompleteTasks(lease_id=lease.lease_id))
         await peer.rpc.call(ExplorerStepDone(explorer="explorer-0", step=0, batch=0,
-                                             version=0), timeout=2)
+                                             version=0))
         assert slot.running == (1, 1, 0) and slot.ahead is None
     finally:
         await peer.close()

@@ -28,14 +28,13 @@ from tandem.common.messages.master import (
     barrier_topic,
 )
 from tandem.common.errors import WaitTimeout
-from tandem.common.rpc import RpcClient
 from tandem.common.sync import SyncPlan
 from tandem.master.clock import RunClock
 from tandem.master.journal import read_journal
 from tandem.master.service import Master
 
 sys.path.insert(0, str(Path(__file__).parent))
-from master_peers import Peer, make_config
+from master_peers import Peer, make_config, master_client
 
 N, S = 6, 2  # versions the lost lineage published; the step of the checkpoint it resumes from
 
@@ -112,29 +111,27 @@ def test_a_heartbeat_or_a_step_of_the_trainer_ends_the_wait():
 async def test_a_restarted_master_grants_the_resumed_lineages_versions_only(
         tmp_path, zmq_sockets_closed):
     config = make_config(tmp_path, "sync.preset=fully_async", "sync.max_staleness=1",
-                         "master.total_steps=12", "explorers.0.batch_size=2",
-                         "transport.liveness=60", tasks=80)  # no heartbeats sent here
+                         "master.total_steps=12", "explorers.0.batch_size=2", tasks=80)
     master = Master(config)
     await master.start()
     explorer = Peer(master, "explorer-0", "explorer", [barrier_topic("explorer-0")])
-    trainer = RpcClient(master.address, peer="master", name="trainer")
+    trainer = master_client(master, "trainer")
     try:
         await explorer.start()
-        await trainer.call(Register(name="trainer", role="trainer"), timeout=2)
+        await trainer.call(Register(name="trainer", role="trainer"))
         while master.clock.newest < N:  # the lost lineage: N steps trained and published
             barrier = await explorer.next("barrier")
             lease = await explorer.rpc.call(LeaseTasks(explorer="explorer-0", count=2,
-                                                       step=barrier.step, batch=barrier.batch),
-                                            timeout=2)
-            await explorer.rpc.call(CompleteTasks(lease_id=lease.lease_id), timeout=2)
+                                                       step=barrier.step, batch=barrier.batch))
+            await explorer.rpc.call(CompleteTasks(lease_id=lease.lease_id))
             await explorer.rpc.call(ExplorerStepDone(explorer="explorer-0", step=barrier.step,
                                                      batch=barrier.batch,
-                                                     version=barrier.version), timeout=2)
+                                                     version=barrier.version))
             while master.clock.trainer_go > master.clock.trainer_done:
                 done = master.clock.trainer_done
-                await trainer.call(TrainerStepDone(step=done, version=done + 1), timeout=2)
+                await trainer.call(TrainerStepDone(step=done, version=done + 1))
                 await trainer.call(WeightsPublished(version=done + 1, method="checkpoint",
-                                                    path=f"weights/v{done + 1}"), timeout=2)
+                                                    path=f"weights/v{done + 1}"))
     finally:
         await explorer.close()
         await trainer.close()
@@ -142,35 +139,30 @@ async def test_a_restarted_master_grants_the_resumed_lineages_versions_only(
     again = Master(config.model_copy(deep=True))
     await again.start()
     explorer = Peer(again, "explorer-0", "explorer", [barrier_topic("explorer-0")])
-    trainer = RpcClient(again.address, peer="master", name="trainer")
+    trainer = master_client(again, "trainer")
     try:
         # before the trainer; like an explorer, it registers, then takes a snapshot
-        registered = await explorer.rpc.call(Register(name="explorer-0", role="explorer"),
-                                             timeout=2)
+        registered = await explorer.rpc.call(Register(name="explorer-0", role="explorer"))
         await explorer.sub.start()
         assert registered.granted_step is None
         with pytest.raises(WaitTimeout):
             await explorer.next("barrier", timeout=0.5)  # no stale barrier, no grant
-        await trainer.call(Register(name="trainer", role="trainer", meta={"step": S}),
-                           timeout=2)
-        await trainer.call(TrainerResumed(step=S, lineage="new"), timeout=2)
+        await trainer.call(Register(name="trainer", role="trainer", meta={"step": S}))
+        await trainer.call(TrainerResumed(step=S, lineage="new"))
         with pytest.raises(WaitTimeout):
             await explorer.next("barrier", timeout=0.5)  # its resume is not done yet
         await trainer.call(WeightsPublished(version=S, method="checkpoint",
-                                            path=f"weights/v{S}"), timeout=2)
-        lineage, barrier = S, None
-        while barrier is None:  # the resumed trainer retrains S.. on the same groups
-            try:
-                barrier = await explorer.next("barrier", timeout=0.5)
-            except WaitTimeout:
-                assert again.clock.trainer_go > lineage, again.clock.counters()
-                await trainer.call(TrainerStepDone(step=lineage, version=lineage + 1),
-                                   timeout=2)
-                lineage += 1
-                await trainer.call(WeightsPublished(version=lineage, method="checkpoint",
-                                                    path=f"weights/v{lineage}"), timeout=2)
+                                            path=f"weights/v{S}"))
+        lineage = S
+        while again.clock.holds("explorer-0")[0] is None:  # the resumed trainer retrains S..
+            assert again.clock.trainer_go > lineage, again.clock.counters()  # on the same groups
+            await trainer.call(TrainerStepDone(step=lineage, version=lineage + 1))
+            lineage += 1
+            await trainer.call(WeightsPublished(version=lineage, method="checkpoint",
+                                                path=f"weights/v{lineage}"))
+        barrier = await explorer.next("barrier")
         assert barrier.version <= lineage  # published by the resumed lineage
-        await trainer.call(Heartbeat(name="trainer"), timeout=2)
+        await trainer.call(Heartbeat(name="trainer"))
     finally:
         await explorer.close()
         await trainer.close()

@@ -123,10 +123,10 @@ async def test_the_master_refuses_new_tasks_for_a_reported_batch_and_answers_its
         assert registered.granted_step == 0 and registered.reported_batch is None
         barrier = await peer.next("barrier")
         lease = await peer.rpc.call(LeaseTasks(explorer="explorer-0", count=4, step=0,
-                                               batch=barrier.batch), timeout=2)
-        await peer.rpc.call(CompleteTasks(lease_id=lease.lease_id), timeout=2)
+                                               batch=barrier.batch))
+        await peer.rpc.call(CompleteTasks(lease_id=lease.lease_id))
         done = ExplorerStepDone(explorer="explorer-0", step=0, batch=barrier.batch, version=0)
-        await peer.rpc.call(done, timeout=2)
+        await peer.rpc.call(done)
         counters = master.clock.counters()
         # the restart: registers, and its subscription's snapshot is the reported barrier
         registered = await again.start()
@@ -135,10 +135,10 @@ async def test_the_master_refuses_new_tasks_for_a_reported_batch_and_answers_its
         records = len(read_journal(journal))
         with pytest.raises(RequestFailed) as refused:
             await again.rpc.call(LeaseTasks(explorer="explorer-0", count=4, step=0,
-                                            batch=barrier.batch), timeout=2)
+                                            batch=barrier.batch))
         assert refused.value.code == "step_reported"
         assert "explorer-0 already reported step 0 batch 0" in refused.value.message
-        await again.rpc.call(done, timeout=2)  # answered, not counted, not journaled
+        await again.rpc.call(done)  # answered, not counted, not journaled
         assert master.clock.counters() == counters
         assert master.dispatcher.counters()["tasks_dispatched"] == 4
     finally:

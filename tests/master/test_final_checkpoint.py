@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from backstop import BACKSTOP
 from tandem.common.config import RunConfig
 from tandem.common.errors import RequestFailed, TandemError
 from tandem.common.messages.master import (
@@ -43,13 +44,13 @@ async def dying_trainer(master: Master, checkpoint_every: int) -> int:
             msg = await peer.next("trainer")
             if msg.TYPE == "master.stop":
                 return newest  # killed here: the end-of-run checkpoint is never written
-            await peer.rpc.call(TrainerStepDone(step=msg.step, version=msg.step + 1), timeout=2)
+            await peer.rpc.call(TrainerStepDone(step=msg.step, version=msg.step + 1))
             if msg.publish is not None:
                 await peer.rpc.call(WeightsPublished(version=msg.publish, method="checkpoint",
-                                                     path=f"weights/v{msg.publish}"), timeout=2)
+                                                     path=f"weights/v{msg.publish}"))
             if (msg.step + 1) % checkpoint_every == 0:
                 newest = msg.step + 1
-                await peer.rpc.call(TrainerCheckpointed(step=newest), timeout=2)
+                await peer.rpc.call(TrainerCheckpointed(step=newest))
     finally:
         await peer.close()
 
@@ -64,7 +65,8 @@ async def awaiting_checkpoint(master: Master) -> None:
 
 async def run_to_the_stop(master: Master) -> int:
     newest = await asyncio.wait_for(asyncio.gather(
-        explorer_loop(master, "explorer-0", []), dying_trainer(master, checkpoint_every=3)), 20)
+        explorer_loop(master, "explorer-0", []), dying_trainer(master, checkpoint_every=3)),
+        BACKSTOP)
     return newest[1]
 
 
@@ -73,7 +75,8 @@ async def test_a_trainer_lost_before_its_last_checkpoint_keeps_the_run_open(
     """The master counts step 4 of 4 and stops; the trainer dies before its checkpoint of 4.
     Past `stop_grace` the master still serves, and the trainer restarted from its checkpoint
     of 3 re-opens the run, retrains step 3 and checkpoints it: only then is the run done."""
-    config = make_config(tmp_path, "master.total_steps=4", "master.final_checkpoint_wait=60")
+    config = make_config(tmp_path, "master.total_steps=4",
+                         f"master.final_checkpoint_wait={BACKSTOP}")
     master = Master(config)
     serving = asyncio.create_task(master.serve())
     await master.start()
@@ -81,7 +84,7 @@ async def test_a_trainer_lost_before_its_last_checkpoint_keeps_the_run_open(
         assert await run_to_the_stop(master) == 3
         # the grace is over (the master says so); before the fix serve() had returned
         waiting = asyncio.create_task(awaiting_checkpoint(master))
-        finished, _ = await asyncio.wait({serving, waiting}, timeout=60,
+        finished, _ = await asyncio.wait({serving, waiting}, timeout=BACKSTOP,
                                          return_when=asyncio.FIRST_COMPLETED)
         waiting.cancel()
         assert serving not in finished, "the run ended without the checkpoint of step 4"
@@ -91,16 +94,16 @@ async def test_a_trainer_lost_before_its_last_checkpoint_keeps_the_run_open(
         peer = Peer(master, "trainer", "trainer", ["trainer", "stop"])
         registered = await peer.start()
         assert registered.trainer_steps == 4
-        await peer.rpc.call(TrainerResumed(step=3, checkpoint="step_00000003"), timeout=2)
+        await peer.rpc.call(TrainerResumed(step=3, checkpoint="step_00000003"))
         assert not master.status().counters.stopped  # re-opened: step 3 is trained again
         go = await peer.next("trainer")
         assert (go.TYPE, go.step) == ("master.trainer.go", 3)
-        await peer.rpc.call(TrainerStepDone(step=3, version=4), timeout=2)
+        await peer.rpc.call(TrainerStepDone(step=3, version=4))
         assert (await peer.next("stop")).TYPE == "master.stop"
         assert not serving.done()
-        await peer.rpc.call(TrainerCheckpointed(step=4), timeout=2)
+        await peer.rpc.call(TrainerCheckpointed(step=4))
         await peer.close()
-        await asyncio.wait_for(serving, 10)  # done, without a failure
+        await asyncio.wait_for(serving, BACKSTOP)  # done, without a failure
     finally:
         await master.close()
     assert master.clock.trainer_done == 4 and master.trainer_checkpoint == 4
@@ -115,7 +118,7 @@ async def test_past_the_bound_the_master_fails_naming_the_steps_and_the_way_out(
     try:
         await run_to_the_stop(master)
         with pytest.raises(TandemError) as failed:
-            await asyncio.wait_for(serving, 10)
+            await asyncio.wait_for(serving, BACKSTOP)
     finally:
         await master.close()
     message = str(failed.value)
@@ -127,7 +130,7 @@ async def test_past_the_bound_the_master_fails_naming_the_steps_and_the_way_out(
     serving = asyncio.create_task(again.serve())
     try:
         with pytest.raises(TandemError, match="counted 4 trainer steps"):
-            await asyncio.wait_for(serving, 10)
+            await asyncio.wait_for(serving, BACKSTOP)
         assert again.resumed and again.trainer_checkpoint == 3
     finally:
         await again.close()
@@ -135,18 +138,19 @@ async def test_past_the_bound_the_master_fails_naming_the_steps_and_the_way_out(
 
 async def test_a_restarted_master_of_a_checkpointed_run_ends_at_once(tmp_path,
                                                                      zmq_sockets_closed):
-    config = make_config(tmp_path, "master.total_steps=3", "master.final_checkpoint_wait=60")
+    config = make_config(tmp_path, "master.total_steps=3",
+                         f"master.final_checkpoint_wait={BACKSTOP}")
     master = Master(config)
     serving = asyncio.create_task(master.serve())
     await master.start()
     try:
         assert await run_to_the_stop(master) == 3  # the checkpoint of the last step came
-        await asyncio.wait_for(serving, 10)
+        await asyncio.wait_for(serving, BACKSTOP)
     finally:
         await master.close()
     again = Master(config.model_copy(deep=True))
     try:
-        await asyncio.wait_for(again.serve(), 10)  # the journal holds the checkpoint report
+        await asyncio.wait_for(again.serve(), BACKSTOP)  # the journal holds the checkpoint report
     finally:
         await again.close()
 
@@ -158,7 +162,7 @@ async def test_a_checkpoint_ahead_of_the_count_is_refused(tmp_path, zmq_sockets_
     try:
         await peer.start()
         with pytest.raises(RequestFailed, match="checkpoint of 2 steps but the master counted 0"):
-            await peer.rpc.call(TrainerCheckpointed(step=2), timeout=2)
+            await peer.rpc.call(TrainerCheckpointed(step=2))
     finally:
         await peer.close()
         await master.close()
@@ -205,14 +209,15 @@ async def test_a_run_killed_before_any_checkpoint_is_retrained_from_the_start_on
     checkpoint: the restarted master re-sends its Stop, which a trainer resuming from model.path
     (0 steps) must not take as its own. Its TrainerResumed(0) re-opens the run, withdraws that
     Stop from later snapshots, and steps 0..3 are trained again before the run ends."""
-    config = make_config(tmp_path, "master.total_steps=4", "master.final_checkpoint_wait=60")
+    config = make_config(tmp_path, "master.total_steps=4",
+                         f"master.final_checkpoint_wait={BACKSTOP}")
     master = Master(config)
     serving = asyncio.create_task(master.serve())
     await master.start()
     try:
         newest = await asyncio.wait_for(asyncio.gather(
             explorer_loop(master, "explorer-0", []), dying_trainer(master, checkpoint_every=99)),
-            20)
+            BACKSTOP)
         assert newest[1] == 0  # no checkpoint of any step
     finally:
         serving.cancel()
@@ -232,16 +237,16 @@ async def test_a_run_killed_before_any_checkpoint_is_retrained_from_the_start_on
         assert registered.trainer_steps == 4
         stale = await peer.next("stop")  # the restarted master's Stop, from the snapshot
         assert stale.steps == 4 and not stale.ends(0) and stale.ends(4)
-        await peer.rpc.call(TrainerResumed(step=0), timeout=2)
+        await peer.rpc.call(TrainerResumed(step=0))
         assert not again.status().counters.stopped
         assert again.publisher.snapshot(["stop"]) == []  # a late joiner is not told to stop
         for step in range(4):
             go = await peer.next("trainer")
             assert (go.TYPE, go.step) == ("master.trainer.go", step)
-            await peer.rpc.call(TrainerStepDone(step=step, version=step + 1), timeout=2)
+            await peer.rpc.call(TrainerStepDone(step=step, version=step + 1))
         assert (await peer.next("stop")).ends(4)
-        await peer.rpc.call(TrainerCheckpointed(step=4), timeout=2)
-        await asyncio.wait_for(serving, 10)
+        await peer.rpc.call(TrainerCheckpointed(step=4))
+        await asyncio.wait_for(serving, BACKSTOP)
     finally:
         await peer.close()
         await again.close()

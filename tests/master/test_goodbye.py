@@ -8,6 +8,7 @@ import asyncio
 import sys
 from pathlib import Path
 
+from backstop import BACKSTOP
 from tandem.common.messages.master import Status
 from tandem.master.journal import final_status_path
 from tandem.master.service import Master
@@ -25,8 +26,8 @@ async def run(master: Master, *, explorer_goodbye: bool, trainer_goodbye: bool) 
     try:
         await asyncio.wait_for(asyncio.gather(
             explorer_loop(master, "explorer-0", [], goodbye=explorer_goodbye),
-            trainer_loop(master, trained, goodbye=trainer_goodbye)), 20)
-        await asyncio.wait_for(serving, 20)
+            trainer_loop(master, trained, goodbye=trainer_goodbye)), BACKSTOP)
+        await asyncio.wait_for(serving, BACKSTOP)
     finally:
         serving.cancel()
         await master.close()
@@ -35,7 +36,7 @@ async def run(master: Master, *, explorer_goodbye: bool, trainer_goodbye: bool) 
 
 async def test_master_exits_once_every_component_said_goodbye(tmp_path, zmq_sockets_closed):
     # a grace no test waits out: only the goodbyes can end it in time
-    config = make_config(tmp_path, "master.total_steps=3", "master.stop_grace=600")
+    config = make_config(tmp_path, "master.total_steps=3", f"master.stop_grace={2 * BACKSTOP}")
     master = Master(config)
     await run(master, explorer_goodbye=True, trainer_goodbye=True)
     assert master.ended_by == "goodbyes"

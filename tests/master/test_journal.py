@@ -12,6 +12,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
+from backstop import BACKSTOP
 from tandem.common.codec import encode_request
 from tandem.common.messages.base import Heartbeat
 from tandem.common.messages.master import (
@@ -25,12 +26,11 @@ from tandem.common.messages.master import (
     WeightsPublished,
     barrier_topic,
 )
-from tandem.common.rpc import RpcClient
 from tandem.master.journal import Journal, JournalError, read_journal
 from tandem.master.service import Master
 
 sys.path.insert(0, str(Path(__file__).parent))
-from master_peers import Peer, explorer_loop, make_config, trainer_loop
+from master_peers import Peer, explorer_loop, make_config, master_client, trainer_loop, until
 
 
 def frame(payload: bytes) -> bytes:
@@ -51,15 +51,14 @@ async def short_run(tmp_path, *overrides):
     master = Master(make_config(tmp_path, "sync.preset=synchronous", "master.total_steps=4",
                                 *overrides))
     await master.start()
-    client = RpcClient(master.address, peer="master", name="x")
+    client = master_client(master, "x")
     try:
-        await client.call(Register(name="explorer-0", role="explorer"), timeout=2)
-        lease = await client.call(LeaseTasks(explorer="explorer-0", count=4, step=0), timeout=2)
-        await client.call(CompleteTasks(lease_id=lease.lease_id), timeout=2)
-        await client.call(ExplorerStepDone(explorer="explorer-0", step=0, batch=0, version=0),
-                          timeout=2)
-        await client.call(Register(name="trainer", role="trainer"), timeout=2)
-        await client.call(TrainerStepDone(step=0, version=1), timeout=2)
+        await client.call(Register(name="explorer-0", role="explorer"))
+        lease = await client.call(LeaseTasks(explorer="explorer-0", count=4, step=0))
+        await client.call(CompleteTasks(lease_id=lease.lease_id))
+        await client.call(ExplorerStepDone(explorer="explorer-0", step=0, batch=0, version=0))
+        await client.call(Register(name="trainer", role="trainer"))
+        await client.call(TrainerStepDone(step=0, version=1))
     finally:
         await client.close()
         await master.close()
@@ -95,14 +94,14 @@ def test_the_weight_groups_member_key_never_reaches_the_journal(tmp_path):
 async def test_replay_reproduces_the_state_of_a_finished_run(tmp_path, zmq_sockets_closed,
                                                              compact):
     config = make_config(tmp_path, "sync.preset=one_step_off_policy", "master.total_steps=4",
-                         "master.task_lease_seconds=30",
+                         f"master.task_lease_seconds={BACKSTOP}",
                          f"master.journal_compact_bytes={compact}")
     master = Master(config)
     await master.start()
     seen, trained = [], []
     try:
         await asyncio.wait_for(asyncio.gather(explorer_loop(master, "explorer-0", seen),
-                                              trainer_loop(master, trained, "nccl")), 20)
+                                              trainer_loop(master, trained, "nccl")), BACKSTOP)
         live = master.status()
     finally:
         await master.close()
@@ -137,8 +136,8 @@ async def test_a_torn_last_record_is_cut_and_the_run_goes_on(tmp_path, zmq_socke
     try:
         assert master.resumed and master.clock.batches_done == 1
         assert master.clock.trainer_done == 0  # the torn report is not counted
-        client = RpcClient(master.address, peer="master", name="t")
-        await client.call(TrainerStepDone(step=0, version=1), timeout=2)  # the trainer resends
+        client = master_client(master, "t")
+        await client.call(TrainerStepDone(step=0, version=1))  # the trainer resends
         await client.close()
     finally:
         await master.close()
@@ -211,14 +210,15 @@ async def test_a_journal_must_start_with_the_run(tmp_path, zmq_sockets_closed):
 
 async def test_an_explorer_declared_dead_is_one_record_that_replays(tmp_path,
                                                                    zmq_sockets_closed):
-    config = make_config(tmp_path, "master.total_steps=3", "transport.liveness=0.3")
+    config = make_config(tmp_path, "master.total_steps=3", "transport.liveness=1")
     master = Master(config)
     await master.start()
-    client = RpcClient(master.address, peer="master", name="a")
+    client = master_client(master, "a")
     try:
-        await client.call(Register(name="explorer-0", role="explorer"), timeout=2)
-        await client.call(LeaseTasks(explorer="explorer-0", count=4, step=0), timeout=2)
-        await asyncio.sleep(0.8)  # silent past liveness
+        await client.call(Register(name="explorer-0", role="explorer"))
+        await client.call(LeaseTasks(explorer="explorer-0", count=4, step=0))
+        await until(lambda: not master.registry["explorer-0"].alive,  # silent past liveness
+                    "explorer-0's declared death")
         assert master.dispatcher.expired == 1 and master.clock.batches_lost == 1
     finally:
         await client.close()

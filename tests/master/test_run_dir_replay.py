@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from backstop import BACKSTOP
 from tandem.common.errors import ConfigError
 from tandem.common.messages.master import RunAmended, RunStarted
 from tandem.common.runrecord import RunDirTaken, read_run_record, recorded_config
@@ -25,8 +26,8 @@ async def run_to_the_end(config) -> None:
     await master.start()
     try:
         await asyncio.wait_for(asyncio.gather(explorer_loop(master, "explorer-0", []),
-                                              trainer_loop(master, [])), 30)
-        await asyncio.wait_for(serving, 5)
+                                              trainer_loop(master, [])), BACKSTOP)
+        await asyncio.wait_for(serving, BACKSTOP)
     finally:
         await master.close()
 

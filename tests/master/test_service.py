@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from backstop import BACKSTOP
 from tandem.common.errors import ConfigError, RequestFailed, WaitTimeout
 from tandem.common.messages.base import Heartbeat
 from tandem.common.messages.master import (
@@ -36,7 +37,8 @@ from tandem.common.sockets import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).parent))
-from master_peers import Peer, explorer_loop, make_config, trainer_loop, write_tasks
+from master_peers import (Peer, explorer_loop, make_config, master_client, trainer_loop, until,
+                          write_tasks)
 
 
 async def test_one_step_off_policy_run_end_to_end(tmp_path, zmq_sockets_closed):
@@ -47,8 +49,8 @@ async def test_one_step_off_policy_run_end_to_end(tmp_path, zmq_sockets_closed):
     seen, trained = [], []
     try:
         await asyncio.wait_for(asyncio.gather(explorer_loop(master, "explorer-0", seen),
-                                              trainer_loop(master, trained, "nccl")), 20)
-        await asyncio.wait_for(serving, 5)  # the run is done: serve() returns on its own
+                                              trainer_loop(master, trained, "nccl")), BACKSTOP)
+        await asyncio.wait_for(serving, BACKSTOP)  # the run is done: serve() returns on its own
     finally:
         await master.close()  # the caller closes
     assert [(s, v, w) for _, s, v, w, _ in seen] == [
@@ -73,7 +75,7 @@ async def test_two_explorers_async_and_status(tmp_path, zmq_sockets_closed):
     try:
         await asyncio.wait_for(asyncio.gather(
             explorer_loop(master, "explorer-0", seen), explorer_loop(master, "explorer-1", seen),
-            trainer_loop(master, trained)), 20)
+            trainer_loop(master, trained)), BACKSTOP)
         status = master.status()
     finally:
         await master.close()
@@ -89,19 +91,17 @@ async def test_lease_expires_and_goes_to_another_explorer(tmp_path, zmq_sockets_
     config = make_config(tmp_path, "master.total_steps=2", "master.task_lease_seconds=0.3")
     master = Master(config)
     await master.start()
-    client = RpcClient(master.address, peer="master", name="x")
+    client = master_client(master, "x")
     try:
-        first = await client.call(LeaseTasks(explorer="a", count=3, step=0), timeout=2)
-        again = await client.call(LeaseTasks(explorer="a", count=3, step=0), timeout=2)
-        assert again.lease_id == first.lease_id  # asking twice for one step is one lease
-        await asyncio.sleep(0.6)
-        second = await client.call(LeaseTasks(explorer="b", count=4, step=0), timeout=2)
+        first = await client.call(LeaseTasks(explorer="a", count=3, step=0))
+        await until(lambda: master.dispatcher.expired, "the lease's expiry")
+        second = await client.call(LeaseTasks(explorer="b", count=4, step=0))
         got = [t.id for t in second.tasks]
         assert got[:3] == [t.id for t in first.tasks] and len(got) == 4
         # the late completion of the expired lease is accepted; an unknown lease is refused
-        await client.call(CompleteTasks(lease_id=first.lease_id), timeout=2)
+        await client.call(CompleteTasks(lease_id=first.lease_id))
         with pytest.raises(RequestFailed, match="unknown_lease"):
-            await client.call(CompleteTasks(lease_id="nope"), timeout=2)
+            await client.call(CompleteTasks(lease_id="nope"))
         assert master.dispatcher.expired == 1
     finally:
         await client.close()
@@ -112,12 +112,14 @@ async def test_released_lease_goes_to_the_next_explorer_at_once(tmp_path, zmq_so
     config = make_config(tmp_path, "master.total_steps=2")  # leases last 300 s
     master = Master(config)
     await master.start()
-    client = RpcClient(master.address, peer="master", name="x")
+    client = master_client(master, "x")
     try:
-        first = await client.call(LeaseTasks(explorer="a", count=3, step=0), timeout=2)
-        await client.call(ReleaseTasks(lease_id=first.lease_id, reason="stopping"), timeout=2)
-        await client.call(ReleaseTasks(lease_id=first.lease_id), timeout=2)  # idempotent
-        second = await client.call(LeaseTasks(explorer="b", count=3, step=0), timeout=2)
+        first = await client.call(LeaseTasks(explorer="a", count=3, step=0))
+        again = await client.call(LeaseTasks(explorer="a", count=3, step=0))
+        assert again.lease_id == first.lease_id  # asking twice for one step is one lease
+        await client.call(ReleaseTasks(lease_id=first.lease_id, reason="stopping"))
+        await client.call(ReleaseTasks(lease_id=first.lease_id))  # idempotent
+        second = await client.call(LeaseTasks(explorer="b", count=3, step=0))
         assert [t.id for t in second.tasks] == [t.id for t in first.tasks]
         assert master.dispatcher.expired == 1
     finally:
@@ -127,30 +129,31 @@ async def test_released_lease_goes_to_the_next_explorer_at_once(tmp_path, zmq_so
 
 async def test_silent_explorer_is_declared_dead_and_its_lease_returns(tmp_path,
                                                                       zmq_sockets_closed):
-    config = make_config(tmp_path, "master.total_steps=3", "transport.liveness=0.4")
+    config = make_config(tmp_path, "master.total_steps=3", "transport.liveness=1")
     master = Master(config)
     await master.start()
-    a = RpcClient(master.address, peer="master", name="a")
-    b = RpcClient(master.address, peer="master", name="b")
+    a = master_client(master, "a")
+    b = master_client(master, "b")
     try:
-        await a.call(Register(name="explorer-0", role="explorer"), timeout=2)
-        lease = await a.call(LeaseTasks(explorer="explorer-0", count=4, step=0), timeout=2)
-        await b.call(Register(name="explorer-1", role="explorer"), timeout=2)
-        for _ in range(10):  # explorer-1 keeps heartbeating, explorer-0 is silent
-            await b.call(Heartbeat(name="explorer-1", role="explorer"), timeout=2)
-            await asyncio.sleep(0.1)
-        status = await b.call(GetStatus(), timeout=2)
+        await a.call(Register(name="explorer-0", role="explorer"))
+        lease = await a.call(LeaseTasks(explorer="explorer-0", count=4, step=0))
+        await b.call(Register(name="explorer-1", role="explorer"))
+        deadline = time.monotonic() + BACKSTOP
+        while master.registry["explorer-0"].alive:  # explorer-1 heartbeats, explorer-0 is silent
+            assert time.monotonic() < deadline, "explorer-0 was never declared dead"
+            await b.call(Heartbeat(name="explorer-1", role="explorer"))
+            await asyncio.sleep(0.05)
+        status = await b.call(GetStatus())
         alive = {c.name: c.alive for c in status.components}
         assert alive == {"explorer-0": False, "explorer-1": True}
         assert status.counters.batches_lost == 1 and status.leases == []
-        taken = await b.call(LeaseTasks(explorer="explorer-1", count=4, step=0), timeout=2)
+        taken = await b.call(LeaseTasks(explorer="explorer-1", count=4, step=0))
         assert [t.id for t in taken.tasks] == [t.id for t in lease.tasks]
         # the dead explorer wakes up: its report is refused until it registers again
         with pytest.raises(RequestFailed, match="declared dead.*register again"):
-            await a.call(ExplorerStepDone(explorer="explorer-0", step=0, batch=0, version=0),
-                         timeout=2)
-        await a.call(Register(name="explorer-0", role="explorer"), timeout=2)
-        status = await b.call(GetStatus(), timeout=2)
+            await a.call(ExplorerStepDone(explorer="explorer-0", step=0, batch=0, version=0))
+        await a.call(Register(name="explorer-0", role="explorer"))
+        status = await b.call(GetStatus())
         assert {c.name: c.alive for c in status.components}["explorer-0"] is True
     finally:
         await a.close()
@@ -165,14 +168,13 @@ async def test_restarted_master_resumes_cursor_clock_and_sequence(tmp_path, zmq_
     peer = Peer(master, "explorer-0", "explorer", [barrier_topic("explorer-0"), "stop"])
     await peer.start()
     await peer.next("barrier")
-    lease0 = await peer.rpc.call(LeaseTasks(explorer="explorer-0", count=4, step=0), timeout=2)
-    await peer.rpc.call(CompleteTasks(lease_id=lease0.lease_id), timeout=2)
-    await peer.rpc.call(ExplorerStepDone(explorer="explorer-0", step=0, batch=0, version=0),
-                        timeout=2)
-    trainer = RpcClient(master.address, peer="master", name="trainer")
-    await trainer.call(Register(name="trainer", role="trainer"), timeout=2)
-    await trainer.call(TrainerStepDone(step=0, version=1), timeout=2)
-    await trainer.call(WeightsPublished(version=1, method="nccl"), timeout=2)
+    lease0 = await peer.rpc.call(LeaseTasks(explorer="explorer-0", count=4, step=0))
+    await peer.rpc.call(CompleteTasks(lease_id=lease0.lease_id))
+    await peer.rpc.call(ExplorerStepDone(explorer="explorer-0", step=0, batch=0, version=0))
+    trainer = master_client(master, "trainer")
+    await trainer.call(Register(name="trainer", role="trainer"))
+    await trainer.call(TrainerStepDone(step=0, version=1))
+    await trainer.call(WeightsPublished(version=1, method="nccl"))
     b1 = await peer.next("barrier")
     assert (b1.step, b1.version, b1.wait) == (1, 1, True)
     run_id = master.run_id
@@ -190,13 +192,13 @@ async def test_restarted_master_resumes_cursor_clock_and_sequence(tmp_path, zmq_
         sub = Subscriber(master2.publish_address, topics=[barrier_topic("explorer-0")],
                          snapshot=RpcClient(master2.address, peer="master", name="s"))
         await sub.start()
-        ev = await sub.recv(2)
+        ev = await sub.recv(BACKSTOP)
         assert (ev.body.step, ev.body.batch) == (1, 1) and ev.seq > 2
         await sub.close()
         await sub.snapshot_client.close()
         # the cursor survived: the next lease holds tasks nobody got before
-        client = RpcClient(master2.address, peer="master", name="c")
-        lease1 = await client.call(LeaseTasks(explorer="explorer-0", count=4, step=1), timeout=2)
+        client = master_client(master2, "c")
+        lease1 = await client.call(LeaseTasks(explorer="explorer-0", count=4, step=1))
         assert not {t.id for t in lease1.tasks} & {t.id for t in lease0.tasks}
         await client.close()
     finally:
@@ -217,14 +219,13 @@ async def test_reports_out_of_turn_are_refused(tmp_path, zmq_sockets_closed):
     config = make_config(tmp_path, "master.total_steps=3")
     master = Master(config)
     await master.start()
-    client = RpcClient(master.address, peer="master", name="x")
+    client = master_client(master, "x")
     try:
         with pytest.raises(RequestFailed, match="unexpected_step.*not registered"):
-            await client.call(ExplorerStepDone(explorer="ghost", step=0, version=0), timeout=2)
-        await client.call(Register(name="explorer-0", role="explorer"), timeout=2)
+            await client.call(ExplorerStepDone(explorer="ghost", step=0, version=0))
+        await client.call(Register(name="explorer-0", role="explorer"))
         with pytest.raises(RequestFailed, match="granted step 0"):
-            await client.call(ExplorerStepDone(explorer="explorer-0", step=2, version=0),
-                              timeout=2)
+            await client.call(ExplorerStepDone(explorer="explorer-0", step=2, version=0))
     finally:
         await client.close()
         await master.close()
@@ -234,17 +235,18 @@ async def test_tandem_status_cli(tmp_path, zmq_sockets_closed):
     config = make_config(tmp_path, "master.total_steps=3")
     master = Master(config)
     await master.start()
-    client = RpcClient(master.address, peer="master", name="x")
+    client = master_client(master, "x")
     try:
-        await client.call(Register(name="explorer-0", role="explorer"), timeout=2)
+        await client.call(Register(name="explorer-0", role="explorer"))
         runner = CliRunner()
+        wait = ["--timeout", str(BACKSTOP)]
         result = await asyncio.to_thread(runner.invoke, tandem, ["status", "--master",
-                                                                 master.address])
+                                                                 master.address, *wait])
         assert result.exit_code == 0, result.output
         for text in ("explorer-0", "trainer step 0/3", "tasks 0/40"):
             assert text in result.output
         result = await asyncio.to_thread(runner.invoke, tandem, [
-            "status", "--master", master.address, "--json"])
+            "status", "--master", master.address, "--json", *wait])
         assert json.loads(result.output)["counters"]["total_steps"] == 3
     finally:
         await client.close()
@@ -267,13 +269,13 @@ def test_tandem_master_process_exits_cleanly_on_sigterm(tmp_path):
     proc = subprocess.Popen([str(exe), "--config", str(cfg), "--set", "logging.json_console=true"],
                             stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + BACKSTOP
         journal = tmp_path / "run" / "master" / "journal.bin"
         while not journal.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert journal.exists(), proc.stderr.read() if proc.poll() is not None else "no journal"
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=10) == 0
+        assert proc.wait(timeout=BACKSTOP) == 0
         assert "master.closed" in proc.stderr.read()
     finally:
         if proc.poll() is None:
@@ -284,7 +286,7 @@ def test_tandem_master_process_exits_cleanly_on_sigterm(tmp_path):
 def test_tandem_master_bad_config_is_a_one_line_error(tmp_path):
     exe = Path(sys.executable).with_name("tandem-master")
     result = subprocess.run([str(exe), "--set", "master.task_lease_seconds=-1"],
-                            capture_output=True, text=True, timeout=30)
+                            capture_output=True, text=True, timeout=BACKSTOP)
     assert result.returncode == 2  # a bad config is exit 2 in every CLI (docs/design.md §8)
     assert "master.task_lease_seconds" in result.stderr and "Traceback" not in result.stderr
 
@@ -296,12 +298,12 @@ async def test_barrier_topics_do_not_leak_between_explorers(tmp_path, zmq_socket
     master = Master(config)
     await master.start()
     peer = Peer(master, "explorer-1", "explorer", [barrier_topic("explorer-1")])
-    others = RpcClient(master.address, peer="master", name="others")
+    others = master_client(master, "others")
     try:
-        await others.call(Register(name="explorer-10", role="explorer"), timeout=2)
-        await others.call(Register(name="explorer-11", role="explorer"), timeout=2)
+        await others.call(Register(name="explorer-10", role="explorer"))
+        await others.call(Register(name="explorer-11", role="explorer"))
         await peer.start()
-        got = [await peer.sub.recv(2)]
+        got = [await peer.sub.recv(BACKSTOP)]
         with pytest.raises(WaitTimeout):
             got.append(await peer.sub.recv(0.5))
         assert [e.body.explorer for e in got] == ["explorer-1"]
@@ -328,21 +330,20 @@ async def test_run_stops_when_the_taskset_runs_dry(tmp_path, zmq_sockets_closed)
                 if msg.TYPE == "master.stop":
                     return msg
                 lease = await peer.rpc.call(LeaseTasks(explorer="explorer-0", count=4,
-                                                       step=msg.step), timeout=2)
+                                                       step=msg.step))
                 if not lease.tasks:
                     assert lease.exhausted
                     continue  # a real explorer exits here; we wait to see the Stop
                 seen.append(len(lease.tasks))
-                await peer.rpc.call(CompleteTasks(lease_id=lease.lease_id), timeout=2)
+                await peer.rpc.call(CompleteTasks(lease_id=lease.lease_id))
                 await peer.rpc.call(ExplorerStepDone(explorer="explorer-0", step=msg.step,
-                                                     batch=msg.batch, version=msg.version),
-                                    timeout=2)
+                                                     batch=msg.batch, version=msg.version))
         finally:
             await peer.close()
 
     try:
         stop, _ = await asyncio.wait_for(asyncio.gather(explorer(), trainer_loop(master, trained)),
-                                         20)
+                                         BACKSTOP)
     finally:
         await master.close()
     assert seen == [4, 4, 2]
@@ -359,7 +360,7 @@ async def test_killed_master_process_restarts_and_the_run_finishes(tmp_path, zmq
         f"run_dir: {tmp_path / 'run'}\nsync: {{preset: one_step_off_policy}}\n"
         f"master: {{address: '{rpc}', publish_address: '{pub}', total_steps: 6, "
         f"stop_grace: 0.5, taskset: {{path: '{tasks}', id_field: id}}}}\n"
-        "transport: {liveness: 30, heartbeat_interval: 0.2}\n"
+        f"transport: {{liveness: {BACKSTOP}, heartbeat_interval: 0.2}}\n"
         "explorers: [{name: explorer-0, batch_size: 4}]\n"
         "logging: {level: warning}\n")
     exe = Path(sys.executable).with_name("tandem-master")
@@ -371,8 +372,8 @@ async def test_killed_master_process_restarts_and_the_run_finishes(tmp_path, zmq
     class Addr:  # what the loops need of a master
         address, publish_address = rpc, pub
 
-    async def call(client, msg):
-        return await client.call(msg, timeout=2, retries=10)
+    async def call(client, msg):  # resent every 2 s, so that a restarted master gets it
+        return await client.call(msg, timeout=2, retries=int(BACKSTOP / 2))
 
     async def explorer():
         peer = Peer(Addr, "explorer-0", "explorer", [barrier_topic("explorer-0"), "stop"])
@@ -381,7 +382,7 @@ async def test_killed_master_process_restarts_and_the_run_finishes(tmp_path, zmq
         last = -1
         try:
             while True:
-                msg = await peer.next("barrier", timeout=30)
+                msg = await peer.next("barrier")
                 if msg.TYPE == "master.stop":
                     return
                 if msg.batch <= last:
@@ -407,7 +408,7 @@ async def test_killed_master_process_restarts_and_the_run_finishes(tmp_path, zmq
         last = -1
         try:
             while True:
-                msg = await peer.next("trainer", timeout=30)
+                msg = await peer.next("trainer")
                 if msg.TYPE == "master.stop":  # its last checkpoint: the run is done
                     await call(peer.rpc, TrainerCheckpointed(step=last + 1))
                     return
@@ -427,8 +428,8 @@ async def test_killed_master_process_restarts_and_the_run_finishes(tmp_path, zmq
         procs.append(start())
 
     try:
-        await asyncio.wait_for(asyncio.gather(explorer(), trainer(), restart()), 60)
-        assert procs[1].wait(timeout=15) == 0  # it stops on its own once the run is done
+        await asyncio.wait_for(asyncio.gather(explorer(), trainer(), restart()), BACKSTOP)
+        assert procs[1].wait(timeout=BACKSTOP) == 0  # it stops on its own once the run is done
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -449,25 +450,23 @@ async def test_a_component_that_disagrees_with_the_master_is_refused(tmp_path,
                                  "model.path=/models/b", "sync.interval=2")
     master = Master(config)
     await master.start()
-    client = RpcClient(master.address, peer="master", name="x")
+    client = master_client(master, "x")
     try:
         with pytest.raises(RequestFailed) as refused:
             await client.call(Register(name="trainer", role="trainer",
-                                       terms=trainer_config.terms("trainer", "trainer")),
-                              timeout=2)
+                                       terms=trainer_config.terms("trainer", "trainer")))
         assert refused.value.code == "config_mismatch"
         assert ("model.path: master has '/models/a', trainer trainer has '/models/b'; "
                 "sync.interval: master has 1, trainer trainer has 2") in refused.value.message
         with pytest.raises(RequestFailed, match=r"explorers\[explorer-9\].batch_size: the "
                                                 "master's config has no such key"):
             await client.call(Register(name="explorer-9", role="explorer", terms={
-                "explorers[explorer-9].batch_size": 4}), timeout=2)
+                "explorers[explorer-9].batch_size": 4}))
         assert master.registry == {}  # refused: not registered, not journaled
         assert [type(m).__name__ for m in read_journal(master.journal.path)] == ["RunStarted"]
         # the same terms as the master's: accepted, with the master's heartbeat timing
         registered = await client.call(Register(name="trainer", role="trainer",
-                                                terms=config.terms("trainer", "trainer")),
-                                       timeout=2)
+                                                terms=config.terms("trainer", "trainer")))
         assert (registered.liveness, registered.heartbeat_interval) == (7.0, 0.5)
     finally:
         await client.close()
@@ -494,7 +493,7 @@ async def test_an_explorer_process_with_another_sync_interval_exits_1_naming_it(
         result = await asyncio.to_thread(
             subprocess.run, [str(exe), "--config", str(path), "--name", "e0",
                              "--set", "logging.level=warning"],
-            capture_output=True, text=True, timeout=120)
+            capture_output=True, text=True, timeout=BACKSTOP)
     finally:
         await master.close()
     assert result.returncode == 1, result.stderr
@@ -522,7 +521,7 @@ async def test_a_trainer_process_with_another_model_path_exits_1_naming_it(
         exe = Path(sys.executable).with_name("tandem-trainer")
         result = await asyncio.to_thread(
             subprocess.run, [str(exe), "--config", str(path), "--set", "logging.level=warning"],
-            capture_output=True, text=True, timeout=120)
+            capture_output=True, text=True, timeout=BACKSTOP)
     finally:
         await master.close()
     assert result.returncode == 1, result.stderr

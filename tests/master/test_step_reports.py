@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from backstop import BACKSTOP
 from tandem.common.errors import RequestFailed
 from tandem.common.messages.master import (
     CompleteTasks,
@@ -17,47 +18,45 @@ from tandem.common.messages.master import (
     TrainerResumed,
     TrainerStepDone,
 )
-from tandem.common.rpc import RpcClient
 from tandem.master.service import Master
 
 sys.path.insert(0, str(Path(__file__).parent))
-from master_peers import make_config
+from master_peers import make_config, master_client
 
 
 async def test_step_reports_come_from_the_trainer_and_for_released_steps(
         tmp_path, zmq_sockets_closed):
     master = Master(make_config(tmp_path, "sync.preset=synchronous", "master.total_steps=40"))
     await master.start()
-    explorer = RpcClient(master.address, peer="master", name="explorer-0")
-    trainer = RpcClient(master.address, peer="master", name="trainer")
-    stranger = RpcClient(master.address, peer="master", name="stranger")
+    explorer = master_client(master, "explorer-0")
+    trainer = master_client(master, "trainer")
+    stranger = master_client(master, "stranger")
     try:
         # no trainer has registered: nobody's step report counts
         with pytest.raises(RequestFailed) as err:
-            await stranger.call(TrainerStepDone(step=0, version=1), timeout=2)
+            await stranger.call(TrainerStepDone(step=0, version=1))
         assert err.value.code == "not_the_trainer" and "register" in err.value.message
-        await trainer.call(Register(name="trainer", role="trainer"), timeout=2)
-        await explorer.call(Register(name="explorer-0", role="explorer"), timeout=2)
+        await trainer.call(Register(name="trainer", role="trainer"))
+        await explorer.call(Register(name="explorer-0", role="explorer"))
         # the trainer itself may not report a step the clock has not released
         with pytest.raises(RequestFailed) as err:
-            await trainer.call(TrainerStepDone(step=0, version=1), timeout=2)
+            await trainer.call(TrainerStepDone(step=0, version=1))
         assert err.value.code == "unexpected_step" and "released" in err.value.message
-        lease = await explorer.call(LeaseTasks(explorer="explorer-0", count=4, step=0), timeout=2)
-        await explorer.call(CompleteTasks(lease_id=lease.lease_id), timeout=2)
-        await explorer.call(ExplorerStepDone(explorer="explorer-0", step=0, batch=0, version=0),
-                            timeout=2)
+        lease = await explorer.call(LeaseTasks(explorer="explorer-0", count=4, step=0))
+        await explorer.call(CompleteTasks(lease_id=lease.lease_id))
+        await explorer.call(ExplorerStepDone(explorer="explorer-0", step=0, batch=0, version=0))
         assert master.clock.trainer_go == 1  # step 0 released
         for step in range(40):  # the attack of issue 14: every step, from a stranger
             with pytest.raises(RequestFailed, match="not_the_trainer|registered"):
-                await stranger.call(TrainerStepDone(step=step, version=step + 1), timeout=2)
+                await stranger.call(TrainerStepDone(step=step, version=step + 1))
         with pytest.raises(RequestFailed, match="step 5"):
-            await trainer.call(TrainerStepDone(step=5, version=6), timeout=2)
+            await trainer.call(TrainerStepDone(step=5, version=6))
         with pytest.raises(RequestFailed) as err:
-            await stranger.call(TrainerResumed(step=0, checkpoint="x"), timeout=2)
+            await stranger.call(TrainerResumed(step=0, checkpoint="x"))
         assert err.value.code == "not_the_trainer"
         assert master.clock.trainer_done == 0 and not master.clock.stopped
-        await trainer.call(TrainerStepDone(step=0, version=1), timeout=2)
-        await trainer.call(TrainerStepDone(step=0, version=1), timeout=2)  # a resend: no-op
+        await trainer.call(TrainerStepDone(step=0, version=1))
+        await trainer.call(TrainerStepDone(step=0, version=1))  # a resend: no-op
         assert master.clock.trainer_done == 1
     finally:
         for client in (explorer, trainer, stranger):
@@ -74,22 +73,22 @@ async def test_a_refused_report_names_the_peer_readably(tmp_path, zmq_sockets_cl
 
     master = Master(make_config(tmp_path, "sync.preset=synchronous", "master.total_steps=4"))
     await master.start()
-    explorer = RpcClient(master.address, peer="master", name="explorer-0")
+    explorer = master_client(master, "explorer-0")
     context = zmq.asyncio.Context()
     raw = context.socket(zmq.DEALER)  # no identity set: the master sees ZeroMQ's 5 bytes
     raw.setsockopt(zmq.LINGER, 0)
     raw.connect(master.address)
     try:
         await raw.send_multipart(codec.encode_request(TrainerStepDone(step=0, version=1), "r1"))
-        assert await raw.poll(10_000), "the master did not answer"
+        assert await raw.poll(int(BACKSTOP * 1000)), "the master did not answer"
         reply = codec.decode(await raw.recv_multipart())
         message = reply.error.message
         assert reply.error.code == "not_the_trainer"
         assert message.isprintable() and "an unregistered client (connection <0x" in message
         # a registered component is named by what it registered as
-        await explorer.call(Register(name="explorer-0", role="explorer"), timeout=2)
+        await explorer.call(Register(name="explorer-0", role="explorer"))
         with pytest.raises(RequestFailed) as err:
-            await explorer.call(TrainerStepDone(step=0, version=1), timeout=2)
+            await explorer.call(TrainerStepDone(step=0, version=1))
         assert err.value.code == "not_the_trainer"
         assert "from explorer-0 (connection explorer-0-" in err.value.message
     finally:

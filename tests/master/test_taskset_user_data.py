@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from backstop import BACKSTOP
 from tandem.common import codec
 from tandem.common.config import TasksetConfig
 from tandem.common.messages.master import TaskLease
@@ -56,7 +57,7 @@ def test_the_master_refuses_a_bad_row_at_start_in_one_line(tmp_path):
                    "logging: {level: warning}\n")
     exe = Path(sys.executable).with_name("tandem-master")
     done = subprocess.run([str(exe), "--config", str(cfg)], capture_output=True, text=True,
-                          timeout=60)
+                          timeout=BACKSTOP)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         f"tandem-master: invalid config: master.taskset.format.messages: {path} row 2: column "

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from backstop import BACKSTOP
 from tandem.common.errors import RequestFailed
 from tandem.common.messages.master import Register, TrainerResumed
-from tandem.common.rpc import RpcClient
 from tandem.common.sync import SyncPlan
 from tandem.master.clock import RunClock, StepMismatch
 from tandem.master.journal import read_journal
@@ -19,7 +19,7 @@ from tandem.master.service import Master
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from master_peers import explorer_loop, make_config, trainer_loop
+from master_peers import explorer_loop, make_config, master_client, trainer_loop
 
 
 def gos(decisions):
@@ -81,20 +81,19 @@ async def test_master_journals_the_resume_tells_the_count_and_replays_it(
     # the trainer dies once it reported step 3: no report of a later step can reach the
     # master after the count is read (a cancel at any moment could leave one on its way)
     trainer = asyncio.create_task(trainer_loop(master, trained, until=4))
-    client = RpcClient(master.address, peer="master", name="trainer-2")
+    client = master_client(master, "trainer-2")
     try:
-        await asyncio.wait_for(trainer, 20)
+        await asyncio.wait_for(trainer, BACKSTOP)
         counted = master.clock.trainer_done
         assert counted == 4 and [step for step, *_ in trained] == [0, 1, 2, 3]
-        registered = await client.call(Register(name="trainer", role="trainer"), timeout=2)
+        registered = await client.call(Register(name="trainer", role="trainer"))
         assert registered.trainer_steps == counted
         with pytest.raises(RequestFailed, match="newer than the master's journal") as failed:
-            await client.call(TrainerResumed(step=counted + 1, checkpoint="step_x"), timeout=2)
+            await client.call(TrainerResumed(step=counted + 1, checkpoint="step_x"))
         assert failed.value.code == "resume_ahead"
-        await client.call(TrainerResumed(step=2, lineage="abc"), timeout=2)
+        await client.call(TrainerResumed(step=2, lineage="abc"))
         assert master.clock.trainer_done == 2 and master.clock.last_go.step == 2
-        assert (await client.call(Register(name="trainer", role="trainer"),
-                                  timeout=2)).trainer_steps == 2
+        assert (await client.call(Register(name="trainer", role="trainer"))).trainer_steps == 2
     finally:
         explorer.cancel()
         await asyncio.gather(explorer, return_exceptions=True)

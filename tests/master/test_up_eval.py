@@ -4,7 +4,9 @@ they arrive (a half-written last line waits for the next look)."""
 from __future__ import annotations
 
 import json
+import time
 
+from backstop import BACKSTOP
 from tandem.master.up import Progress, headline
 
 
@@ -67,16 +69,16 @@ def test_the_end_of_a_run_waits_for_the_clients_not_for_the_servers(tmp_path):
         child.start()
     finishing = threading.Thread(target=sup._finish, daemon=True)
     try:
-        sup.children[0].proc.wait(30)
+        sup.children[0].proc.wait(BACKSTOP)
         finishing.start()
-        finishing.join(120)  # 120 s only bound a hang: up waits an hour for the buffer
+        finishing.join(BACKSTOP)  # only bounds a hang: up waits an hour for the buffer
         assert not finishing.is_alive(), "_finish waited for the buffer"
         assert [c.returncode for c in sup.children[2:]] == [0, 0]  # the clients ended first
         assert sup.children[1].returncode is None
     finally:
         released.write_text("")
         if finishing.ident is not None:
-            finishing.join(30)
+            finishing.join(BACKSTOP)
         sup._stop_all()
     assert all(c.returncode is not None for c in sup.children)
 
@@ -97,12 +99,12 @@ def test_a_component_that_exits_on_the_stop_before_up_polls_it_is_not_a_failure(
         {"run_dir": str(tmp_path), "up": {"restart": "never", "stop_timeout": 5},
          "logging": {"level": "warning"}}), live=False)
     sup.children = [
-        Child("master", "master", [sys.executable, "-c", "import time; time.sleep(60)"],
+        Child("master", "master", [sys.executable, "-c", f"import time; time.sleep({BACKSTOP})"],
               tmp_path / "master.out"),
         Child("explorer-0", "explorer", [sys.executable, "-c", "pass"], tmp_path / "e.out")]
     for child in sup.children:
         child.start()
-    sup.children[1].proc.wait(30)  # it saw the Stop and left; up has not polled since
+    sup.children[1].proc.wait(BACKSTOP)  # it saw the Stop and left; up has not polled since
 
     class Master:
         async def call(self, msg, **kw):
@@ -114,12 +116,11 @@ def test_a_component_that_exits_on_the_stop_before_up_polls_it_is_not_a_failure(
 
     async def watch() -> int:
         task = asyncio.create_task(sup._watch(Master(), GetStatus))
-        for _ in range(600):  # bounds a hang only: the verdict comes on the first look
-            if task.done() or sup.children[1].finished:
-                break
+        deadline = time.monotonic() + BACKSTOP  # a hang's bound: the verdict is the first look
+        while not (task.done() or sup.children[1].finished) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         sup._stop_reason = "test over"
-        return await asyncio.wait_for(task, 30)
+        return await asyncio.wait_for(task, BACKSTOP)
 
     try:
         code = asyncio.run(watch())

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from backstop import BACKSTOP
 from tandem.master.zygote import Zygote, ZygoteRefused, needs_exec
 
 BIN = Path(sys.executable).parent
@@ -43,7 +44,7 @@ def master_config(tmp_path: Path) -> Path:
     return path
 
 
-def logged(log: Path, event: str, proc, timeout: float = 120) -> dict:
+def logged(log: Path, event: str, proc, timeout: float = BACKSTOP) -> dict:
     """The first line of `log` whose event is `event`, once the component wrote it."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
@@ -57,7 +58,7 @@ def logged(log: Path, event: str, proc, timeout: float = 120) -> dict:
 
 def test_a_forked_component_is_our_child_in_its_own_session_and_stops_on_sigterm(tmp_path):
     argv = [str(BIN / "tandem-master"), "--config", str(master_config(tmp_path))]
-    zygote = Zygote(tmp_path / "zygote.out", 120, [argv])
+    zygote = Zygote(tmp_path / "zygote.out", BACKSTOP, [argv])
     log = tmp_path / "master.out"
     try:
         proc = zygote.fork(argv, dict(os.environ, OMP_NUM_THREADS="1"), log)
@@ -70,11 +71,11 @@ def test_a_forked_component_is_our_child_in_its_own_session_and_stops_on_sigterm
             assert [a.decode() for a in cmdline] == [sys.executable, *argv]
             assert Path(f"/proc/{proc.pid}/comm").read_text().strip() == "tandem-master"
             os.killpg(proc.pid, signal.SIGTERM)
-            assert proc.wait(30) == 0, log.read_text()[-2000:]
+            assert proc.wait(BACKSTOP) == 0, log.read_text()[-2000:]
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+                proc.wait(BACKSTOP)
     finally:
         zygote.close()
     assert zygote.proc.returncode == 0
@@ -84,7 +85,7 @@ def test_a_zygote_with_a_thread_refuses_to_fork(tmp_path, monkeypatch):
     # numpy's OpenBLAS starts its pool when it loads: the zygote then holds threads
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")
     argv = [str(BIN / "tandem-master"), "--help"]
-    zygote = Zygote(tmp_path / "zygote.out", 120, [argv])
+    zygote = Zygote(tmp_path / "zygote.out", BACKSTOP, [argv])
     try:
         with pytest.raises(ZygoteRefused, match="threads"):
             zygote.fork(argv, dict(os.environ), tmp_path / "master.out")
@@ -97,10 +98,10 @@ def test_closing_a_zygote_ends_it_whether_or_not_its_imports_are_done(tmp_path):
     # `tandem up` stopped while the zygote imports: it is terminated, not waited for (its
     # stdin is read only after the imports); once it answered, closing its stdin ends it
     argv = [str(BIN / "tandem-master"), "--help"]
-    early = Zygote(tmp_path / "early.out", 120, [argv])
+    early = Zygote(tmp_path / "early.out", BACKSTOP, [argv])
     early.close()
     assert early.proc.returncode in (0, -signal.SIGTERM)
-    ready = Zygote(tmp_path / "ready.out", 120, [argv])
+    ready = Zygote(tmp_path / "ready.out", BACKSTOP, [argv])
     ready.wait_ready()
     assert ready.refused is None and ready.ready_after is not None
     ready.close()
