@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from backstop import BACKSTOP
 
 CHAT_TEMPLATE = (
     "{%- if tools %}<|system|>\ntools:"
@@ -105,14 +106,14 @@ def train_through_up(run_dir: Path, model_dir: Path, *, name: str, steps: int, t
     config = RunConfig.model_validate({
         "name": name, "run_dir": str(run_dir),
         "model": {"path": str(model_dir)},  # the session's: the run only reads it
-        "sync": {"preset": "synchronous", "timeout": 60},
+        "sync": {"preset": "synchronous", "timeout": BACKSTOP},
         "master": {"total_steps": steps, "taskset": taskset},
         "explorers": [{"name": "explorer-0", "batch_size": 2, "repeat_times": 2,
                        "engine": {"options": {"threads": 1}}, **explorer}],
         "trainer": {"groups_per_step": 2, "lr": 1e-3},
-        "transport": {"liveness": 30.0},
+        "transport": {"liveness": BACKSTOP},
         "logging": {"level": "warning", "metrics": {"enabled": False}},
-        "up": {"run_timeout": 120, "timeline": False},
+        "up": {"run_timeout": BACKSTOP, "timeline": False},
         **({"buffer": buffer} if buffer else {}),
     })
     assert run_up(config, live=False) == 0

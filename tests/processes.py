@@ -201,10 +201,11 @@ def run_group(argv: list[str], timeout: float, *, stall: float | None = None,
     SIGKILL 20 s later, before TimeoutExpired is raised, so nothing it started is left behind.
 
     With `stall`, a run is also hung when the processes below this one (its own and the
-    components it started, whatever their session) spend less than a second of CPU in `stall`
-    seconds of wall-clock: a run that computes (a quickstart's SFT and GRPO) gets its share of a
-    loaded machine's cores and goes on, however long that takes up to `timeout`, while a
-    deadlock, whose processes only wait, is caught after `stall` seconds."""
+    components it started, whatever their session) spend less than 1% of a core (`stall` / 100
+    CPU seconds) in `stall` seconds of wall-clock: a run that computes (a quickstart's SFT and
+    GRPO) gets its share of a loaded machine's cores (a load of 13 on 2 cores leaves each
+    process 15%) and goes on, however long that takes up to `timeout`, while a deadlock, whose
+    processes only wait, is caught after `stall` seconds."""
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, **kwargs)
     deadline = time.monotonic() + timeout
@@ -220,7 +221,7 @@ def run_group(argv: list[str], timeout: float, *, stall: float | None = None,
                 # a member that exited took its CPU seconds out of the sum (its parent, or the
                 # subreaper it was re-parented to, holds them now): count from the lower sum
                 cpu = min(cpu, used)
-                if used - cpu >= 1.0:
+                if used - cpu >= stall / 100:
                     cpu, moved = used, now
             if now > deadline or (stall is not None and now - moved > stall):
                 break

@@ -60,7 +60,7 @@ def test_master_buffer_and_reward_service_serve_without_mapping_torch(tmp_path, 
                             ("reward", "reward.serving")):
             component = ComponentProcess(f"tandem-{name}", [str(BIN / f"tandem-{name}"), *argv])
             started.append(component)
-            component.wait_for(event, 120)
+            component.wait_for(event)
             loaded = sorted(f for f in mapped(component.proc.pid)
                             if any(part in f for part in FORBIDDEN))
             assert not loaded, f"{component.name} mapped {loaded[:5]}"

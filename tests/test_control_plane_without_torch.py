@@ -22,6 +22,7 @@ import yaml
 from component_process import ComponentProcess
 from tandem.common.messages import GetBufferStats
 from tandem.common.rpc import RpcClient
+from backstop import BACKSTOP
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +33,7 @@ CONTROL_PLANE = ["common", "master", "buffer"]
 def pip(venv: Path, *args: str) -> None:
     run = subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"),
                           "install", "-q", "--no-compile", *args],
-                         capture_output=True, text=True, timeout=400,
+                         capture_output=True, text=True, timeout=BACKSTOP,
                          env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
     assert run.returncode == 0, f"pip install {' '.join(args)} failed:\n{run.stderr[-3000:]}"
 
@@ -43,14 +44,14 @@ def venv(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("control-plane") / "venv"
     # no pip of its own: ensurepip alone took 5-20 s
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True,
-                   timeout=120)
+                   timeout=BACKSTOP)
     # One build backend in the venv instead of an isolated build env per package.
     pip(path, "hatchling")
     pip(path, "--no-build-isolation", *(str(ROOT / "packages" / p) for p in CONTROL_PLANE))
     return path
 
 
-def run_in(venv: Path, *argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
+def run_in(venv: Path, *argv: str, timeout: float = BACKSTOP) -> subprocess.CompletedProcess:
     return subprocess.run([str(venv / "bin" / argv[0]), *argv[1:]], capture_output=True,
                           text=True, timeout=timeout)
 
@@ -77,7 +78,7 @@ def write_config(tmp_path: Path) -> Path:
     config = {
         "run_dir": str(tmp_path / "run"),
         "model": {"path": str(tmp_path / "no-model-needed")},
-        "sync": {"preset": "fully_async", "timeout": 30},
+        "sync": {"preset": "fully_async", "timeout": BACKSTOP},
         "master": {"address": "tcp://127.0.0.1:0", "publish_address": "tcp://127.0.0.1:0",
                    "taskset": {"path": str(tasks), "id_field": "id"}, "total_steps": 4},
         "explorers": [{"name": "explorer-0", "batch_size": 2, "repeat_times": 2}],
@@ -96,20 +97,20 @@ async def test_master_and_buffer_serve_without_torch_and_stop_on_sigterm(venv, t
     buffer = ComponentProcess("tandem-buffer", [str(bin_dir / "tandem-buffer"), "--config",
                                                 str(config), "--address", "tcp://127.0.0.1:0"])
     try:
-        address = master.wait_for("master.started", 60)["address"]
-        buffer_address = buffer.wait_for("buffer.listening", 60)["address"]
-        status = run_in(venv, "tandem", "status", "--master", address, "--json", timeout=30)
+        address = master.wait_for("master.started")["address"]
+        buffer_address = buffer.wait_for("buffer.listening")["address"]
+        status = run_in(venv, "tandem", "status", "--master", address, "--json", timeout=BACKSTOP)
         assert status.returncode == 0, status.stderr
         assert "run_id" in json.loads(status.stdout)
         client = RpcClient(buffer_address, peer="buffer", name="test")
         try:
-            stats = await client.call(GetBufferStats(), timeout=10, retries=0)
+            stats = await client.call(GetBufferStats(), timeout=BACKSTOP, retries=0)
         finally:
             await client.close()
         assert stats.groups_ready == 0 and stats.bytes == 0
         for process in (buffer, master):
             process.proc.send_signal(signal.SIGTERM)
-            assert process.proc.wait(20) == 0, f"{process.name}: {''.join(process.raw[-10:])}"
+            assert process.proc.wait(BACKSTOP) == 0, f"{process.name}: {''.join(process.raw[-10:])}"
     finally:
         buffer.stop()
         master.stop()

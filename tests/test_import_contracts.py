@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from backstop import BACKSTOP
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -15,6 +16,6 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_import_contracts_hold():
     lint = Path(sys.executable).with_name("lint-imports")
     run = subprocess.run([str(lint), "--no-cache", "--config", str(ROOT / "pyproject.toml")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+                         cwd=ROOT, capture_output=True, text=True, timeout=BACKSTOP)
     assert run.returncode == 0, f"import contracts broken:\n{run.stdout}\n{run.stderr}"
     assert "0 broken" in run.stdout

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from backstop import BACKSTOP
 from processes import descendants, kill_and_reap, reap_orphans, run_group, zombie_children
 
 # A child that starts a grandchild and exits at once, printing the grandchild's pid: the shape of
@@ -30,7 +31,7 @@ def ppid(pid: int) -> int:
 @pytest.mark.skipif(sys.platform != "linux", reason="/proc and PR_SET_CHILD_SUBREAPER")
 def test_an_orphaned_grandchild_is_re_parented_to_pytest_seen_and_reaped():
     out = subprocess.run([sys.executable, "-c", ORPHANING], capture_output=True, text=True,
-                         timeout=30, check=True)
+                         timeout=BACKSTOP, check=True)
     orphan = int(out.stdout)
     try:
         assert ppid(orphan) == os.getpid()  # pytest is the subreaper, not init
@@ -50,7 +51,7 @@ def test_grandchildren_of_a_live_child_are_listed():
         grandchild = int(child.stdout.readline())
         # exec closes Popen's error pipe (Popen returns, the child prints) before it has set
         # up the new program's arguments: /proc/PID/cmdline reads empty for that moment
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + BACKSTOP
         while not (found := descendants()).get(grandchild) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert child.pid in found and grandchild in found
@@ -73,10 +74,10 @@ def test_run_group_past_its_timeout_stops_the_grandchildren_too():
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="/proc")
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_run_group_with_stall_stops_a_group_that_only_waits_and_lets_one_that_computes_finish():
     # a group that waits (as a deadlocked run does) is hung after `stall`, long before its
-    # `timeout` (the test's own 120 s would fail it first if `stall` did nothing)...
+    # `timeout` (the test's own 300 s would fail it first if `stall` did nothing)...
     before = set(descendants())
     with pytest.raises(subprocess.TimeoutExpired):
         run_group([sys.executable, "-c", ORPHANING + "; sys.stdout.flush(); p.wait()"],
@@ -90,7 +91,7 @@ def test_run_group_with_stall_stops_a_group_that_only_waits_and_lets_one_that_co
     busy = "import time\nend = time.time() + 10\nwhile time.time() < end: pass"
     leader = (f"import subprocess, sys; subprocess.run([sys.executable, '-c', {busy!r}], "
               "start_new_session=True, check=True)")
-    assert run_group([sys.executable, "-c", leader], timeout=3600, stall=8).returncode == 0
+    assert run_group([sys.executable, "-c", leader], timeout=3600, stall=4).returncode == 0
 
 
 # forks a grandchild that outlives its parent, then exits once re-parented (to pytest)
@@ -108,8 +109,8 @@ if os.fork() == 0:
 def test_exited_orphans_are_reaped_and_our_own_children_keep_their_exit_codes():
     own = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
     parent = subprocess.Popen([sys.executable, "-c", EXITING_ORPHAN])
-    assert parent.wait(30) == 0
-    deadline = time.monotonic() + 30
+    assert parent.wait(BACKSTOP) == 0
+    deadline = time.monotonic() + BACKSTOP
     while len(zombie_children() - {parent.pid}) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)  # the orphan and `own` both exited and wait for a parent's wait
     orphans = zombie_children() - {own.pid, parent.pid}
@@ -117,4 +118,4 @@ def test_exited_orphans_are_reaped_and_our_own_children_keep_their_exit_codes():
 
     assert reap_orphans() == sorted(orphans)
     assert zombie_children() == {own.pid}
-    assert own.wait(10) == 3  # still ours to wait for, with its own exit code
+    assert own.wait(BACKSTOP) == 3  # still ours to wait for, with its own exit code

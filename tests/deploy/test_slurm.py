@@ -18,6 +18,7 @@ from tandem.master.cli import tandem
 from tandem.master.deploy import SlurmOptions, render_slurm
 
 from deploy_config import CLIENT_SECRET, SERVER_SECRET, run_config
+from backstop import BACKSTOP
 
 HOSTS = ["node-a", "node-b", "node-c", "node-d"]
 
@@ -42,7 +43,7 @@ def srun_lines(script: str) -> list[str]:
 def test_script_is_valid_bash(tmp_path):
     path = tmp_path / "run.sbatch"
     path.write_text(render())
-    check = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, timeout=10)
+    check = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, timeout=BACKSTOP)
     assert check.returncode == 0, check.stderr
 
 
@@ -146,7 +147,7 @@ def run_job(tmp_path: Path, script: str, **env) -> tuple[subprocess.CompletedPro
     job = tmp_path / "run.sbatch"
     job.write_text(script)
     done = subprocess.run(["bash", str(job)], env=job_env(tmp_path, **env), capture_output=True,
-                          text=True, timeout=30, cwd=tmp_path)
+                          text=True, timeout=BACKSTOP, cwd=tmp_path)
     return done, srun_calls(tmp_path)
 
 
@@ -160,12 +161,12 @@ def test_a_stop_stops_workers_first_then_the_rest_through_slurm(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=tmp_path)
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + BACKSTOP
         while len(srun_calls(tmp_path)) < 6:  # every step started
             assert time.monotonic() < deadline, srun_calls(tmp_path)
             time.sleep(0.02)
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=30)
+        _, err = proc.communicate(timeout=BACKSTOP)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -244,7 +245,7 @@ def test_job_refuses_to_start_without_the_secret(tmp_path):
     job.write_text(script)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_CURVE")}
     done = subprocess.run(["bash", str(job)], env=env, capture_output=True, text=True,
-                          timeout=10)
+                          timeout=BACKSTOP)
     assert done.returncode != 0
     assert "export TANDEM_CURVE_SERVER_SECRET" in done.stderr
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tandem.master.quickstart import write_jsonl
+from backstop import BACKSTOP
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -31,7 +32,7 @@ def test_agent_workflow_trains_through_tandem_up(tmp_path, agent_model_dir, monk
         tmp_path / "run", agent_model_dir, name="agent", steps=STEPS,
         taskset={"path": str(taskset), "epochs": 10},
         explorer={"workflow": "agent",
-                  "workflow_args": {"fn": "calculator_agent:run", "timeout": 60},
+                  "workflow_args": {"fn": "calculator_agent:run", "timeout": BACKSTOP},
                   "sampling": {"max_tokens": 90, "temperature": 0.7}})
     url = (Path(config.run_dir) / "openai" / "explorer-0.url").read_text().strip()
     assert url.startswith("http://127.0.0.1:") and url.endswith("/v1")
@@ -54,7 +55,7 @@ def test_streaming_agent_trains_on_its_own_tokens_through_tandem_up(tmp_path, ag
         tmp_path / "run", agent_model_dir, name="agent-stream", steps=STEPS,
         taskset={"path": str(taskset), "epochs": 10},
         explorer={"workflow": "agent",
-                  "workflow_args": {"fn": "agent_model:streaming_calculator", "timeout": 60},
+                  "workflow_args": {"fn": "agent_model:streaming_calculator", "timeout": BACKSTOP},
                   "sampling": {"max_tokens": 90, "temperature": 0.7}},
         buffer={"keep_consumed": 1000})
     db = sqlite3.connect(Path(config.run_dir) / "buffer.sqlite")

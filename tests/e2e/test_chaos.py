@@ -15,6 +15,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
 import chaos
+from backstop import BACKSTOP
 
 STEPS = 16
 
@@ -25,8 +26,8 @@ def test_kills_after_a_put_and_mid_step_lose_nothing_and_train_nothing_twice(
         tmp_path, tiny_model_dir, transport):
     strikes = chaos.parse_strikes("explorer:after-put,trainer:mid-train")
     report = chaos.run_one(tmp_path, tiny_model_dir, "fully_async", strikes, steps=STEPS,
-                           seed=0, run_timeout=200, moment_timeout=60, transport=transport,
-                           log=lambda _: None)
+                           seed=0, run_timeout=BACKSTOP, moment_timeout=BACKSTOP,
+                           sync_timeout=BACKSTOP, transport=transport, log=lambda _: None)
     assert [s["status"] for s in report["strikes"]] == ["done", "done"], [
         (s["label"], s["status"], s["evidence"]) for s in report["strikes"]]
     assert report["restarts"].get("explorer-0", 0) >= 1 and report["restarts"].get("trainer", 0) >= 1

@@ -20,6 +20,7 @@ from tandem.common.trace import read_trace
 from tandem.master.quickstart import reversal_tasks, write_jsonl
 from tandem.master.timeline import load_timeline
 from tandem.master.up import run_up
+from backstop import BACKSTOP
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1560)]
 STEPS = 4
@@ -32,7 +33,7 @@ def config(tmp_path: Path, model_dir: Path, colocate: bool) -> RunConfig:
     return RunConfig.model_validate({
         "name": name, "run_dir": str(tmp_path / name), "seed": 0,
         "model": {"path": str(model_dir)},
-        "sync": {"preset": "synchronous", "method": "checkpoint", "timeout": 60},
+        "sync": {"preset": "synchronous", "method": "checkpoint", "timeout": BACKSTOP},
         "weights": {"transport": "shared_memory"},
         "placement": {"colocate": ["trainer", "explorer-0"] if colocate else []},
         "master": {"total_steps": STEPS, "taskset": {"path": str(taskset), "seed": 0,
@@ -44,9 +45,9 @@ def config(tmp_path: Path, model_dir: Path, colocate: bool) -> RunConfig:
         # a lowercase letter among the tiny random model's 3 characters (p ~ 0.6) gives every
         # step a learning signal, so the weights move and each wake loads different ones
         "reward": {"functions": {"format": 1.0}, "args": {"format": {"pattern": ".*[a-z].*"}}},
-        "transport": {"liveness": 30.0},
+        "transport": {"liveness": BACKSTOP},
         "logging": {"level": "warning"},
-        "up": {"run_timeout": 150},
+        "up": {"run_timeout": BACKSTOP},
     })
 
 

@@ -14,6 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from agent_model import train_through_up
+from backstop import BACKSTOP
 
 
 pytestmark = pytest.mark.slow
@@ -50,7 +51,7 @@ def test_verifiers_environment_trains_through_tandem_up(tmp_path, agent_model_di
         taskset={"reader": "verifiers", "path": "times-seven?n=8", "id_field": "example_id",
                  "epochs": 10},
         explorer={"workflow": "verifiers",
-                  "workflow_args": {"env": "times-seven", "env_args": {"n": 8}, "timeout": 60},
+                  "workflow_args": {"env": "times-seven", "env_args": {"n": 8}, "timeout": BACKSTOP},
                   "sampling": {"max_tokens": 24, "temperature": 0.7}})
     # the rubric's rewards: says_answer (0 or 1) + 0.5 * brevity (in (0, 0.5])
     assert all(0 < s["attrs"]["reward_mean"] <= 1.5 for s in rollouts)

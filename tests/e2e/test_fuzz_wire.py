@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 import fuzz_wire
+from backstop import BACKSTOP
 
 pytestmark = pytest.mark.slow
 GROWTH_KIB = 40 * 1024
@@ -19,7 +20,7 @@ def test_fuzzed_sockets_cost_no_crash_no_memory_and_the_run_finishes(tmp_path, t
     # memory is read once it is back under the bound (the trim runs in each component's own
     # loop a second after its last refusal), not after a fixed sleep a busy machine outlasts
     report = fuzz_wire.fuzz_run(tmp_path, tiny_model_dir, frames=1000, steps=100_000, seed=1,
-                                then="stop", run_timeout=120, rss_growth_kib=GROWTH_KIB)
+                                then="stop", run_timeout=BACKSTOP, rss_growth_kib=GROWTH_KIB)
     assert report["crashes"] == 0, report["targets"]
     for name, target in report["targets"].items():
         assert sum(target["sent"].values()) == 1000

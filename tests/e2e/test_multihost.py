@@ -36,18 +36,19 @@ from processes import wait_for
 
 from tandem.common.trace import read_trace
 from tandem.master.quickstart import reversal_tasks, write_jsonl
+from backstop import BACKSTOP
 
 pytestmark = pytest.mark.slow
 
 SUBNET = "10.213.7"  # private range; exists only inside the namespaces below
 ADDRESS = {"ctrl": f"{SUBNET}.1", "trainer": f"{SUBNET}.2", "explorers": f"{SUBNET}.3"}
 STEPS = 3
-RUN_SECONDS = 120
+RUN_SECONDS = BACKSTOP
 BIN = Path(sys.executable).parent
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20,
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=BACKSTOP,
                           check=check)
 
 
@@ -139,10 +140,10 @@ class Hosts:
                 proc.send_signal(signal.SIGTERM)
         for _, _, proc, _ in self.procs:
             try:
-                proc.wait(timeout=15)
+                proc.wait(timeout=BACKSTOP)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
+                proc.wait(timeout=BACKSTOP)
 
     def loopback_addresses(self, host: str) -> list[str]:
         shown = json.loads(_ip("-j", "-n", self.ns[host], "addr", "show", "dev", "lo").stdout)
@@ -174,7 +175,7 @@ def _config(hosts: Hosts, host: str, preset: str, model: Path) -> Path:
         "model": {"path": str(model)},
         # fully_async with a staleness bound of 1, so explorers must take new versions
         # (by fetch) within these few steps instead of finishing on the initial weights
-        "sync": {"preset": preset, "timeout": 60,
+        "sync": {"preset": preset, "timeout": BACKSTOP,
                  **({"max_staleness": 1} if preset == "fully_async" else {})},
         "master": {"address": f"tcp://{ctrl}:5550", "publish_address": f"tcp://{ctrl}:5551",
                    "total_steps": STEPS,
@@ -189,7 +190,7 @@ def _config(hosts: Hosts, host: str, preset: str, model: Path) -> Path:
         "weights": {"transport": "fetch", "fetch_address": f"tcp://{trainer}:5580",
                     "fetch_chunk_bytes": 2**16, "rendezvous_host": trainer,
                     "rendezvous_port": 5590},
-        "transport": {"liveness": 30.0},
+        "transport": {"liveness": BACKSTOP},
         "logging": {"level": "info"},
     }
     path = hosts.folder(host) / "run.yaml"

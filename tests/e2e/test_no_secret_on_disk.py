@@ -30,6 +30,7 @@ from tandem.master.quickstart import reversal_tasks, write_jsonl
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from processes import run_group
+from backstop import BACKSTOP
 
 pytestmark = pytest.mark.slow
 TANDEM = str(Path(sys.executable).parent / "tandem")
@@ -60,7 +61,6 @@ async def _rendezvous(master: str, publish: str, transport: TransportConfig, run
         await snapshot.close()
 
 
-@pytest.mark.timeout(600)
 async def test_no_file_of_a_run_holds_a_secret_and_the_run_dir_is_private(
         tmp_path, tiny_model_dir):
     keys = _keys()
@@ -71,7 +71,7 @@ async def test_no_file_of_a_run_holds_a_secret_and_the_run_dir_is_private(
     config = {
         "name": "secrets", "run_dir": str(tmp_path / "run"),
         "model": {"path": str(tiny_model_dir)},
-        "sync": {"preset": "synchronous", "timeout": 60},
+        "sync": {"preset": "synchronous", "timeout": BACKSTOP},
         "master": {"total_steps": 3, "address": master, "publish_address": publish,
                    "taskset": {"path": str(write_jsonl(train[:32], tmp_path / "train.jsonl")),
                                "epochs": 10}},
@@ -80,10 +80,10 @@ async def test_no_file_of_a_run_holds_a_secret_and_the_run_dir_is_private(
                        "sampling": {"max_tokens": 3}}],
         "trainer": {"groups_per_step": 2, "lr": 1e-3},
         "reward": {"functions": {"k12": 1.0}},
-        "transport": {"liveness": 30.0, "curve": {
+        "transport": {"liveness": BACKSTOP, "curve": {
             **keys, **{k: f"${{env:{v}}}" for k, v in env_names.items()}}},
         "logging": {"level": "debug"},  # the most a run ever writes
-        "up": {"run_timeout": 300},
+        "up": {"run_timeout": BACKSTOP},
     }
     source = tmp_path / "input.yaml"  # the user's file, outside the run dir
     source.write_text(yaml.safe_dump(config))

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from processes import run_group
+from backstop import BACKSTOP
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "plugins" / "digit_retry"
@@ -41,7 +42,7 @@ def plugin(tmp_path_factory) -> dict:
     pip = subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
          "--no-index", "--target", str(site), str(source)],
-        capture_output=True, text=True, timeout=120)
+        capture_output=True, text=True, timeout=BACKSTOP)
     assert pip.returncode == 0, pip.stdout + pip.stderr
     assert (site / "digit_retry" / "plugin.py").exists()
     path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
@@ -186,7 +187,7 @@ def test_plugin_mistakes_exit_2_with_one_line(tmp_path, plugin, case):
         argv += ["--set", f"master.taskset.path={data}"]
         expected = [f"master.taskset.format: {data} row 2: column 'number' must be a whole "
                     "number, got '4x5'"]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=tmp_path,
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=BACKSTOP, cwd=tmp_path,
                           env=plugin["env"])
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
@@ -197,7 +198,7 @@ def test_plugin_mistakes_exit_2_with_one_line(tmp_path, plugin, case):
 
 def test_committed_data_is_what_the_generator_writes(tmp_path, plugin):
     proc = subprocess.run([sys.executable, "-m", "digit_retry.data", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=60, env=plugin["env"])
+                          capture_output=True, text=True, timeout=BACKSTOP, env=plugin["env"])
     assert proc.returncode == 0, proc.stderr
     for name in ("train.jsonl", "heldout.jsonl"):
         assert (tmp_path / name).read_text() == (EXAMPLE / "data" / name).read_text(), name

@@ -22,6 +22,7 @@ from tandem.common.trace import read_trace
 from tandem.master import plan_from
 from tandem.master.quickstart import reversal_tasks, write_jsonl
 from tandem.master.up import run_up
+from backstop import BACKSTOP
 
 pytestmark = pytest.mark.slow
 STEPS = 3
@@ -37,7 +38,7 @@ def preset_config(tmp_path: Path, model_dir: Path, preset: str,
         "model": {"path": str(model_dir)},
         # shared_memory: a staleness bound of 1, so explorers must load new versions (from
         # memory) within these few steps instead of finishing on the initial weights
-        "sync": {"preset": preset, "timeout": 60,
+        "sync": {"preset": preset, "timeout": BACKSTOP,
                  **({"max_staleness": 1} if transport == "shared_memory" else {})},
         "master": {"total_steps": STEPS, "taskset": {"path": str(taskset), "epochs": 10}},
         "explorers": [{"name": f"explorer-{i}", "batch_size": 2, "repeat_times": 2,
@@ -45,10 +46,10 @@ def preset_config(tmp_path: Path, model_dir: Path, preset: str,
                        "sampling": {"max_tokens": 3}} for i in range(explorers)],
         "trainer": {"groups_per_step": 2 * explorers, "lr": 1e-3},
         "reward": {"functions": {"k12": 1.0}},
-        "transport": {"liveness": 30.0},
+        "transport": {"liveness": BACKSTOP},
         "weights": {"transport": transport},
         "logging": {"level": "warning"},
-        "up": {"run_timeout": 150},
+        "up": {"run_timeout": BACKSTOP},
     })
 
 

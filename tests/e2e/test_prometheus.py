@@ -15,6 +15,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_up_supervision import run_processes, tandem_up, trained_steps, wait_for, write_config
+from backstop import BACKSTOP
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +28,7 @@ DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana-dashboard.js
 def scrape(url: str) -> dict[str, float]:
     """`name{labels}` -> value, parsed from the text exposition format; a metric declared with
     no sample yet (a labelled counter nobody incremented) maps to nan."""
-    with urllib.request.urlopen(url, timeout=10) as reply:
+    with urllib.request.urlopen(url, timeout=BACKSTOP) as reply:
         assert reply.status == 200
         text = reply.read().decode()
     out = {}
@@ -53,9 +54,9 @@ def test_each_component_serves_its_metrics_and_sigterm_stops_every_process_by_it
     run_dir = tmp_path / "run"
     urls = run_dir / "metrics"
     with tandem_up(cfg) as proc:
-        wait_for(lambda: trained_steps(run_dir) >= 1, 90, "a trained step")
+        wait_for(lambda: trained_steps(run_dir) >= 1, BACKSTOP, "a trained step")
         assert len(run_processes(run_dir)) == 4
-        wait_for(lambda: all((urls / f"{c}.url").exists() for c in COMPONENTS), 10,
+        wait_for(lambda: all((urls / f"{c}.url").exists() for c in COMPONENTS), BACKSTOP,
                  "every component's metrics address")
         got = {c: scrape((urls / f"{c}.url").read_text().strip()) for c in COMPONENTS}
         # the buffer reads its store's counts every 2 s: the first step may have come sooner
@@ -63,19 +64,19 @@ def test_each_component_serves_its_metrics_and_sigterm_stops_every_process_by_it
         def buffer_counts():
             b = scrape(buffer_url)
             return b if value(b, r'tandem_buffer_experiences\{state=".*"\}') >= 8 else None
-        got["buffer"] = wait_for(buffer_counts, 60, "the buffer's store counts")
+        got["buffer"] = wait_for(buffer_counts, BACKSTOP, "the buffer's store counts")
         # the trace shows a step trained once it is written; its publication comes after
         trainer_url = (urls / "trainer.url").read_text().strip()
         def trainer_published():
             t = scrape(trainer_url)
             return t if value(t, r'tandem_trainer_span_seconds_count\{kind="sync",.*\}') >= 1 \
                 else None
-        got["trainer"] = wait_for(trainer_published, 60, "the trainer's first publication")
+        got["trainer"] = wait_for(trainer_published, BACKSTOP, "the trainer's first publication")
         # a run of 10000 steps is far from its end: SIGTERM stops it mid-run
         proc.send_signal(signal.SIGTERM)
         # bounded only against a hang: past each stage's stop bound (up.stop_timeout,
         # up.trainer_stop_timeout) `tandem up` SIGKILLs it and says so, which fails below
-        out, _ = proc.communicate(timeout=600)
+        out, _ = proc.communicate(timeout=BACKSTOP)
         assert proc.returncode == 130, out[-3000:]  # stopped by the signal, steps unfinished
         # every stage stopped on its SIGTERM: none had to be killed (the promptness of a stop
         # is that no component waits out a timeout first, not the seconds this machine took)

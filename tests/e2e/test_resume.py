@@ -21,6 +21,7 @@ from tandem.common.messages import (
     WeightsPublished,
 )
 from tandem.common.trace import JsonlTail
+from backstop import BACKSTOP
 
 pytestmark = pytest.mark.slow
 STEPS = 8
@@ -72,10 +73,10 @@ class Held:
     def both_started(self, proc, trainer_log: Path) -> tuple[int, int]:
         """The explorer and the trainer of `tandem up` process `proc`, both held: the explorer
         while it still starts up, the trainer once it has started."""
-        explorer = wait_for(lambda: component_pid(proc.pid, "explorer"), 60, "the explorer")
+        explorer = wait_for(lambda: component_pid(proc.pid, "explorer"), BACKSTOP, "the explorer")
         self.hold(explorer)
-        trainer = wait_for(lambda: component_pid(proc.pid, "trainer"), 60, "the trainer")
-        wait_for(lambda: logged(trainer_log, "trainer.started"), 150, "the trainer's start")
+        trainer = wait_for(lambda: component_pid(proc.pid, "trainer"), BACKSTOP, "the trainer")
+        wait_for(lambda: logged(trainer_log, "trainer.started"), BACKSTOP, "the trainer's start")
         self.hold(trainer)
         return explorer, trainer
 
@@ -105,9 +106,9 @@ def test_a_killed_trainer_restarted_by_up_resumes_from_its_checkpoint_and_retrai
     batch or one step at a time to a trainer idle after step 3: 4 steps counted, the newest
     checkpoint at 3, the next one due at 6. It is killed there, frozen."""
     config = resume_check.write_config(tmp_path, tiny_model_dir, preset="synchronous",
-                                       steps=STEPS, seed=0, run_timeout=200)
+                                       steps=STEPS, seed=0, run_timeout=BACKSTOP)
     data = yaml.safe_load(config.read_text())
-    data["sync"].update({"method": "checkpoint", "timeout": 300})
+    data["sync"].update({"method": "checkpoint", "timeout": BACKSTOP})
     data["transport"]["liveness"] = 300.0  # a frozen component is not a dead one
     data["trainer"]["checkpoint_every"] = 3
     data["up"].update({"restart": "on-failure", "max_restarts": 2})
@@ -130,20 +131,20 @@ def test_a_killed_trainer_restarted_by_up_resumes_from_its_checkpoint_and_retrai
             explorer, trainer = held.both_started(proc, trainer_log)
             while True:
                 held.release(trainer)
-                wait_for(trainer_can_go_no_further, 150, "the trainer to train every batch")
+                wait_for(trainer_can_go_no_further, BACKSTOP, "the trainer to train every batch")
                 held.hold(trainer)
                 killed_at = resume_check.master_steps(run_dir)
                 if killed_at > 3 and killed_at % 3:  # between two checkpoints
                     break
                 held.release(explorer)
-                wait_for(lambda k=killed_at: resume_check.batches_done(run_dir) == k + 1, 150, "the next batch")
+                wait_for(lambda k=killed_at: resume_check.batches_done(run_dir) == k + 1, BACKSTOP, "the next batch")
                 held.hold(explorer)
             checkpoint = resume_check.newest_checkpoint_step(run_dir)
             held.kill(trainer)
             # the explorer stays frozen until the restarted trainer announced again the
             # version it waits for: it never looks for the lost lineage's copy, which the
             # restart moves aside
-            wait_for(lambda: newest_published(run_dir, since_resume=2) >= killed_at, 150,
+            wait_for(lambda: newest_published(run_dir, since_resume=2) >= killed_at, BACKSTOP,
                      "the restarted trainer to train the lost steps again")
         code, out = resume_check.finish(proc, 200)
     finally:
@@ -191,7 +192,7 @@ def test_sigterm_then_resume_finishes_every_step_without_waiting_for_stale_lease
     bound let through before it stops on its own SIGTERM, far below the run's steps."""
     steps = 30
     config = resume_check.write_config(tmp_path, tiny_model_dir, preset="fully_async",
-                                       steps=steps, seed=0, run_timeout=240)
+                                       steps=steps, seed=0, run_timeout=BACKSTOP)
     data = yaml.safe_load(config.read_text())
     data["transport"]["liveness"] = 300.0  # a frozen component is not a dead one
     config.write_text(yaml.safe_dump(data))
@@ -202,16 +203,16 @@ def test_sigterm_then_resume_finishes_every_step_without_waiting_for_stale_lease
         with Held() as held:
             explorer, trainer = held.both_started(proc, trainer_log)
             held.release(explorer)
-            wait_for(lambda: resume_check.batches_done(run_dir) >= 3, 150, "three batches")
+            wait_for(lambda: resume_check.batches_done(run_dir) >= 3, BACKSTOP, "three batches")
             held.hold(explorer)
             held.release(trainer)
-            wait_for(lambda: resume_check.master_steps(run_dir) == resume_check.batches_done(run_dir), 150,
+            wait_for(lambda: resume_check.master_steps(run_dir) == resume_check.batches_done(run_dir), BACKSTOP,
                      "the trainer to train every batch")
             held.hold(trainer)
             interrupted_at = resume_check.master_steps(run_dir)
             proc.send_signal(signal.SIGTERM)
             held.release(explorer)
-            wait_for(lambda: not alive(explorer), 60, "`tandem up` to stop the explorer")
+            wait_for(lambda: not alive(explorer), BACKSTOP, "`tandem up` to stop the explorer")
         first_code, first_out = resume_check.finish(proc, 400)
     finally:
         if proc.poll() is None:
@@ -256,7 +257,7 @@ def test_kill_all_and_resume_three_times_never_names_a_version_set_aside(tmp_pat
     steps = 14
     report = resume_check.run_scenario(tmp_path, tiny_model_dir, "fully_async",
                                        "sigkill-cycles", steps=steps, stop_at=2, seed=0,
-                                       run_timeout=240)
+                                       run_timeout=BACKSTOP)
     cycles = report["cycles"]
     assert [c.get("killed_at") is not None for c in cycles] == [True] * 3 + [False], cycles
     assert report["versions_not_found"] == 0, report.get("output_tail")

@@ -14,12 +14,13 @@ import yaml
 from tandem.common.messages.master import RunAmended, RunStarted
 from tandem.master.journal import read_journal
 from tandem.master.quickstart import reversal_tasks, write_jsonl
+from backstop import BACKSTOP
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
 
 
-def tandem_up(config: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+def tandem_up(config: Path, *args: str, timeout: float = BACKSTOP) -> subprocess.CompletedProcess:
     return subprocess.run([str(BIN / "tandem"), "up", str(config), "--plain", *args],
                           capture_output=True, text=True, timeout=timeout)
 
@@ -38,7 +39,7 @@ def finished_run(tmp_path_factory, tiny_model_dir) -> tuple[Path, Path]:
     config = tmp / "run.yaml"
     config.write_text(yaml.safe_dump({
         "run_dir": str(tmp / "run"), "model": {"path": str(tiny_model_dir)},
-        "sync": {"preset": "fully_async", "timeout": 60},
+        "sync": {"preset": "fully_async", "timeout": BACKSTOP},
         "master": {"total_steps": 3, "taskset": {
             "path": str(write_jsonl(train[:64], tmp / "train.jsonl")), "epochs": 100}},
         "explorers": [{"name": "explorer-0", "batch_size": 2, "repeat_times": 2,
@@ -47,7 +48,7 @@ def finished_run(tmp_path_factory, tiny_model_dir) -> tuple[Path, Path]:
         "trainer": {"groups_per_step": 2, "lr": 1e-4},
         "reward": {"functions": {"k12": 1.0}},
         "logging": {"level": "warning"},
-        "up": {"run_timeout": 180, "timeline": False},
+        "up": {"run_timeout": BACKSTOP, "timeline": False},
     }))
     out = tandem_up(config)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -107,12 +108,12 @@ def test_every_component_cli_checks_the_run_dir(finished_run):
                        ("tandem-explorer", ("--name", "explorer-0"))):
         refused = subprocess.run([str(BIN / exe), "--config", str(given), *extra,
                                   "--set", "seed=7"], capture_output=True, text=True,
-                                 timeout=60)
+                                 timeout=BACKSTOP)
         assert refused.returncode == 2, (exe, refused.stderr)
         assert refused.stderr.startswith(f"{exe}: run_dir {run_dir} holds run ")
         assert "seed 0 (run) -> 7 (given)" in refused.stderr
         done = subprocess.run([str(BIN / exe), "--config", str(given), *extra],
-                              capture_output=True, text=True, timeout=60)
+                              capture_output=True, text=True, timeout=BACKSTOP)
         assert done.returncode == 0 and "is finished (3 of 3" in done.stdout, (exe, done.stderr)
 
 

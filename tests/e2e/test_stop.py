@@ -28,9 +28,12 @@ import bench_stop
 import resume_check
 from processes import freeze, wait_for
 from tandem.common.trace import JsonlTail, read_trace
+from backstop import BACKSTOP
 
 AT_STEP = 2
-STOP_TIMEOUT = 20.0  # far below sync.timeout (120 s): a stop that waits for it fails
+# far below sync.timeout (BACKSTOP): a stop that waits for it has its waiting component
+# SIGKILLed at STOP_TIMEOUT, and `killed` names it; a healthy stop ends far sooner on any machine
+STOP_TIMEOUT = BACKSTOP / 3
 # Every preset and every moment, not every pair (tools/bench_stop.py times all twelve): the
 # synchronous preset, whose stop waited out sync.timeout, at each moment; one step off policy
 # (nccl too) mid-broadcast; the asynchronous ones, which publish by checkpoint, mid-train and
@@ -41,9 +44,9 @@ CASES = [("synchronous", "rollout"), ("synchronous", "train"), ("synchronous", "
 
 
 def write_config(tmp_path: Path, model_dir: Path, preset: str) -> Path:
-    path = bench_stop.write_config(tmp_path, model_dir, preset, sync_timeout=120.0)
+    path = bench_stop.write_config(tmp_path, model_dir, preset, sync_timeout=BACKSTOP)
     config = yaml.safe_load(path.read_text())
-    config["up"].update(stop_timeout=STOP_TIMEOUT, run_timeout=300)
+    config["up"].update(stop_timeout=STOP_TIMEOUT, run_timeout=BACKSTOP)
     config["logging"]["level"] = "info"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
@@ -54,7 +57,7 @@ def write_config(tmp_path: Path, model_dir: Path, preset: str) -> Path:
 def reach(proc: subprocess.Popen, run_dir: Path, record: str, step: int) -> None:
     """Return once the journal's newest record is `record` at `step` or later."""
     wait_for(lambda: proc.poll() is not None or bench_stop.moment_reached(
-        bench_stop.journal_records(run_dir), record, step), 240, f"{record} at step {step}")
+        bench_stop.journal_records(run_dir), record, step), BACKSTOP, f"{record} at step {step}")
     assert proc.poll() is None, f"tandem up ended (code {proc.returncode}) before the moment"
 
 
@@ -96,7 +99,7 @@ def test_the_supervisor_stops_the_trainer_with_the_explorers(tmp_path):
 
     released = tmp_path / "trainer-signalled"
     sup = Supervisor(RunConfig.model_validate(
-        {"run_dir": str(tmp_path), "up": {"stop_timeout": 30, "trainer_stop_timeout": 30},
+        {"run_dir": str(tmp_path), "up": {"stop_timeout": STOP_TIMEOUT, "trainer_stop_timeout": STOP_TIMEOUT},
          "logging": {"level": "warning"}}), live=False)
     # each signs in (NAME.up) once its handler is installed, and on SIGTERM exits 0 when its
     # condition holds: the explorer once the trainer was signalled, the others at once
@@ -119,7 +122,7 @@ def test_the_supervisor_stops_the_trainer_with_the_explorers(tmp_path):
     for child in sup.children:
         child.start()
     for name in (child.name for child in sup.children):  # each has its handler installed
-        wait_for((tmp_path / f"{name}.up").exists, 60, f"{name} to start")
+        wait_for((tmp_path / f"{name}.up").exists, BACKSTOP, f"{name} to start")
     sup.request_stop("SIGTERM")
     sup._stop_all()
     stop, = [s for s in read_trace(tmp_path) if s["kind"] == "stop"]
@@ -146,17 +149,17 @@ def test_sigterm_stop_is_bounded(tmp_path, tiny_model_dir, preset, moment):
             reach(proc, run_dir, "ExplorerStepDone", AT_STEP - 1)
             held = explorer_pid(proc)
             freeze(held)
-            wait_for(lambda: proc.poll() is not None or broadcast_pending(run_dir), 240,
+            wait_for(lambda: proc.poll() is not None or broadcast_pending(run_dir), BACKSTOP,
                      "a broadcast the held explorer cannot take")
         else:
             reach(proc, run_dir, bench_stop.MOMENTS[moment], AT_STEP)
         proc.send_signal(signal.SIGTERM)
         if held is not None:
             # the supervisor signals the explorers, then the trainer: both have theirs now
-            wait_for(lambda: signalled(logs / "trainer.jsonl"), 60, "the trainer's SIGTERM")
+            wait_for(lambda: signalled(logs / "trainer.jsonl"), BACKSTOP, "the trainer's SIGTERM")
             go_on(held)
             held = None
-        out, _ = proc.communicate(timeout=STOP_TIMEOUT + 300)
+        out, _ = proc.communicate(timeout=BACKSTOP)
     finally:
         if held is not None:
             go_on(held)

@@ -29,6 +29,7 @@ import yaml
 import bench_stop
 from processes import freeze
 from tandem.common.trace import JsonlTail
+from backstop import BACKSTOP
 
 BIN = Path(sys.executable).parent
 LIVENESS = 5.0  # the stop bound per peer
@@ -41,7 +42,7 @@ def free_port() -> int:
 
 
 def write_config(tmp_path: Path, model_dir: Path) -> Path:
-    path = bench_stop.write_config(tmp_path, model_dir, "synchronous", sync_timeout=120.0)
+    path = bench_stop.write_config(tmp_path, model_dir, "synchronous", sync_timeout=BACKSTOP)
     config = yaml.safe_load(path.read_text())
     config["sync"]["method"] = "checkpoint"
     config["master"].update(address=f"tcp://127.0.0.1:{free_port()}",
@@ -73,7 +74,7 @@ def test_every_component_signalled_at_once_stops_within_its_bound(tmp_path, tiny
             procs[name] = subprocess.Popen(
                 [str(BIN / exe), "--config", str(config), *extra],
                 stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"{name}.err", "w"))
-        deadline = time.monotonic() + 240  # only bounds a hang
+        deadline = time.monotonic() + BACKSTOP
         while not bench_stop.moment_reached(bench_stop.journal_records(run_dir),
                                             "TasksLeased", 2):
             ended = {n: p.returncode for n, p in procs.items() if p.poll() is not None}
@@ -85,12 +86,12 @@ def test_every_component_signalled_at_once_stops_within_its_bound(tmp_path, tiny
         for proc in procs.values():
             proc.send_signal(signal.SIGTERM)
         for name in ("master", "buffer"):
-            procs[name].wait(60)  # only bounds a hang
+            procs[name].wait(BACKSTOP)
         for pid in frozen:
             subprocess.run(["kill", "-CONT", str(pid)], check=True)
         frozen.clear()
         for name in ("trainer", "explorer-0"):
-            procs[name].wait(120)  # only bounds a hang: before the fix this is where it failed
+            procs[name].wait(BACKSTOP)  # before the fix this is where it failed
     finally:
         for pid in frozen:
             subprocess.run(["kill", "-CONT", str(pid)])

@@ -25,6 +25,7 @@ from tandem.common.sync import SyncPlan
 from tandem.common.trace import read_trace
 from tandem.master.journal import JournalError, read_journal
 from tandem.master.quickstart import reversal_tasks, write_jsonl
+from backstop import BACKSTOP
 
 pytestmark = pytest.mark.slow
 STEPS = 4
@@ -58,7 +59,7 @@ def samples_scored(run_dir: Path) -> int:
     """Samples the explorer's reward functions scored so far, from its live /metrics."""
     try:
         url = (run_dir / "metrics" / "explorer-0.url").read_text().strip()
-        with urllib.request.urlopen(url, timeout=10) as reply:
+        with urllib.request.urlopen(url, timeout=BACKSTOP) as reply:
             text = reply.read().decode()
     except OSError:
         return 0
@@ -83,7 +84,7 @@ def test_the_next_step_rolls_out_while_this_one_drains(tmp_path, tiny_model_dir)
         "name": "ahead", "run_dir": str(run_dir), "model": {"path": str(tiny_model_dir)},
         # staleness 4 or more over 4 steps: the master never holds a grant back for the
         # trainer; auto widens it from 4 after each step's report while mismatch/kl < 5e8
-        "sync": {"preset": "fully_async", "timeout": 60, "max_staleness": "auto",
+        "sync": {"preset": "fully_async", "timeout": BACKSTOP, "max_staleness": "auto",
                  "auto": {"min": 4, "max": 6, "patience": 1, "target": {"below": 1.0e9}}},
         "master": {"total_steps": STEPS, "taskset": {"path": str(taskset), "epochs": 10}},
         # one task per engine batch: a step is six batches one after the other
@@ -94,29 +95,29 @@ def test_the_next_step_rolls_out_while_this_one_drains(tmp_path, tiny_model_dir)
         "trainer": {"groups_per_step": 6, "lr": 1e-3},
         "reward": {"functions": {"k12": 1.0}},
         # a buffer held frozen is not a dead one: its clients wait for it
-        "transport": {"liveness": 300.0, "rpc_timeout": 300.0},
+        "transport": {"liveness": BACKSTOP, "rpc_timeout": BACKSTOP},
         "logging": {"level": "warning"},
-        "up": {"run_timeout": 300, "timeline": False},
+        "up": {"run_timeout": BACKSTOP, "timeline": False},
     }))
     proc = subprocess.Popen([TANDEM, "up", str(config), "--plain"], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     buffer = None
     try:
-        buffer = wait_for(lambda: child_pid(proc.pid, "buffer"), 60, "buffer process")
+        buffer = wait_for(lambda: child_pid(proc.pid, "buffer"), BACKSTOP, "buffer process")
         freeze(buffer)
         # step 0 is 12 samples: one more scored is step 1 generating while step 0 drains
-        wait_for(lambda: samples_scored(run_dir) > 12, 150, "sample of step 1 scored")
+        wait_for(lambda: samples_scored(run_dir) > 12, BACKSTOP, "sample of step 1 scored")
         records = journal(run_dir)
         os.kill(buffer, signal.SIGCONT)
         buffer = None
-        out, _ = proc.communicate(timeout=600)  # only against a hang
+        out, _ = proc.communicate(timeout=BACKSTOP)  # only against a hang
     finally:
         if buffer is not None:
             os.kill(buffer, signal.SIGCONT)
         if proc.poll() is None:  # a failed wait: `tandem up` stops what it started
             proc.send_signal(signal.SIGTERM)
             try:
-                proc.communicate(timeout=120)
+                proc.communicate(timeout=BACKSTOP)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.communicate()

@@ -19,6 +19,7 @@ from tandem.common.config.placement import resolve_placement
 from tandem.common.trace import read_trace
 from tandem.master.quickstart import reversal_tasks, write_jsonl
 from tandem.master.up import run_up
+from backstop import BACKSTOP
 
 pytestmark = pytest.mark.slow
 STEPS = 3
@@ -30,7 +31,7 @@ CORRECTIONS = [{"name": "truncated_is", "cap": 2.0}, {"name": "masked_is", "lo":
 def config(tmp_path: Path, model_dir: Path, preset: str) -> RunConfig:
     train, _ = reversal_tasks(0)
     taskset = write_jsonl(train[:64], tmp_path / "train.jsonl")
-    sync = {"preset": preset, "timeout": 60}
+    sync = {"preset": preset, "timeout": BACKSTOP}
     if preset == "fully_async":
         sync["max_staleness"] = 0
     return RunConfig.model_validate({
@@ -55,9 +56,9 @@ def config(tmp_path: Path, model_dir: Path, preset: str) -> RunConfig:
         # alternate and one when they overlap, and another thread count sums the float32
         # reductions in another order (the runs then differed by up to 1.1e-6 at step 1)
         "placement": {"trainer": {"threads": 1}, "explorers": {"threads": 1}},
-        "transport": {"liveness": 30.0},
+        "transport": {"liveness": BACKSTOP},
         "logging": {"level": "warning"},
-        "up": {"run_timeout": 150},
+        "up": {"run_timeout": BACKSTOP},
     })
 
 

@@ -18,6 +18,7 @@ from processes import freeze, wait_for
 from tandem.common.messages import ExplorerStepDone, TrainerStepDone
 from tandem.master.journal import JournalError, read_journal
 from tandem.master.quickstart import reversal_tasks, write_jsonl
+from backstop import BACKSTOP
 
 pytestmark = pytest.mark.slow
 TANDEM = str(Path(sys.executable).parent / "tandem")
@@ -27,7 +28,7 @@ def write_config(tmp_path: Path, model_dir: Path, steps: int, **up) -> Path:
     train, _ = reversal_tasks(0)
     config = {
         "run_dir": str(tmp_path / "run"), "model": {"path": str(model_dir)},
-        "sync": {"preset": "fully_async", "timeout": 60},
+        "sync": {"preset": "fully_async", "timeout": BACKSTOP},
         "master": {"total_steps": steps, "taskset": {"path": str(
             write_jsonl(train[:64], tmp_path / "train.jsonl")), "epochs": 100}},
         "explorers": [{"name": "explorer-0", "batch_size": 2, "repeat_times": 2,
@@ -37,7 +38,7 @@ def write_config(tmp_path: Path, model_dir: Path, steps: int, **up) -> Path:
         "reward": {"functions": {"k12": 1.0}},
         "transport": {"liveness": 60.0},  # a component a test holds frozen is not dead
         "logging": {"level": "warning"},
-        "up": {"run_timeout": 120, "timeline": False, **up},
+        "up": {"run_timeout": BACKSTOP, "timeline": False, **up},
     }
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -113,10 +114,10 @@ def test_dead_component_is_reported_with_its_log_and_fails_the_run(tmp_path, tin
     run_dir = tmp_path / "run"
     with tandem_up(cfg) as proc:
         # any moment of a run of 10000 steps: the run needs its explorer
-        wait_for(lambda: counted_steps(run_dir) >= 1, 90, "a trained step")
-        os.kill(wait_for(lambda: component_pid(run_dir, "explorer"), 5, "the explorer"),
+        wait_for(lambda: counted_steps(run_dir) >= 1, BACKSTOP, "a trained step")
+        os.kill(wait_for(lambda: component_pid(run_dir, "explorer"), BACKSTOP, "the explorer"),
                 signal.SIGKILL)
-        out, _ = proc.communicate(timeout=600)  # only against a hang, as above
+        out, _ = proc.communicate(timeout=BACKSTOP)  # only against a hang, as above
         assert proc.returncode == 1
         assert "explorer-0 exited with code -9" in out and "last lines of" in out
         assert "up.kill" not in out, out[-3000:]
@@ -133,25 +134,25 @@ def test_restart_on_failure_brings_a_killed_explorer_back_and_the_run_finishes(
         # fast the machine: with the explorer frozen the trainer can train only the batches
         # that exist, and with the trainer frozen the explorer runs at most max_staleness
         # batches past the newest weights.
-        explorer = wait_for(lambda: component_pid(run_dir, "explorer"), 90, "the explorer")
+        explorer = wait_for(lambda: component_pid(run_dir, "explorer"), BACKSTOP, "the explorer")
         freeze(explorer)  # still starting up
-        trainer = wait_for(lambda: component_pid(run_dir, "trainer"), 90, "the trainer")
+        trainer = wait_for(lambda: component_pid(run_dir, "trainer"), BACKSTOP, "the trainer")
         freeze(trainer)
         try:
             os.kill(explorer, signal.SIGCONT)
-            wait_for(lambda: reported_batches(run_dir) >= 1, 90, "a rolled-out batch")
+            wait_for(lambda: reported_batches(run_dir) >= 1, BACKSTOP, "a rolled-out batch")
             freeze(explorer)
             os.kill(trainer, signal.SIGCONT)
-            wait_for(lambda: counted_steps(run_dir) >= 1, 90, "a trained step")
+            wait_for(lambda: counted_steps(run_dir) >= 1, BACKSTOP, "a trained step")
             freeze(trainer)
             # the trainer stands still with only the batches that exist: the run is not over
             assert counted_steps(run_dir) < steps - 1
             os.kill(explorer, signal.SIGKILL)
-            wait_for(lambda: component_pid(run_dir, "explorer") not in (None, explorer), 60,
+            wait_for(lambda: component_pid(run_dir, "explorer") not in (None, explorer), BACKSTOP,
                      "`tandem up` to start the explorer again")
         finally:
             os.kill(trainer, signal.SIGCONT)
-        out, _ = proc.communicate(timeout=600)  # only against a hang, as above
+        out, _ = proc.communicate(timeout=BACKSTOP)  # only against a hang, as above
         assert "restarting explorer-0 (1/3)" in out
         assert proc.returncode == 0, out[-3000:]
         assert trained_steps(run_dir) == steps

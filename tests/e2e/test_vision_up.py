@@ -29,6 +29,7 @@ from tandem.buffer.rows import from_row
 from tandem.common.images import image_hash, load_image
 from tandem.common.trace import read_trace
 from tandem.master.vision_task import colour_tasks
+from backstop import BACKSTOP
 
 pytestmark = pytest.mark.slow
 TANDEM = str(Path(sys.executable).parent / "tandem")
@@ -71,7 +72,7 @@ def write_config(tmp_path: Path, model_dir: Path) -> tuple[Path, list[dict]]:
     config = {
         "name": "vision-e2e", "run_dir": str(tmp_path / "run"), "seed": 0,
         "model": {"path": str(model_dir)},
-        "sync": {"preset": "synchronous", "timeout": 60},
+        "sync": {"preset": "synchronous", "timeout": BACKSTOP},
         "master": {"total_steps": STEPS,
                    "taskset": {"path": str(taskset), "shuffle": False, "epochs": 10}},
         "explorers": [{"name": "explorer-0", "batch_size": GROUPS, "repeat_times": REPEAT,
@@ -82,7 +83,7 @@ def write_config(tmp_path: Path, model_dir: Path) -> tuple[Path, list[dict]]:
                     "loss": "ppo_clip"},
         "reward": {"functions": {"k12": 1.0}},
         "buffer": {"keep_consumed": 1000},  # the experiences stay for the checks below
-        "transport": {"liveness": 30.0},
+        "transport": {"liveness": BACKSTOP},
         "logging": {"level": "warning"},
         "up": {"run_timeout": 1200, "timeline": False},
     }

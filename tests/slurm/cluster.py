@@ -14,6 +14,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from backstop import BACKSTOP
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 TOOLS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "squeue")
@@ -33,7 +34,7 @@ def free_port() -> int:
 
 def node_resources() -> tuple[int, int]:
     """This machine's CPUs and memory in MiB, as slurmd itself reads them (`slurmd -C`)."""
-    text = subprocess.run([_tool("slurmd"), "-C"], capture_output=True, text=True, timeout=30,
+    text = subprocess.run([_tool("slurmd"), "-C"], capture_output=True, text=True, timeout=BACKSTOP,
                           check=True).stdout
     cpus = int(re.search(r"\bCPUs=(\d+)", text).group(1))
     memory = int(re.search(r"\bRealMemory=(\d+)", text).group(1))
@@ -62,12 +63,12 @@ class SlurmCluster:
         """The environment a Slurm client (sbatch, scontrol) needs to reach this cluster."""
         return {**os.environ, "SLURM_CONF": str(self.conf)}
 
-    def start(self, timeout: float = 60.0) -> None:
+    def start(self, timeout: float = BACKSTOP) -> None:
         for folder in ("munge", "state", "spool", "logs"):
             (self.root / folder).mkdir(mode=0o700, parents=True, exist_ok=True)
         key = self.root / "munge" / "munge.key"
         subprocess.run([_tool("mungekey"), "--create", f"--keyfile={key}"], check=True,
-                       capture_output=True, timeout=30)
+                       capture_output=True, timeout=BACKSTOP)
         key.chmod(0o400)
         # --force: munged refuses a socket folder below /tmp (world-writable) otherwise
         self._spawn("munged", [_tool("munged"), "--foreground", "--force",
@@ -138,7 +139,7 @@ class SlurmCluster:
 
     def scontrol(self, *args: str, check: bool = True) -> str:
         done = subprocess.run([_tool("scontrol"), *args], capture_output=True, text=True,
-                              env=self.env, timeout=30)
+                              env=self.env, timeout=BACKSTOP)
         if check and done.returncode != 0:
             raise RuntimeError(f"scontrol {' '.join(args)}: {done.stderr.strip()}")
         return done.stdout
@@ -146,21 +147,21 @@ class SlurmCluster:
     def sbatch(self, script: Path, cwd: Path, output: Path) -> int:
         """Submit `script` from `cwd`, its output to `output` (`%j`: the job id); the job id."""
         done = subprocess.run([_tool("sbatch"), "--parsable", f"--output={output}", str(script)],
-                              capture_output=True, text=True, env=self.env, cwd=cwd, timeout=30)
+                              capture_output=True, text=True, env=self.env, cwd=cwd, timeout=BACKSTOP)
         if done.returncode != 0:
             raise RuntimeError(f"sbatch {script}: {done.stderr.strip()}")
         return int(done.stdout.strip().split(";")[0])
 
     def scancel(self, job: int, *options: str) -> None:
         subprocess.run([_tool("scancel"), *options, str(job)], check=True, capture_output=True,
-                       env=self.env, timeout=30)
+                       env=self.env, timeout=BACKSTOP)
 
     def job(self, job: int) -> dict[str, str]:
         """`scontrol show job` as a dict (JobState, ExitCode, ...); {} once Slurm forgot it."""
         text = self.scontrol("show", "job", "--oneliner", str(job), check=False)
         return dict(item.split("=", 1) for item in text.split() if "=" in item)
 
-    def wait_job(self, job: int, timeout: float) -> dict[str, str]:
+    def wait_job(self, job: int, timeout: float = BACKSTOP) -> dict[str, str]:
         """The job's record once it ended (its state is no longer PENDING, RUNNING, ...)."""
         record: dict[str, str] = {}
 
@@ -186,7 +187,7 @@ class SlurmCluster:
         """Cancel every job, then SIGTERM each daemon (slurmd first), SIGKILL after 20 s."""
         if "slurmctld" in self.daemons and self.daemons["slurmctld"].poll() is None:
             subprocess.run([_tool("scancel"), "--full", "--user=root"], capture_output=True,
-                           env=self.env, timeout=30)
+                           env=self.env, timeout=BACKSTOP)
         for name in reversed(DAEMONS):
             proc = self.daemons.pop(name, None)
             if proc is None:

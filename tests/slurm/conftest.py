@@ -52,4 +52,4 @@ def jobs(slurm_cluster):
     for job in submitted:
         if slurm_cluster.job(job).get("JobState") in slurm_cluster.ACTIVE:
             slurm_cluster.scancel(job)
-            slurm_cluster.wait_job(job, timeout=120)
+            slurm_cluster.wait_job(job)

@@ -19,6 +19,7 @@ import resume_check
 from cluster import SlurmCluster, free_port
 from processes import descendants, freeze, thread_states
 from tandem.common.trace import JsonlTail
+from backstop import BACKSTOP
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(900)]
 TANDEM = str(Path(sys.executable).parent / "tandem")
@@ -35,6 +36,7 @@ def render(tmp_path: Path, model_dir: Path, steps: int) -> tuple[Path, Path]:
             "explorers.0.batch_size=2", "explorers.0.repeat_times=2",
             f"trainer.groups_per_step={GROUPS_PER_STEP}", "logging.level=info",
             "transport.liveness=300",  # a component the test holds still is not a dead one
+            f"sync.timeout={BACKSTOP:g}",  # nor is one waiting for it stuck
             f"master.address=tcp://localhost:{free_port()}",
             f"master.publish_address=tcp://localhost:{free_port()}",
             f"buffer.address=tcp://localhost:{free_port()}",
@@ -43,7 +45,7 @@ def render(tmp_path: Path, model_dir: Path, steps: int) -> tuple[Path, Path]:
         [TANDEM, "deploy", "slurm", "examples/fully_async.yaml", "--single-node",
          "--run-dir", str(run_dir), "-o", str(script), "--time", "00:20:00",
          *[arg for s in sets for arg in ("--set", s)]],
-        cwd=REPO, capture_output=True, text=True, timeout=120)
+        cwd=REPO, capture_output=True, text=True, timeout=BACKSTOP)
     assert done.returncode == 0, done.stderr
     return script, run_dir
 
@@ -96,7 +98,7 @@ def test_rendered_example_runs_to_its_end(slurm_cluster, jobs, tiny_model_dir, t
     steps = 4
     script, run_dir = render(tmp_path, tiny_model_dir, steps)
     job = submit(slurm_cluster, script, tmp_path, jobs)
-    record = slurm_cluster.wait_job(job, timeout=600)
+    record = slurm_cluster.wait_job(job)
     out = job_output(tmp_path, job)
     assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", (record, out)
     report = resume_check.account(run_dir, groups_per_step=GROUPS_PER_STEP)
@@ -129,30 +131,30 @@ def stopped_at_step_two(cluster: SlurmCluster, jobs: list[int], model_dir: Path,
     job = submit(cluster, script, tmp_path, jobs)
     held: set[int] = set()
     try:
-        explorer = wait_for(lambda: component("explorer"), 300, "the explorer", cluster, job)
+        explorer = wait_for(lambda: component("explorer"), BACKSTOP, "the explorer", cluster, job)
         freeze(explorer)
         held.add(explorer)
-        trainer = wait_for(lambda: component("trainer"), 300, "the trainer", cluster, job)
+        trainer = wait_for(lambda: component("trainer"), BACKSTOP, "the trainer", cluster, job)
         wait_for(lambda: any(e.get("event") == "trainer.started"
                              for e in JsonlTail().new_objects(trainer_log)),
-                 300, "the trainer's start", cluster, job)
+                 BACKSTOP, "the trainer's start", cluster, job)
         freeze(trainer)
         held.add(trainer)
         # bound by Slurm to the CPUs of its step: each may use every CPU of the node
         node_cpus = len(os.sched_getaffinity(0))
         assert [len(os.sched_getaffinity(pid)) for pid in (explorer, trainer)] == [node_cpus] * 2
         os.kill(explorer, signal.SIGCONT)
-        wait_for(lambda: resume_check.batches_done(run_dir) >= 2, 300, "two batches", cluster, job)
+        wait_for(lambda: resume_check.batches_done(run_dir) >= 2, BACKSTOP, "two batches", cluster, job)
         freeze(explorer)
         os.kill(trainer, signal.SIGCONT)
         wait_for(lambda: resume_check.master_steps(run_dir)
-                 == resume_check.batches_done(run_dir), 300,
+                 == resume_check.batches_done(run_dir), BACKSTOP,
                  "the trainer to train every batch", cluster, job)
         freeze(trainer)
         counted = resume_check.master_steps(run_dir)
         stop(job)
         # a plain scancel thaws them itself (SIGCONT, then SIGTERM)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + BACKSTOP
         while not all(sigterm_pending(pid) or not {"t", "T"} & set(thread_states(pid))
                       for pid in held):
             assert time.monotonic() < deadline, "SIGTERM did not reach the held components"
@@ -163,14 +165,14 @@ def stopped_at_step_two(cluster: SlurmCluster, jobs: list[int], model_dir: Path,
                 os.kill(pid, signal.SIGCONT)
             except ProcessLookupError:
                 pass
-    return script, run_dir, counted, cluster.wait_job(job, timeout=120)
+    return script, run_dir, counted, cluster.wait_job(job)
 
 
 def resumed_to_the_end(cluster: SlurmCluster, jobs: list[int], script: Path, run_dir: Path,
                        tmp_path: Path) -> None:
     """The same script submitted again completes the run with every step trained once."""
     again = submit(cluster, script, tmp_path, jobs)
-    record = cluster.wait_job(again, timeout=600)
+    record = cluster.wait_job(again)
     out = job_output(tmp_path, again)
     assert record["JobState"] == "COMPLETED" and record["ExitCode"] == "0:0", (record, out)
     report = {"total_steps": STEPS, "exit_code": 0,

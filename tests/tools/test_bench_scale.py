@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from backstop import BACKSTOP
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -17,7 +18,7 @@ def test_quick_simulation_trains_every_step_and_group_once_and_the_journal_repla
     out = tmp_path / "scale.json"
     run = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_scale.py"), "--quick",
                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
+                         timeout=BACKSTOP)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["quick"] and report["accounting_failures"] == []

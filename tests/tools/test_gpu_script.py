@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from backstop import BACKSTOP
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tools" / "gpu" / "run.sh"
@@ -19,7 +20,7 @@ BIN = Path(sys.executable).parent
 
 def commands(*flags: str) -> list[list[str]]:
     out = subprocess.run([str(SCRIPT), "--list", *flags], cwd=ROOT, capture_output=True,
-                         text=True, timeout=30)
+                         text=True, timeout=BACKSTOP)
     assert out.returncode == 0, out.stderr
     return [shlex.split(line) for line in out.stdout.splitlines()]
 
@@ -48,7 +49,7 @@ def test_every_command_of_the_gpu_run_and_the_dry_run_names_flags_its_tool_has()
                                     stderr=subprocess.STDOUT, text=True)
              for tool in wanted if tool[1:2] != ("-m",)}
     for tool, proc in helps.items():
-        text, _ = proc.communicate(timeout=60)
+        text, _ = proc.communicate(timeout=BACKSTOP)
         assert proc.returncode == 0, (tool, text)
         for flag in wanted[tool]:
             assert re.search(rf"{re.escape(flag)}\b", text), f"{' '.join(tool)}: no {flag}"
@@ -61,7 +62,7 @@ def test_unknown_check_or_option_is_one_line_and_exit_2():
     for arg, words in (("bench-nothing", "unknown check bench-nothing"),
                        ("--fast", "unknown option --fast")):
         out = subprocess.run([str(SCRIPT), arg], cwd=ROOT, capture_output=True, text=True,
-                             timeout=30)
+                             timeout=BACKSTOP)
         assert out.returncode == 2 and words in out.stderr and len(out.stderr.splitlines()) == 1
 
 
