@@ -5,17 +5,20 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from backstop import BACKSTOP
 
 from tandem.common.config.reward import CodeSandboxConfig, RewardConfig
 
 
 @pytest.fixture
 def reward_config() -> RewardConfig:
-    """Short limits, so adversarial programs end quickly."""
+    """Small memory, process, file and output limits, so adversarial programs end quickly; time
+    limits no honest program comes near (a run's wall clock includes its sandbox and interpreter
+    starting, seconds on a loaded machine). A test of a time limit sets that one short."""
     return RewardConfig(
-        functions={"code": 1.0}, workers=2, timeout=8.0,
-        code=CodeSandboxConfig(cpu_seconds=1, wall_seconds=2, memory_mb=256, nproc=16,
-                               file_size_mb=1, max_output_bytes=64 * 1024))
+        functions={"code": 1.0}, workers=2, timeout=BACKSTOP, request_timeout=BACKSTOP,
+        code=CodeSandboxConfig(cpu_seconds=BACKSTOP, wall_seconds=BACKSTOP, memory_mb=256,
+                               nproc=16, file_size_mb=1, max_output_bytes=64 * 1024))
 
 
 @pytest.fixture

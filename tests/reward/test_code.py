@@ -1,5 +1,5 @@
 """code: real programs graded by tests, and adversarial ones that must end with score 0, a
-reason, within their limits, and nothing left running."""
+reason naming the limit that ended them, and nothing left running."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import asyncio
 import contextlib
 import os
 import socket
-import time
 
 import pytest
+from backstop import BACKSTOP
 
 from tandem.common.messages.reward import ScoreItem
 from tandem.reward.functions.code_tests import CodeReward, extract_program, parse_tests, same_output
@@ -30,16 +30,21 @@ async def running(reward_config, processes_mentioning):
     assert processes_mentioning(base) == [], "a sandboxed process outlived its run"
 
 
+def with_limits(config, **limits):
+    """`config` with these `code` limits (the one a test is about, set short)."""
+    return config.model_copy(update={"code": config.code.model_copy(update=limits)})
+
+
 @pytest.fixture
 def score_code(reward_config, processes_mentioning):
-    """`await score_code(response, truth, **args)` -> (Score, seconds), checking for leftovers."""
+    """`await score_code(response, truth, limits={...}, **args)` -> Score, checking for
+    leftovers; `limits` sets fields of `code`."""
 
-    async def run(response, truth, **args):
-        async with running(reward_config, processes_mentioning) as reward:
-            start = time.monotonic()
-            item = ScoreItem(fn="code", response=response, truth=truth, args=args)
-            score = await reward.score(item)
-            return score, time.monotonic() - start
+    async def run(response, truth, limits=None, **args):
+        config = with_limits(reward_config, **(limits or {}))
+        async with running(config, processes_mentioning) as reward:
+            return await reward.score(ScoreItem(fn="code", response=response, truth=truth,
+                                                args=args))
 
     return run
 
@@ -67,52 +72,51 @@ PASSING = [
 
 @pytest.mark.parametrize("response,truth,score,reason", PASSING)
 async def test_code_table(score_code, response, truth, score, reason):
-    got, _ = await score_code(response, truth)
+    got = await score_code(response, truth)
     assert got.score == pytest.approx(score), got.reason
     assert reason in got.reason
     assert got.components["total"] == len(parse_tests(truth)[1])
 
 
 async def test_token_comparison_is_an_option(score_code):
-    got, _ = await score_code("print('1  2\\n3')",
-                          {"tests": [{"input": "", "output": "1 2 3"}]}, compare="tokens")
+    got = await score_code("print('1  2\\n3')",
+                           {"tests": [{"input": "", "output": "1 2 3"}]}, compare="tokens")
     assert got.score == 1.0
 
 
 ADVERSARIAL = [
-    # (name, program, reason fragment that must appear)
-    ("infinite loop", "while True:\n    pass", ("cpu", "timeout")),
-    ("sleeps forever", "import time\ntime.sleep(3600)", ("timeout",)),
-    ("fork bomb", "import os\nwhile True:\n    os.fork()", ("runtime_error",)),
-    ("allocates 10 GB", "x = bytearray(10 * 2**30)\nprint(len(x))", ("memory",)),
+    # (name, program, reason fragments one of which must appear, the time limit set short)
+    ("infinite loop", "while True:\n    pass", ("cpu", "timeout"), {"cpu_seconds": 1}),
+    ("sleeps forever", "import time\ntime.sleep(3600)", ("timeout",), {"wall_seconds": 2}),
+    ("fork bomb", "import os\nwhile True:\n    os.fork()", ("runtime_error",), {}),
+    ("allocates 10 GB", "x = bytearray(10 * 2**30)\nprint(len(x))", ("memory",), {}),
     ("writes a huge file",
      "with open('big', 'wb') as f:\n    while True:\n        f.write(b'0' * 2**20)",
-     ("file_size",)),
-    ("floods stdout", "while True:\n    print('x' * 4096)", ("output_limit",)),
-    ("exits before the asserts", "import sys\nsys.exit(0)", ("not_reached",)),
-    ("os._exit before the asserts", "import os\nos._exit(0)", ("not_reached",)),
+     ("file_size",), {}),
+    ("floods stdout", "while True:\n    print('x' * 4096)", ("output_limit",), {}),
+    ("exits before the asserts", "import sys\nsys.exit(0)", ("not_reached",), {}),
+    ("os._exit before the asserts", "import os\nos._exit(0)", ("not_reached",), {}),
     ("escapes its process group",
      "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(3600)\n"
-     "def solve(x):\n    return x", ("AssertionError",)),
+     "def solve(x):\n    return x", ("AssertionError",), {}),
 ]
 
 
-@pytest.mark.parametrize("name,program,reasons", ADVERSARIAL, ids=[a[0] for a in ADVERSARIAL])
-async def test_adversarial_programs_score_zero_within_limits(reward_config, score_code, name,
-                                                             program, reasons):
-    limits = reward_config.code
+@pytest.mark.parametrize("name,program,reasons,limits", ADVERSARIAL,
+                         ids=[a[0] for a in ADVERSARIAL])
+async def test_adversarial_programs_score_zero_within_limits(score_code, name, program, reasons,
+                                                             limits):
     truth = {"asserts": ["assert solve(1) == 2"]} if "assert" in name or "escapes" in name \
         else {"tests": [{"input": "1", "output": "2"}]}
-    got, seconds = await score_code(program, truth)
+    got = await score_code(program, truth, limits)
     assert got.score == 0.0
     assert any(r in got.reason for r in reasons), got.reason
-    assert seconds < limits.wall_seconds + 2.0, f"{name} took {seconds:.1f}s"
 
 
 async def test_environment_is_scrubbed(score_code, monkeypatch):
     monkeypatch.setenv("TANDEM_SECRET_TOKEN", "hunter2")
     program = "import os\nprint(os.environ.get('TANDEM_SECRET_TOKEN', 'missing'))"
-    got, _ = await score_code(program, {"tests": [{"input": "", "output": "hunter2"}]})
+    got = await score_code(program, {"tests": [{"input": "", "output": "hunter2"}]})
     assert got.score == 0.0 and "wrong_answer" in got.reason
 
 
@@ -123,7 +127,7 @@ async def test_cannot_reach_a_port_on_loopback(reward_config, processes_mentioni
             listener.listen(1)
             port = listener.getsockname()[1]
             program = ("import socket\n"
-                       f"s = socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+                       f"s = socket.create_connection(('127.0.0.1', {port}), timeout={BACKSTOP})\n"
                        "print('connected')")
             truth = {"tests": [{"input": "", "output": "connected"}]}
             got = await code.score(ScoreItem(response=program, truth=truth))
@@ -141,7 +145,7 @@ async def test_working_directory_is_empty_and_private(reward_config, processes_m
 
 
 async def test_runs_after_a_timeout_are_skipped(reward_config, processes_mentioning):
-    async with running(reward_config, processes_mentioning) as code:
+    async with running(with_limits(reward_config, wall_seconds=2), processes_mentioning) as code:
         tests = {"tests": [{"input": "", "output": "x"}] * 4}
         got = await code.score(ScoreItem(response="while True: pass", truth=tests))
         assert got.score == 0.0 and got.components["total"] == 4
@@ -185,7 +189,7 @@ async def test_a_cancel_while_the_process_starts_still_kills_it(reward_config,
         sleeper = ScoreItem(response="import time\ntime.sleep(3600)",
                             truth={"tests": [{"input": "", "output": ""}]})
         task = asyncio.create_task(code.score(sleeper))
-        await asyncio.wait_for(spawned.wait(), 60)
+        await asyncio.wait_for(spawned.wait(), BACKSTOP)
         task.cancel()
         release.set()
         with pytest.raises(asyncio.CancelledError):

@@ -1,10 +1,12 @@
 """One hostile response never stalls the reward service: under concurrent clients, a batch
 holding a response that never finishes and responses built to make parsers quadratic is
-answered on time, its ordinary items scored right, and the other clients' requests too."""
+answered, its ordinary items scored right, and the other clients' requests too."""
 
 from __future__ import annotations
 
 import asyncio
+
+from backstop import BACKSTOP
 
 from tandem.common.config import RunConfig
 from tandem.common.config.reward import RewardConfig
@@ -32,20 +34,21 @@ NEVER = ScoreItem(fn="math", response="\\boxed{9^{9^{9^{9}}}}", truth="1")
 
 
 async def test_hostile_batch_and_concurrent_clients_are_answered_on_time(zmq_sockets_closed):
-    config = RunConfig(reward=RewardConfig(functions={"k12": 1.0}, workers=2, timeout=1.0,
-                                           request_timeout=10.0))
+    # reward.timeout ends the item that never finishes; the ordinary items it bounds too are
+    # a few milliseconds of CPU each in an already started worker
+    config = RunConfig(reward=RewardConfig(functions={"k12": 1.0}, workers=2, timeout=1.0))
     service = RewardService(config, address="tcp://127.0.0.1:0")
     address = await service.start()
     try:
         items = [NEVER, *HOSTILE, *(item for item, _ in ORDINARY)]
 
         async def hostile_client():
-            async with RemoteScorer(address, timeout=6.0) as remote:
+            async with RemoteScorer(address, timeout=BACKSTOP) as remote:
                 return await remote.score(items)
 
         async def ordinary_client(n: int):
-            # a PeerDead here means the service did not answer within 4 s
-            async with RemoteScorer(address, timeout=4.0, name=f"client-{n}") as remote:
+            # a PeerDead here means the service stalled: it did not answer at all
+            async with RemoteScorer(address, timeout=BACKSTOP, name=f"client-{n}") as remote:
                 got = []
                 for _ in range(3):
                     got.append(await remote.score([item for item, _ in ORDINARY]))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from backstop import BACKSTOP
 from processes import cpu_seconds
 
 from tandem.common.config.reward import RewardConfig
@@ -77,10 +78,8 @@ async def test_pathological_parse_is_killed_and_the_pool_recovers():
     async with LocalScorer(config=config) as scorer:
         await scorer.start()
         evil = "\\boxed{" + "(" * 3000 + "}"
-        start = time.monotonic()
         [slow] = await scorer.score([ScoreItem(response=evil, truth="1")])
         assert slow.score == 0.0 and slow.reason == "timeout"
-        assert time.monotonic() - start < 5.0
         assert scorer.stats["math"]["timeouts"] == 1
         # the killed worker is replaced: the next item is scored normally
         [good] = await scorer.score([ScoreItem(response="\\boxed{1}", truth="1")])
@@ -92,13 +91,18 @@ async def test_a_worker_that_dies_mid_evaluation_is_an_error_and_is_replaced():
     import os
     import signal
 
-    config = RewardConfig(functions={"math": 1.0}, workers=1, timeout=30.0)
+    config = RewardConfig(functions={"math": 1.0}, workers=1, timeout=BACKSTOP,
+                          request_timeout=BACKSTOP)
     async with LocalScorer(config=config) as scorer:
         await scorer.start()
         [worker] = list(scorer._pool._all)
         evil = ScoreItem(response="\\boxed{" + "(" * 3000 + "}", truth="1")
+        idle = cpu_seconds(worker.proc.pid)
         pending = asyncio.create_task(scorer.score([evil]))
-        await asyncio.sleep(0.3)
+        deadline = time.monotonic() + BACKSTOP
+        while cpu_seconds(worker.proc.pid) < idle + 0.05:  # it is parsing: mid-evaluation
+            assert time.monotonic() < deadline and not pending.done()
+            await asyncio.sleep(0.01)
         os.kill(worker.proc.pid, signal.SIGKILL)
         [died] = await pending
         # killed by us (-9), or first by the parse itself: either way an error, then replaced
@@ -112,11 +116,10 @@ async def test_a_pool_that_cannot_start_fails_every_item_quickly(monkeypatch):
     from tandem.reward import pool
 
     monkeypatch.setattr(pool, "STARTUP_TIMEOUT", 0.01)  # no worker can import that fast
-    config = RewardConfig(functions={"math": 1.0}, workers=2, timeout=5.0)
+    config = RewardConfig(functions={"math": 1.0}, workers=2, timeout=BACKSTOP,
+                          request_timeout=BACKSTOP)
     async with LocalScorer(config=config) as scorer:
-        start = time.monotonic()
         scores = await scorer.score([ScoreItem(response="\\boxed{1}", truth="1")] * 3)
-        assert time.monotonic() - start < 5.0
     assert all(s.score == 0.0 and "did not start within" in s.reason for s in scores), scores
     assert scorer.stats["math"]["errors"] == 3
 
@@ -126,7 +129,8 @@ async def test_a_fresh_workers_first_item_pays_no_warm_up_inside_its_time_limit(
     a second on a loaded one): a worker does that before it says ready, so the first item a
     fresh (or replacement) worker scores costs what every later one costs. Measured in the
     worker's own CPU seconds, which another load on the machine does not stretch."""
-    config = RewardConfig(functions={"math": 1.0}, workers=1, timeout=30.0)
+    config = RewardConfig(functions={"math": 1.0}, workers=1, timeout=BACKSTOP,
+                          request_timeout=BACKSTOP)
     async with LocalScorer(config=config) as scorer:
         await scorer.start()
         [worker] = list(scorer._pool._all)

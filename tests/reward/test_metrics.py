@@ -6,6 +6,7 @@ import asyncio
 import urllib.request
 
 import pytest
+from backstop import BACKSTOP
 
 from tandem.common.config import RunConfig
 from tandem.common.errors import RequestFailed
@@ -24,12 +25,12 @@ async def test_reward_service_serves_its_metrics(tmp_path, zmq_sockets_closed):
     service = RewardService(config, address="tcp://127.0.0.1:0")
     client = RpcClient(await service.start(), peer="reward", transport=config.transport)
     try:
-        await client.call(ScoreBatch(items=[ITEM, ITEM]))
+        await client.call(ScoreBatch(items=[ITEM, ITEM]), timeout=BACKSTOP)
         with pytest.raises(RequestFailed) as refused:
-            await client.call(ScoreBatch(items=[ITEM] * 3))
+            await client.call(ScoreBatch(items=[ITEM] * 3), timeout=BACKSTOP)
         url = (tmp_path / "metrics" / "reward.url").read_text().strip()
         text = await asyncio.to_thread(
-            lambda: urllib.request.urlopen(url, timeout=5).read().decode())
+            lambda: urllib.request.urlopen(url, timeout=BACKSTOP).read().decode())
     finally:
         await client.close()
         await service.close()

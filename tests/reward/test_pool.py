@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 
+from backstop import BACKSTOP
 from processes import cpu_seconds
 
 from tandem.common.config.reward import RewardConfig
@@ -45,7 +46,8 @@ async def test_a_replacement_worker_costs_a_fork_not_the_imports():
 
 
 async def test_a_killed_template_takes_its_workers_and_is_started_again():
-    config = RewardConfig(functions={"math": 1.0}, workers=2, timeout=30.0)
+    config = RewardConfig(functions={"math": 1.0}, workers=2, timeout=BACKSTOP,
+                          request_timeout=BACKSTOP)
     async with LocalScorer(config=config) as scorer:
         await scorer.start()
         pool = scorer._pool
@@ -68,7 +70,8 @@ async def test_a_killed_template_takes_its_workers_and_is_started_again():
 
 
 async def test_closing_the_pool_leaves_no_process():
-    config = RewardConfig(functions={"math": 1.0}, workers=3, timeout=30.0)
+    config = RewardConfig(functions={"math": 1.0}, workers=3, timeout=BACKSTOP,
+                          request_timeout=BACKSTOP)
     async with LocalScorer(config=config) as scorer:
         await scorer.start()
         pool = scorer._pool

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from backstop import BACKSTOP
 
 from tandem.common.config.reward import RewardConfig, RewardModelConfig
 from tandem.common.messages.reward import ScoreItem
@@ -47,7 +48,8 @@ def _reference(path, texts):
 
 async def test_scores_match_a_direct_forward_pass_and_are_batched(tiny_reward_model):
     path = tiny_reward_model
-    config = RewardConfig(functions={"reward_model": 1.0},
+    config = RewardConfig(functions={"reward_model": 1.0}, timeout=BACKSTOP,
+                          request_timeout=BACKSTOP,
                           reward_model=RewardModelConfig(path=str(path), batch_size=4, linger=0.05))
     pairs = [("What is 2+2? ", "4"), ("Say hi. ", "hello there"), ("Q: ", "a much longer answer"),
              ("x", "y"), ("Name a color. ", "blue"), ("1+1=", "2")]
@@ -65,7 +67,7 @@ async def test_scores_match_a_direct_forward_pass_and_are_batched(tiny_reward_mo
 async def test_sigmoid_and_concurrent_callers_share_batches(tiny_reward_model):
     path = tiny_reward_model
     config = RewardConfig(
-        functions={"reward_model": 1.0},
+        functions={"reward_model": 1.0}, timeout=BACKSTOP, request_timeout=BACKSTOP,
         reward_model=RewardModelConfig(path=str(path), batch_size=8, linger=0.05,
                                        normalize="sigmoid"))
     async with LocalScorer(config=config) as scorer:

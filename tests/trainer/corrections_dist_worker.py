@@ -13,12 +13,14 @@ from tandem.common.config import RunConfig
 from tandem.trainer import distributed
 from tandem.trainer.learner import Learner
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
+from backstop import BACKSTOP
 from batch_json import read_batch  # this folder is sys.path[0] under torchrun
 
 model_path, batch_file, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 batch = read_batch(batch_file)
 info = distributed.from_env()
-distributed.init(info, torch.device("cpu"), timeout=60)
+distributed.init(info, torch.device("cpu"), timeout=BACKSTOP)
 trainer = json.loads((out / "trainer.json").read_text())
 config = RunConfig.model_validate({
     "model": {"path": model_path}, "run_dir": str(out / "run"),
@@ -30,4 +32,4 @@ if info.is_main:
     torch.save({k: v.clone() for k, v in weights.items()}, out / "ddp.pt")
     (out / "ddp.json").write_text(json.dumps(metrics))
 learner.release()
-distributed.shutdown()
+distributed.shutdown(BACKSTOP)

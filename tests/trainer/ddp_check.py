@@ -22,7 +22,7 @@ def assert_two_ranks_match_one(model_path: Path, trainer: dict, batch, make_conf
     """Two steps of `batch` under `trainer` by 2 ranks and by one process: every parameter
     within 1e-4 and each of `keys` of both steps' metrics within 1e-4 relative."""
     (tmp_path / "trainer.json").write_text(json.dumps(trainer))
-    torchrun(WORKER, model_path, write_batch(batch, tmp_path), tmp_path, timeout=150)
+    torchrun(WORKER, model_path, write_batch(batch, tmp_path), tmp_path)
     single = Learner(make_config(model_path, **trainer))
     expected = [single.step(batch) for _ in range(2)]
     got = torch.load(tmp_path / "ddp.pt", weights_only=True)

@@ -18,12 +18,14 @@ from tandem.common.config import RunConfig
 from tandem.trainer import distributed
 from tandem.trainer.trainer import Trainer
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
+from backstop import BACKSTOP
 from batch_json import read_batch
 
 model_path, batch_file, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 batch = read_batch(batch_file)
 info = distributed.from_env()
-distributed.init(info, torch.device("cpu"), timeout=60)
+distributed.init(info, torch.device("cpu"), timeout=BACKSTOP)
 for mode in ("ddp", "fsdp", "fsdp-resumed", "ddp-ppo"):
     resume = mode == "fsdp-resumed"
     config = RunConfig.model_validate({
@@ -53,4 +55,4 @@ for mode in ("ddp", "fsdp", "fsdp-resumed", "ddp-ppo"):
     asyncio.run(trainer.close())
     torch.save(weights, out / f"{mode}.pt")
     (out / f"{mode}.json").write_text(json.dumps({"metrics": metrics, "reduces": len(reduces)}))
-distributed.shutdown()
+distributed.shutdown(BACKSTOP)

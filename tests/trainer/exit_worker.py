@@ -19,6 +19,8 @@ from tandem.common.config import RunConfig
 from tandem.trainer import distributed
 from tandem.trainer.trainer import Trainer
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
+from backstop import BACKSTOP
 from batch_json import read_batch
 
 model_path, batch_file, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
@@ -36,7 +38,7 @@ def threads() -> set[str]:
 
 sys.setswitchinterval(30.0)
 before = threads()
-distributed.init(info, torch.device("cpu"), timeout=60)
+distributed.init(info, torch.device("cpu"), timeout=BACKSTOP)
 group_threads = threads() - before  # gloo's workers and its transport loop
 trainer = Trainer(config, dist_info=info)
 if info.is_main:
@@ -44,7 +46,7 @@ if info.is_main:
 else:
     trainer.follow()
 asyncio.run(trainer.close())
-distributed.shutdown()
+distributed.shutdown(BACKSTOP)
 left = len(group_threads & threads())
 (out / f"rank{info.rank}.json").write_text(json.dumps({"group_threads": len(group_threads),
                                                        "left": left}))

@@ -16,6 +16,8 @@ from tandem.common.config import RunConfig
 from tandem.trainer import distributed
 from tandem.trainer.trainer import Trainer
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
+from backstop import BACKSTOP
 from batch_json import read_batch
 
 LORA = {"r": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "up_proj"]}
@@ -23,7 +25,7 @@ LORA = {"r": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "up_proj"]}
 model_path, batch_file, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 batch = read_batch(batch_file)
 info = distributed.from_env()
-distributed.init(info, torch.device("cpu"), timeout=60)
+distributed.init(info, torch.device("cpu"), timeout=BACKSTOP)
 for mode in ("ddp", "fsdp"):
     config = RunConfig.model_validate({
         "model": {"path": model_path, "lora": LORA}, "run_dir": str(out / mode),
@@ -51,4 +53,4 @@ for mode in ("ddp", "fsdp"):
     if info.is_main:
         torch.save(weights, out / f"{mode}.pt")
         (out / f"{mode}.json").write_text(json.dumps({"metrics": metrics}))
-distributed.shutdown()
+distributed.shutdown(BACKSTOP)

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from backstop import BACKSTOP
 from safetensors.torch import load_file
 
 from tandem.trainer.learner import Learner
@@ -19,7 +20,7 @@ WORKER = os.path.join(os.path.dirname(__file__), "dist_worker.py")
 EXIT_WORKER = os.path.join(os.path.dirname(__file__), "exit_worker.py")
 
 
-def torchrun(worker: str, *args, timeout: float) -> str:
+def torchrun(worker: str, *args, timeout: float = BACKSTOP) -> str:
     """Run `worker` on two gloo ranks; kill the whole session and fail when it overruns."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            worker, *map(str, args)]
@@ -38,7 +39,7 @@ def torchrun(worker: str, *args, timeout: float) -> str:
 
 @pytest.mark.slow
 def test_two_ranks_match_one(tiny_model_path, fixed_batch, make_config, tmp_path):
-    torchrun(WORKER, tiny_model_path, write_batch(fixed_batch, tmp_path), tmp_path, timeout=150)
+    torchrun(WORKER, tiny_model_path, write_batch(fixed_batch, tmp_path), tmp_path)
 
     single = Learner(make_config(tiny_model_path, micro_batch_tokens=24,
                                  off_policy={"proximal": True}))
@@ -90,7 +91,7 @@ def test_torchrun_ranks_exit_after_ddp_training_with_the_group_freed_in_shutdown
     """Issue 14 item 8: DDP's reducer used to free the gloo group after `shutdown`, from a
     finaliser, with the GIL held, while a gloo worker waited for the GIL: the rank never exited.
     Now the group goes inside `shutdown`, in order, on every rank."""
-    torchrun(EXIT_WORKER, tiny_model_path, write_batch(fixed_batch, tmp_path), tmp_path, timeout=120)
+    torchrun(EXIT_WORKER, tiny_model_path, write_batch(fixed_batch, tmp_path), tmp_path)
     for rank in (0, 1):
         threads = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert threads["group_threads"] >= 1

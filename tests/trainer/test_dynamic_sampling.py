@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from backstop import BACKSTOP
 
 from tandem.common.config import load_config
 from tandem.common.errors import PeerDead
@@ -48,7 +49,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 async def wait_ready(client: RpcClient, request, log: Path) -> None:
-    deadline = time.monotonic() + 40
+    deadline = time.monotonic() + BACKSTOP
     while True:
         try:
             await client.call(request, timeout=1.0, retries=0)
@@ -71,19 +72,22 @@ async def play_explorer(cfg, tokenizer, batches: list) -> None:
     sub = Subscriber(cfg.master.publish_address, topics=[barrier_topic(name), "stop"],
                      snapshot=snap, resync_interval=0.2)
     await sub.start()
-    await rpc.call(Register(name=name, role="explorer", pid=os.getpid()), timeout=5)
-    heartbeat = Heartbeater(rpc, name=name, role="explorer", interval=0.2, liveness=5.0)
+    await rpc.call(Register(name=name, role="explorer", pid=os.getpid()), timeout=BACKSTOP)
+    heartbeat = Heartbeater(rpc, name=name, role="explorer",
+                            interval=cfg.transport.heartbeat_interval,
+                            liveness=cfg.transport.liveness)
     heartbeat.start()
     done = -1
     try:
         while True:
-            msg = (await sub.recv(60, what="barrier")).body
+            msg = (await sub.recv(BACKSTOP, what="barrier")).body
             if msg.TYPE == "master.stop":
                 return
             if msg.batch <= done:
                 continue
             done = msg.batch
-            lease = await rpc.call(LeaseTasks(explorer=name, count=2, step=msg.step), timeout=5)
+            lease = await rpc.call(LeaseTasks(explorer=name, count=2, step=msg.step),
+                                   timeout=BACKSTOP)
             experiences = []
             for task in lease.tasks:
                 prompt = tokenizer(task.payload["prompt"])["input_ids"]
@@ -96,12 +100,12 @@ async def play_explorer(cfg, tokenizer, batches: list) -> None:
                         action_mask=np.ones(len(response), dtype=np.uint8),
                         logprobs=np.full(len(response), -4.6, dtype=np.float32), reward=reward,
                         policy_version=msg.version, explorer=name))
-            await buffer.call(PutExperiences(experiences=experiences), timeout=5)
+            await buffer.call(PutExperiences(experiences=experiences), timeout=BACKSTOP)
             batches.append((msg.step, msg.batch, [t.id for t in lease.tasks]))
-            await rpc.call(CompleteTasks(lease_id=lease.lease_id), timeout=5)
+            await rpc.call(CompleteTasks(lease_id=lease.lease_id), timeout=BACKSTOP)
             await rpc.call(ExplorerStepDone(
                 explorer=name, step=msg.step, batch=msg.batch, version=msg.version,
-                informative=informative_groups(experiences)), timeout=5)
+                informative=informative_groups(experiences)), timeout=BACKSTOP)
     finally:
         await heartbeat.close()
         await sub.close()
@@ -109,9 +113,9 @@ async def play_explorer(cfg, tokenizer, batches: list) -> None:
             await client.close()
 
 
-SYNCHRONOUS = {"method": "checkpoint", "interval": 1, "offset": 0, "timeout": 60}
+SYNCHRONOUS = {"method": "checkpoint", "interval": 1, "offset": 0, "timeout": BACKSTOP}
 FULLY_ASYNC = {"method": "checkpoint", "interval": 1, "offset": None, "max_staleness": 4,
-               "timeout": 60}
+               "timeout": BACKSTOP}
 
 
 async def scenario(tmp_path, tiny_model_path, tokenizer, sync=SYNCHRONOUS):
@@ -124,15 +128,15 @@ async def scenario(tmp_path, tiny_model_path, tokenizer, sync=SYNCHRONOUS):
         "run_dir": str(run_dir),
         "model": {"path": str(tiny_model_path)},
         "sync": sync,
-        "transport": {"liveness": 5.0, "heartbeat_interval": 0.2},
+        "transport": {"liveness": BACKSTOP, "heartbeat_interval": 0.2},
         "master": {"address": f"tcp://127.0.0.1:{free_port()}",
                    "publish_address": f"tcp://127.0.0.1:{free_port()}",
                    "taskset": {"path": str(tasks), "id_field": "id", "shuffle": False},
-                   "total_steps": 2, "stop_grace": 60},
+                   "total_steps": 2, "stop_grace": BACKSTOP},
         "buffer": {"address": f"tcp://127.0.0.1:{free_port()}"},
         "explorers": [{"name": "explorer-0", "batch_size": 2, "repeat_times": 2}],
         "trainer": {"groups_per_step": 2, "lr": 1e-3, "micro_batch_tokens": 64,
-                    "sample_wait": 1.0, "idle_timeout": 60, "tensorboard": False,
+                    "sample_wait": 1.0, "idle_timeout": BACKSTOP, "tensorboard": False,
                     "dynamic_sampling": True, "max_oversample": 1},
     }))
     cfg = load_config(config_file)
@@ -149,11 +153,11 @@ async def scenario(tmp_path, tiny_model_path, tokenizer, sync=SYNCHRONOUS):
         trainer = Trainer(cfg)
         try:
             await asyncio.wait_for(asyncio.gather(trainer.serve(),
-                                                  play_explorer(cfg, tokenizer, batches)), 90)
+                                                  play_explorer(cfg, tokenizer, batches)), BACKSTOP)
         finally:
             await trainer.close()
-        stats = await probe_b.call(GetBufferStats(), timeout=5)
-        status = await probe_m.call(GetStatus(), timeout=5)
+        stats = await probe_b.call(GetBufferStats(), timeout=BACKSTOP)
+        status = await probe_m.call(GetStatus(), timeout=BACKSTOP)
         return trainer, batches, stats, status, run_dir
     finally:
         for client in (probe_m, probe_b):

@@ -12,17 +12,18 @@ import time
 from pathlib import Path
 
 import pytest
+from backstop import BACKSTOP
 
 BIN = Path(sys.executable).parent
 
-RANK = """
+RANK = f"""
 import os, signal, sys, time
 from pathlib import Path
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # a rank leaves cleanly on the stop
 Path(sys.argv[1], os.environ["RANK"]).write_text("ready")
 if sys.argv[2] == "fail":
     sys.exit(3)
-time.sleep(120)
+time.sleep({BACKSTOP})
 """
 
 
@@ -38,7 +39,7 @@ def launch(tmp_path: Path, launcher: str, mode: str) -> subprocess.Popen:
 
 
 def both_ranks_ready(tmp_path: Path, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 120  # bounds a hang only
+    deadline = time.monotonic() + BACKSTOP
     while len(list((tmp_path / "ready").iterdir())) < 2:
         assert proc.poll() is None, proc.communicate()[0]
         assert time.monotonic() < deadline, "the ranks never started"
@@ -51,11 +52,11 @@ def test_a_sigterm_stop_of_the_ranks_is_exit_0_without_a_traceback(tmp_path, lau
     try:
         both_ranks_ready(tmp_path, proc)
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=90)
+        out, _ = proc.communicate(timeout=BACKSTOP)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+            proc.wait(BACKSTOP)
     if launcher == "torchrun":  # what the launcher is for: torchrun calls this stop a crash
         assert proc.returncode == 1 and "SignalException" in out, out
         return
@@ -65,5 +66,5 @@ def test_a_sigterm_stop_of_the_ranks_is_exit_0_without_a_traceback(tmp_path, lau
 
 def test_a_failing_rank_is_still_a_failure(tmp_path):
     proc = launch(tmp_path, "tandem-torchrun", "fail")
-    out, _ = proc.communicate(timeout=120)
+    out, _ = proc.communicate(timeout=BACKSTOP)
     assert proc.returncode != 0, out

@@ -28,7 +28,7 @@ def is_adapter(name: str) -> bool:
 @pytest.mark.slow
 def test_two_lora_ranks_train_the_adapters_alike_and_match_one(
         tiny_model_path, fixed_batch, tmp_path):
-    torchrun(WORKER, tiny_model_path, write_batch(fixed_batch, tmp_path), tmp_path, timeout=180)
+    torchrun(WORKER, tiny_model_path, write_batch(fixed_batch, tmp_path), tmp_path)
 
     single = Learner(RunConfig.model_validate({
         "model": {"path": str(tiny_model_path), "lora": LORA}, "run_dir": str(tmp_path / "one"),

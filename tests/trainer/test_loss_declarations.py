@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from backstop import BACKSTOP
 from pydantic import BaseModel, ConfigDict, Field
 
 from tandem.common.config import RunConfig, TrainerConfig
@@ -81,7 +82,7 @@ def test_the_declarations_load_without_torch():
             "assert POLICY_LOSSES.declares('dpo')['needs'].pairs, POLICY_LOSSES\n"
             "assert ADVANTAGES.declares('gae')['value_head'], ADVANTAGES\n"
             "assert 'torch' not in sys.modules\n")
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=BACKSTOP)
 
 
 # -- the contract: a loss gets what it declares, and works on exactly that ------------------------

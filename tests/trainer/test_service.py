@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from backstop import BACKSTOP
 
 from tandem.common.config import RunConfig, load_config
 from tandem.common.errors import PeerDead, TandemError
@@ -55,7 +56,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 async def wait_ready(client: RpcClient, request, what: str, log: Path) -> None:
-    deadline = time.monotonic() + 40
+    deadline = time.monotonic() + BACKSTOP
     while True:
         try:
             await client.call(request, timeout=1.0, retries=0)
@@ -78,15 +79,17 @@ async def play_explorer(cfg, tokenizer, puts: list, received: dict, after_put=No
     sub = Subscriber(cfg.master.publish_address, topics=[barrier_topic(name), "weights", "stop"],
                      snapshot=snap, resync_interval=0.2)
     await sub.start()
-    await rpc.call(Register(name=name, role="explorer", pid=os.getpid()), timeout=5)
-    heartbeat = Heartbeater(rpc, name=name, role="explorer", interval=0.2, liveness=5.0)
+    await rpc.call(Register(name=name, role="explorer", pid=os.getpid()), timeout=BACKSTOP)
+    heartbeat = Heartbeater(rpc, name=name, role="explorer",
+                            interval=cfg.transport.heartbeat_interval,
+                            liveness=cfg.transport.liveness)
     heartbeat.start()
     done = -1
     announced = {}
     receiver = None
     try:
         while True:
-            msg = (await sub.recv(120, what="barrier")).body
+            msg = (await sub.recv(BACKSTOP, what="barrier")).body
             if msg.TYPE == "master.stop":
                 return
             if msg.TYPE == "master.weights":
@@ -97,16 +100,17 @@ async def play_explorer(cfg, tokenizer, puts: list, received: dict, after_put=No
             done = msg.batch
             if msg.wait and msg.version > 0 and cfg.sync.method == "nccl":
                 while msg.version not in announced:
-                    ev = (await sub.recv(120, what="weights")).body
+                    ev = (await sub.recv(BACKSTOP, what="weights")).body
                     if ev.TYPE == "master.weights":
                         announced[ev.version] = ev
                 rendezvous = announced[msg.version].rendezvous
                 if receiver is None or not receiver.matches(rendezvous):
-                    receiver = WeightReceiver(rendezvous, engine_member(name), timeout=60)
+                    receiver = WeightReceiver(rendezvous, engine_member(name), timeout=BACKSTOP)
                     await asyncio.to_thread(receiver.join)
                 received[msg.version] = await asyncio.to_thread(
                     lambda r=receiver, v=msg.version: {n: t.clone() for n, t in r.receive(v)})
-            lease = await rpc.call(LeaseTasks(explorer=name, count=2, step=msg.step), timeout=5)
+            lease = await rpc.call(LeaseTasks(explorer=name, count=2, step=msg.step),
+                                   timeout=BACKSTOP)
             experiences = []
             for task in lease.tasks:
                 prompt = tokenizer(task.payload["prompt"])["input_ids"]
@@ -119,13 +123,13 @@ async def play_explorer(cfg, tokenizer, puts: list, received: dict, after_put=No
                         action_mask=np.ones(len(response), dtype=np.uint8),
                         logprobs=np.full(len(response), -4.6, dtype=np.float32), reward=reward,
                         policy_version=msg.version, explorer=name))
-            await buffer.call(PutExperiences(experiences=experiences), timeout=5)
+            await buffer.call(PutExperiences(experiences=experiences), timeout=BACKSTOP)
             puts.append((msg.step, msg.version, msg.wait))
             if after_put is not None:
                 await after_put(msg.step)
-            await rpc.call(CompleteTasks(lease_id=lease.lease_id), timeout=5)
+            await rpc.call(CompleteTasks(lease_id=lease.lease_id), timeout=BACKSTOP)
             await rpc.call(ExplorerStepDone(explorer=name, step=msg.step, batch=msg.batch,
-                                            version=msg.version), timeout=5)
+                                            version=msg.version), timeout=BACKSTOP)
     finally:
         await heartbeat.close()
         if receiver is not None:
@@ -148,16 +152,16 @@ async def run_scenario(tmp_path, tiny_model_path, tokenizer, method: str, check,
     config_file.write_text(yaml.safe_dump({
         "run_dir": str(run_dir),
         "model": {"path": str(tiny_model_path)},
-        "sync": {"method": method, "interval": 1, "offset": 0, "timeout": 60},
-        "transport": {"liveness": 5.0, "heartbeat_interval": 0.2},
+        "sync": {"method": method, "interval": 1, "offset": 0, "timeout": BACKSTOP},
+        "transport": {"liveness": BACKSTOP, "heartbeat_interval": 0.2},
         "master": {"address": f"tcp://127.0.0.1:{free_port()}",
                    "publish_address": f"tcp://127.0.0.1:{free_port()}",
                    "taskset": {"path": str(tasks), "id_field": "id", "shuffle": False},
-                   "total_steps": 3, "stop_grace": 60},  # stays to answer the checks
+                   "total_steps": 3, "stop_grace": BACKSTOP},  # stays to answer the checks
         "buffer": {"address": f"tcp://127.0.0.1:{free_port()}"},
         "explorers": [{"name": "explorer-0", "batch_size": 2, "repeat_times": 2}],
         "trainer": {"groups_per_step": 2, "lr": 1e-3, "micro_batch_tokens": 64,
-                    "sample_wait": 1.0, "idle_timeout": 60},
+                    "sample_wait": 1.0, "idle_timeout": BACKSTOP},
     }))
     cfg = load_config(config_file)
     master = start([str(BIN / "tandem-master"), "--config", str(config_file)],
@@ -182,21 +186,21 @@ async def run_scenario(tmp_path, tiny_model_path, tokenizer, method: str, check,
                 stdout=subprocess.DEVNULL, stderr=open(tmp_path / "trainer.log", "w"),
                 env={**os.environ, "OMP_NUM_THREADS": "1"})
             processes.append(ranks)
-            exit_code = asyncio.to_thread(ranks.wait, 150)
-            code, _ = await asyncio.wait_for(asyncio.gather(exit_code, explorer), timeout=160)
+            exit_code = asyncio.to_thread(ranks.wait, BACKSTOP)
+            code, _ = await asyncio.wait_for(asyncio.gather(exit_code, explorer), timeout=BACKSTOP)
             assert code == 0, (tmp_path / "trainer.log").read_text()[-3000:]
         else:
             try:
-                await asyncio.wait_for(asyncio.gather(trainer.serve(), explorer), timeout=120)
+                await asyncio.wait_for(asyncio.gather(trainer.serve(), explorer), timeout=BACKSTOP)
             finally:
                 await trainer.close()
             assert trainer.step == 3
         assert [p[0] for p in puts] == [0, 1, 2]
         assert [p[1] for p in puts] == [0, 1, 2]  # synchronous: batch e rolled out with version e
 
-        stats = await probe_b.call(GetBufferStats(), timeout=5)
+        stats = await probe_b.call(GetBufferStats(), timeout=BACKSTOP)
         assert stats.groups_ready == 0 and stats.by_state["leased"] == 0
-        status = await probe_m.call(GetStatus(), timeout=5)
+        status = await probe_m.call(GetStatus(), timeout=BACKSTOP)
         assert status.counters.trainer_steps_done == 3
         assert (run_dir / "checkpoints" / "step_00000003" / "model" / "model.safetensors").exists()
         assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
@@ -229,7 +233,7 @@ async def leased_before_its_trainer_go(trainer, step):
         return  # the first step's groups are asked for on its TrainerGo
     ahead = trainer._ahead
     assert ahead is not None and ahead.step == step and not ahead.released
-    sample = await asyncio.wait_for(asyncio.shield(ahead.task), 30)
+    sample = await asyncio.wait_for(asyncio.shield(ahead.task), BACKSTOP)
     assert sample is not None and {e.policy_version for e in sample.experiences} == {step}
     assert len({e.group_id for e in sample.experiences}) == 2
 
@@ -363,11 +367,11 @@ async def test_a_steps_ack_and_its_count_travel_at_once(tmp_path, tiny_model_pat
             0, "lease-0", {"loss/total": 1.0, "buffer/dropped_stale": 0.0}, {"loss/total": 1.0}))
         # all three under way before either peer answers
         await asyncio.wait_for(asyncio.gather(master.called.wait(), buffer.called.wait(),
-                                              wrote.wait()), 30)
+                                              wrote.wait()), BACKSTOP)
         assert trainer._counted == 0
         buffer.answer.set()
         master.answer.set()
-        await asyncio.wait_for(reporting, 30)
+        await asyncio.wait_for(reporting, BACKSTOP)
     finally:
         await trainer.close()
     assert [type(m).__name__ for m in buffer.sent + master.sent] == ["AckLease", "TrainerStepDone"]
@@ -389,11 +393,11 @@ async def test_an_asynchronous_plan_writes_each_version_behind_the_next_step(
         trainer.train_step(fixed_batch)
         copied = dict(trainer.policy_weights(copy=True))
         # not announced yet, and _publish is back: a publish on the step's path would hang here
-        await asyncio.wait_for(trainer._publish(1, TrainerGo(step=0, publish=1)), 30)
+        await asyncio.wait_for(trainer._publish(1, TrainerGo(step=0, publish=1)), BACKSTOP)
         trainer.train_step(fixed_batch)  # the next step, while version 1 is written
         master.answer.set()
-        await asyncio.wait_for(trainer._publish(2, TrainerGo(step=1, publish=2)), 30)
-        await asyncio.wait_for(trainer._published(), 30)
+        await asyncio.wait_for(trainer._publish(2, TrainerGo(step=1, publish=2)), BACKSTOP)
+        await asyncio.wait_for(trainer._published(), BACKSTOP)
     finally:
         await trainer.close()
     assert [(type(m), m.version) for m in master.sent] == [(WeightsPublished, 1),

@@ -19,6 +19,7 @@ import sys
 
 import pytest
 
+from backstop import BACKSTOP
 from component_process import ComponentProcess
 from processes import freeze
 from tandem.common.errors import PeerDead
@@ -34,10 +35,10 @@ class FrozenBuffer(ComponentProcess):
         super().__init__("tandem-buffer", [
             sys.executable, "-m", "tandem.buffer.cli", "--set", f"run_dir={run_dir}",
             "--set", "logging.level=debug", "--address", "tcp://127.0.0.1:0"])
-        self.address = self.wait_for("buffer.listening", 30.0)["address"]
+        self.address = self.wait_for("buffer.listening")["address"]
 
     def freeze_after(self, event: str) -> None:
-        self.wait_for(event, 30.0)  # 30 s only bound a hang
+        self.wait_for(event)
         freeze(self.proc.pid)
 
     def close(self) -> None:
@@ -57,6 +58,11 @@ def transport_knobs(config, **knobs):
     return config
 
 
+# The bounds under test apply once the buffer is frozen; the call before it (a put the buffer
+# fsyncs, a sample) is bounded by BACKSTOP only.
+SHORT_RPC = dict(rpc_timeout=2.0, rpc_retries=1)
+
+
 @pytest.mark.parametrize("idle_timeout, bound, key", [
     (600.0, 4.0, "transport.rpc_timeout"),  # 2 attempts of rpc_timeout, sample_wait inside
     (3.0, None, "trainer.idle_timeout"),    # the loop's own bound ends the call at once
@@ -67,8 +73,8 @@ async def test_the_trainer_waits_on_a_stalled_buffer_within_its_bound(
     from tandem.trainer.trainer import Trainer
 
     config = transport_knobs(make_config(tiny_model_path, tmp_path / "run", sample_wait=5.0,
-                                         idle_timeout=idle_timeout, groups_per_step=1),
-                             rpc_timeout=2.0, rpc_retries=1)
+                                         idle_timeout=BACKSTOP, groups_per_step=1),
+                             rpc_timeout=BACKSTOP)
     trainer = Trainer(config, resume=False)
     trainer._buffer = RpcClient(stalled_buffer.address, peer="buffer", name="trainer",
                                 transport=config.transport)
@@ -76,9 +82,12 @@ async def test_the_trainer_waits_on_a_stalled_buffer_within_its_bound(
     try:
         await put.call(PutExperiences(experiences=make_group("t1", "1+1=", ["2", "3"],
                                                              [1.0, 0.0]), group_size=2),
-                       timeout=10, retries=0)
+                       timeout=BACKSTOP, retries=0)
         await trainer._sample(1, 0)
         stalled_buffer.freeze_after("buffer.sample")
+        transport_knobs(config, **SHORT_RPC)
+        trainer._buffer.transport = config.transport
+        config.trainer.idle_timeout = idle_timeout
         with pytest.raises(PeerDead) as stalled:
             await trainer._sample(1, 1)  # nothing ready: it would wait sample_wait, frozen
     finally:
@@ -103,8 +112,8 @@ async def test_the_explorers_put_to_a_stalled_buffer_ends_within_its_bound(
 
     config = load_config(None, [f"run_dir={tmp_path / 'run'}", f"model.path={tiny_model_path}",
                                 f"buffer.address={stalled_buffer.address}",
-                                f"explorers.0.put_timeout={put_timeout}",
-                                "transport.rpc_timeout=2", "transport.rpc_retries=1"])
+                                f"explorers.0.put_timeout={BACKSTOP}",
+                                f"transport.rpc_timeout={BACKSTOP}"])
     explorer = Explorer(config, "explorer-0")  # its engine is loaded by start(), not needed
     barrier = Barrier(explorer="explorer-0", step=0, version=0, wait=False)
     first = PutExperiences(experiences=make_group("t1", "1+1=", ["2", "3"], [1.0, 0.0]),
@@ -114,6 +123,8 @@ async def test_the_explorers_put_to_a_stalled_buffer_ends_within_its_bound(
     try:
         await explorer._put_sized(first, barrier)
         stalled_buffer.freeze_after("buffer.put")
+        explorer.buffer.transport = config.transport.model_copy(update=SHORT_RPC)
+        explorer.cfg.put_timeout = put_timeout
         with pytest.raises(PeerDead) as stalled:
             await explorer._put_sized(second, barrier)
     finally:

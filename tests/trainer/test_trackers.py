@@ -7,6 +7,7 @@ import json
 import sys
 
 import pytest
+from backstop import BACKSTOP
 
 from tandem.common.config import RunConfig
 from tandem.common.errors import ConfigError
@@ -104,7 +105,6 @@ def test_a_tracker_named_twice_fails_at_load(tmp_path):
 
 def test_eval_rows_reach_the_trackers_against_their_version(tmp_path):
     import asyncio
-    import threading
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -112,7 +112,8 @@ def test_eval_rows_reach_the_trackers_against_their_version(tmp_path):
     heldout.write_text(json.dumps({"prompt": "rev 12=", "answer": "21"}) + "\n")
     cfg = RunConfig.model_validate({
         "run_dir": str(tmp_path / "run"), "logging": {"trackers": ["tensorboard"]},
-        "eval": {"tasksets": [{"name": "heldout", "path": str(heldout)}], "final_wait": 10}})
+        "eval": {"tasksets": [{"name": "heldout", "path": str(heldout)}],
+                 "final_wait": BACKSTOP}})
     rows = cfg.run_path / "eval.jsonl"
     cfg.run_path.mkdir(parents=True)
 
@@ -126,11 +127,18 @@ def test_eval_rows_reach_the_trackers_against_their_version(tmp_path):
     writer.write(1, STEPS[0])
     append(2, 0.5)
     writer.write(3, STEPS[1])
-    # the end-of-run row arrives while the trainer waits for it at its close
-    later = threading.Timer(0.3, append, (3, 0.75, True))
-    later.start()
+    # the end-of-run row arrives while the trainer waits for it at its close: after its first look
+    look, looks = writer.write_evals, []
+
+    def look_then_arrive():
+        looks.append(look())
+        if len(looks) == 1:
+            append(3, 0.75, True)
+        return looks[-1]
+
+    writer.write_evals = look_then_arrive
     assert asyncio.run(writer.await_final_eval())
-    later.join()
+    assert len(looks) == 2  # it waited for the row
     writer.close()
     events = EventAccumulator(str(cfg.run_path / "tensorboard"))
     events.Reload()

@@ -13,6 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from backstop import BACKSTOP
 from weights_helpers import PEER
 
 
@@ -24,11 +25,9 @@ def tiny_model(tiny_model_dir):
 
 
 # modes whose peer joins a weight group: it says "ready" once its imports and its engine are
-# done, just before it joins
+# done, just before it joins (torch, and transformers with a model: 30 s and more at load 8,
+# which a test's sync.timeout must not have to cover)
 JOINING = ("broadcast", "stall", "fake-vllm")
-# only catches a peer that hangs before it joins: its imports (torch, and transformers with a
-# model) took 30 s and more at load 8, which a test's sync.timeout must not have to cover
-READY_TIMEOUT = 600.0
 
 
 @pytest.fixture
@@ -45,7 +44,7 @@ def spawn():
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         procs.append(proc)
         if args[0] in JOINING:
-            ready, _, _ = select.select([proc.stdout], [], [], READY_TIMEOUT)
+            ready, _, _ = select.select([proc.stdout], [], [], BACKSTOP)
             line = proc.stdout.readline() if ready else ""
             if line.strip() != "ready":
                 proc.kill()

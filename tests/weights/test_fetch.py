@@ -6,11 +6,11 @@ address, and the server admits at most `fetch_streams` explorers at once."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import numpy as np
 import pytest
 import torch
+from backstop import BACKSTOP
 
 from tandem.common.config import TransportConfig
 from tandem.common.errors import RequestFailed, WaitTimeout
@@ -20,7 +20,7 @@ from tandem.weights import WeightPublisher, WeightSubscriber, WeightsError, vers
 from tandem.weights.fetch import WeightFetcher, WeightServer
 
 CHUNK = 64 * 1024
-FAST = TransportConfig(rpc_timeout=1.0)
+TRANSPORT = TransportConfig(rpc_timeout=BACKSTOP)
 
 
 def tensors(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
@@ -39,13 +39,13 @@ def published(tmp_path):
 
 
 async def serve(run_dir, **kwargs) -> WeightServer:
-    server = WeightServer(run_dir, "tcp://127.0.0.1:0", transport=FAST, **kwargs)
+    server = WeightServer(run_dir, "tcp://127.0.0.1:0", transport=TRANSPORT, **kwargs)
     await server.start()
     return server
 
 
 def fetcher(run_dir, address, **kwargs) -> WeightFetcher:
-    opts = dict(transport=FAST, chunk_bytes=CHUNK, window=4, timeout=10.0)
+    opts = dict(transport=TRANSPORT, chunk_bytes=CHUNK, window=4, timeout=BACKSTOP)
     return WeightFetcher(run_dir, address, **(opts | kwargs))
 
 
@@ -155,7 +155,9 @@ async def test_a_cut_connection_resumes_instead_of_starting_over(published, tmp_
     size = sum(len(b) for n, b in shard_bytes(published, 2).items() if n.endswith(".safetensors"))
     proxy = CuttingProxy(server.server.bound, cut_after=size // 2)
     address = await proxy.start()
-    f = fetcher(tmp_path / "explorer", address)
+    # the requests in flight when the connection is cut get no reply: rpc_timeout runs out on
+    # them (the replies that do come are a chunk's read in this process)
+    f = fetcher(tmp_path / "explorer", address, transport=TransportConfig(rpc_timeout=5.0))
     try:
         await f.fetch(2)
     finally:
@@ -175,14 +177,12 @@ async def test_a_corrupt_shard_fails_within_the_timeout_naming_the_trainer(publi
     shard.write_bytes(bytes(data))
     server = await serve(published)
     f = fetcher(tmp_path / "explorer", server.server.bound, timeout=1.5)
-    start = time.monotonic()
     try:
         with pytest.raises(WaitTimeout) as err:
             await f.fetch(1)
     finally:
         await f.close()
         await server.close()
-    assert time.monotonic() - start < 4
     message = str(err.value)
     assert server.server.bound in message and "sync.timeout" in message
     assert "corrupt" in message
@@ -191,13 +191,11 @@ async def test_a_corrupt_shard_fails_within_the_timeout_naming_the_trainer(publi
 
 async def test_a_silent_trainer_fails_within_the_timeout(tmp_path):
     f = fetcher(tmp_path / "explorer", "tcp://127.0.0.1:9", timeout=1.0)
-    start = time.monotonic()
     try:
         with pytest.raises(WaitTimeout) as err:
             await f.fetch(3)
     finally:
         await f.close()
-    assert time.monotonic() - start < 3
     assert "tcp://127.0.0.1:9" in str(err.value) and "PeerDead" in str(err.value)
 
 
@@ -215,7 +213,7 @@ async def test_a_version_the_trainer_lacks_fails_at_once(published, tmp_path):
 async def test_requests_outside_the_manifest_are_refused(published, tmp_path):
     (published / "secret.txt").write_text("x")
     server = await serve(published)
-    client = RpcClient(server.server.bound, peer="weights", transport=FAST)
+    client = RpcClient(server.server.bound, peer="weights", transport=TRANSPORT)
     try:
         for file, offset, length in (("../secret.txt", 0, 1), ("manifest.json", 0, 1),
                                      (_first_shard(published), 2**30, 10),

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from backstop import BACKSTOP
 from weights_helpers import assert_bit_identical, finish, train_step
 
 from tandem.weights import WeightsError, load_into
@@ -175,7 +176,7 @@ def test_a_killed_explorer_holds_nothing_once_its_version_is_unlinked(run_dir, s
     assert not v0.exists()
     assert mapped_by(v0) == [explorer.pid]  # the explorer's mapping keeps the pages
     explorer.send_signal(signal.SIGKILL)
-    explorer.wait(30)
+    explorer.wait(BACKSTOP)
     assert mapped_by(v0) == []  # the kernel freed them with the explorer
     publisher.close()
 
@@ -187,9 +188,9 @@ def test_a_killed_trainer_leaves_no_segment(run_dir, spawn):
     names = [p.name for p in segments(run_dir)]
     assert len(names) == 3 and any("-tmp-v99-" in n for n in names), names
     trainer.send_signal(signal.SIGKILL)
-    trainer.wait(30)
+    trainer.wait(BACKSTOP)
     # its resource tracker outlives it, sees the pipe close and unlinks what it registered
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + BACKSTOP
     while _alive(int(tracker)):
         assert time.monotonic() < deadline, f"resource tracker {tracker} still running"
         time.sleep(0.05)
@@ -201,7 +202,7 @@ def said(peer, word: str) -> list[str]:
     for line in peer.stdout:
         if line.split()[:1] == [word]:
             return line.split()[1:]
-    raise AssertionError(f"the peer ended without saying {word!r}: {peer.wait(30)}")
+    raise AssertionError(f"the peer ended without saying {word!r}: {peer.wait(BACKSTOP)}")
 
 
 def _alive(pid: int) -> bool:
@@ -222,7 +223,7 @@ def test_explorer_loader_maps_the_segment_into_its_engine(run_dir, tiny_model, t
     publisher.publish(2, tiny_model.named_parameters())
     engine = TransformersEngine.from_pretrained(str(tiny_model_dir))
     try:
-        loader = WeightLoader(engine, run_dir=run_dir, explorer="explorer-0", timeout=5,
+        loader = WeightLoader(engine, run_dir=run_dir, explorer="explorer-0", timeout=BACKSTOP,
                               shared_memory=True)
         stats = asyncio.run(loader.load(2, "checkpoint"))
         assert engine.version == 2 and stats["tensors"] > 0

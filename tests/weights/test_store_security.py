@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import zmq
+from backstop import BACKSTOP
 
 from tandem.weights import WeightBroadcaster, engine_member, engine_members
 from tandem.weights.group import current_key
@@ -23,13 +24,13 @@ from weights_helpers import assert_bit_identical, finish
 
 
 def test_the_store_listens_on_the_rendezvous_host_only():
-    sender = WeightBroadcaster(host="127.0.0.1", timeout=10.0)
+    sender = WeightBroadcaster(host="127.0.0.1", timeout=BACKSTOP)
     try:
-        with socket.create_connection(("127.0.0.1", sender.port), timeout=5):
+        with socket.create_connection(("127.0.0.1", sender.port), timeout=BACKSTOP):
             pass
         # another address of this host (all of 127/8 is loopback): refused, not served
-        with pytest.raises(OSError):
-            socket.create_connection(("127.0.0.2", sender.port), timeout=5).close()
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.2", sender.port), timeout=BACKSTOP).close()
     finally:
         sender.close()
 
@@ -37,7 +38,7 @@ def test_the_store_listens_on_the_rendezvous_host_only():
 def _raw_bytes_from(port: int, send: bytes) -> bytes:
     """Everything the store sends a raw TCP client that sends `send`, until it stops talking."""
     got = b""
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+    with socket.create_connection(("127.0.0.1", port), timeout=BACKSTOP) as raw:
         raw.sendall(send)
         raw.settimeout(1.0)
         try:
@@ -49,7 +50,7 @@ def _raw_bytes_from(port: int, send: bytes) -> bytes:
 
 
 def test_a_keyless_client_learns_nothing_and_cannot_join_or_disturb_the_group(tmp_path, spawn):
-    sender = WeightBroadcaster(host="127.0.0.1", timeout=30.0)
+    sender = WeightBroadcaster(host="127.0.0.1", timeout=BACKSTOP)
     try:
         rendezvous = sender.open_group(engine_members("explorer-0"))
         before = sender.store.num_keys()
@@ -82,7 +83,7 @@ def test_a_keyless_client_learns_nothing_and_cannot_join_or_disturb_the_group(tm
 
         # the real member, a separate process, joins and receives as if nothing happened
         peer = spawn("broadcast", json.dumps(rendezvous.model_dump()),
-                     engine_member("explorer-0"), tmp_path, "1", "30")
+                     engine_member("explorer-0"), tmp_path, "1", BACKSTOP)
         tensors = [("w", torch.arange(12, dtype=torch.float32).view(3, 4))]
         sender.broadcast(1, tensors)
         finish(peer)
@@ -92,7 +93,7 @@ def test_a_keyless_client_learns_nothing_and_cannot_join_or_disturb_the_group(tm
 
 
 def test_the_rendezvous_hides_its_secret_from_logs():
-    sender = WeightBroadcaster(host="127.0.0.1", timeout=10.0)
+    sender = WeightBroadcaster(host="127.0.0.1", timeout=BACKSTOP)
     try:
         rendezvous = sender.open_group(engine_members("explorer-0"))
         assert rendezvous.member_secret not in repr(rendezvous)
@@ -114,14 +115,14 @@ def test_a_client_left_to_the_garbage_collector_is_collected_without_a_hang():
     server = StoreServer("127.0.0.1")
     try:
         client = StoreClient("127.0.0.1", server.port, server.store_key, server.member_secret,
-                             timeout=10)
+                             timeout=BACKSTOP)
         client.set("k", b"v")
         assert client.get("k") == b"v"
         client.cycle = client  # only the collector frees it, as a torch-held store is
         del client
         collecting = threading.Thread(target=gc.collect, daemon=True)
         collecting.start()
-        collecting.join(30)  # bounds a hang only
+        collecting.join(BACKSTOP)
         assert not collecting.is_alive(), "a store client's collection hung"
     finally:
         server.close()

@@ -9,6 +9,7 @@ import threading
 
 import pytest
 import torch
+from backstop import BACKSTOP
 from processes import vllm_processes
 from weights_helpers import assert_bit_identical, finish, train_step
 
@@ -26,10 +27,11 @@ def test_extension_is_importable_by_the_name_vllm_is_given():
 def test_extension_in_a_stand_in_worker_loads_a_broadcast(tmp_path, tiny_model, spawn):
     # The worker is FakeVllmWorker (weights_peer.py): vLLM cannot run on this machine.
     # Everything the extension does past `model_runner.model.load_weights` is real.
-    sender = WeightBroadcaster(timeout=30.0, bucket_bytes=100_000)
+    sender = WeightBroadcaster(timeout=BACKSTOP, bucket_bytes=100_000)
     try:
         rendezvous = sender.open_group(engine_members("explorer-0"))
-        peer = spawn("fake-vllm", rendezvous.model_dump_json(), "explorer-0", tmp_path, 3, 30)
+        peer = spawn("fake-vllm", rendezvous.model_dump_json(), "explorer-0", tmp_path, 3,
+                     BACKSTOP)
         train_step(tiny_model, seed=3)
         sender.broadcast(3, tiny_model.named_parameters())
         finish(peer)
@@ -66,15 +68,15 @@ def test_real_vllm_engine_receives_a_broadcast_and_a_checkpoint(tmp_path, tiny_m
     train_step(model, seed=4)
     llm = vllm.LLM(model=str(tiny_model_dir), enforce_eager=True, gpu_memory_utilization=0.2,
                    **vllm_engine_kwargs())
-    sender = WeightBroadcaster(timeout=120.0, device="cuda")
+    sender = WeightBroadcaster(timeout=BACKSTOP, device="cuda")
     try:
         rendezvous = sender.open_group(engine_members("explorer-0"))
         weights = [(n, p.detach().cuda()) for n, p in model.named_parameters()]
         sent = threading.Thread(target=sender.broadcast, args=(1, weights))
         sent.start()
-        llm.collective_rpc("tandem_join", args=(rendezvous.model_dump(), "explorer-0", 120.0))
+        llm.collective_rpc("tandem_join", args=(rendezvous.model_dump(), "explorer-0", BACKSTOP))
         counts = llm.collective_rpc("tandem_receive", args=(1,))
-        sent.join(120)
+        sent.join(BACKSTOP)
         WeightPublisher(tmp_path).publish(1, model.named_parameters())
         loaded = llm.collective_rpc("tandem_load_checkpoint", args=(str(tmp_path), 1))
     finally:
@@ -116,7 +118,6 @@ def cpu_vllm(tmp_path_factory):
 
 
 @pytest.mark.vllm
-@pytest.mark.timeout(900)  # vLLM's start on a shared 2-core machine is part of the item
 async def test_real_vllm_on_cpu_takes_gloo_broadcasts_into_its_workers(cpu_vllm, tmp_path):
     """The explorer's path (`WeightLoader` -> `join_group` / `fetch_broadcast` -> the worker
     extension in vLLM's own worker process) fed by a trainer-side broadcaster over gloo: after
@@ -127,19 +128,20 @@ async def test_real_vllm_on_cpu_takes_gloo_broadcasts_into_its_workers(cpu_vllm,
     prompts = ["1+2=", "The quick brown fox"]
     params = SamplingParams(temperature=1.0, max_tokens=12, seed=3)
     n = len(list(model.named_parameters()))
-    sender = WeightBroadcaster(backend="gloo", timeout=600.0)
-    loader = WeightLoader(engine, run_dir=tmp_path / "run", explorer="explorer-0", timeout=600.0)
+    sender = WeightBroadcaster(backend="gloo", timeout=BACKSTOP)
+    loader = WeightLoader(engine, run_dir=tmp_path / "run", explorer="explorer-0",
+                          timeout=BACKSTOP)
     try:
         rendezvous = sender.open_group(engine_members("explorer-0"))
         # the explorer joins as soon as the group is announced, long before the trainer's first
         # broadcast; the engine must go on generating meanwhile
         loader.offer_group(rendezvous)
         for version in (1, 2):
-            before = await asyncio.wait_for(engine.generate(prompts, 2, params), 600)
+            before = await asyncio.wait_for(engine.generate(prompts, 2, params), BACKSTOP)
             train_step(model, seed=version)
             sent = asyncio.to_thread(sender.broadcast, version, list(model.named_parameters()))
             stats, broadcast = await asyncio.wait_for(asyncio.gather(
-                loader.load(version, "nccl", rendezvous), sent), 600)
+                loader.load(version, "nccl", rendezvous), sent), BACKSTOP)
             assert broadcast.backend == "gloo" and broadcast.epoch == 1
             assert engine.version == version and stats["tensors"] == n
             model.eval()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+from backstop import BACKSTOP
+
 PEER = Path(__file__).with_name("weights_peer.py")
 
 
@@ -36,7 +38,7 @@ def assert_bit_identical(model_or_tensors, received: Path) -> None:
         assert torch.equal(got[name].view(torch.uint8), tensor.contiguous().view(torch.uint8)), name
 
 
-def finish(proc: subprocess.Popen, timeout: float = 60.0) -> str:
+def finish(proc: subprocess.Popen, timeout: float = BACKSTOP) -> str:
     """Wait for a peer; return its stderr, failing the test with it if the peer failed."""
     _, err = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, f"peer exited {proc.returncode}:\n{err[-3000:]}"

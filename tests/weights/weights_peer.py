@@ -25,6 +25,10 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
+
+from backstop import BACKSTOP
+
 
 class DictEngine:
     """An engine whose `load_weights` copies every tensor into a dict."""
@@ -93,7 +97,7 @@ def shm_publish(run_dir: str, versions: str) -> None:
 
     def stop_before_rename(src, dst):
         print("writing", flush=True)  # the test kills here: a whole tmp segment, not renamed
-        time.sleep(120)
+        time.sleep(BACKSTOP)
 
     with mock.patch.object(shm.os, "rename", stop_before_rename):
         publisher.publish(99, tensors)
@@ -151,7 +155,7 @@ def main(argv: list[str]) -> int:
             run_dir, version = args
             held = list(SharedMemorySubscriber(run_dir).load(int(version)))  # views: mapped
             print("holding", flush=True)
-            time.sleep(120)
+            time.sleep(BACKSTOP)
             del held
         elif mode == "shm-publish":
             shm_publish(*args)
@@ -160,7 +164,7 @@ def main(argv: list[str]) -> int:
             receiver = WeightReceiver(json.loads(rendezvous), member, timeout=float(timeout))
             ready()
             receiver.join()
-            time.sleep(120)  # holding `receiver`: a member that is there but never takes part
+            time.sleep(BACKSTOP)  # holding `receiver`: a member that is there but never takes part
         else:
             print(f"unknown mode {mode!r}", file=sys.stderr)
             return 2
