@@ -33,3 +33,17 @@ def test_a_value_of_another_type_is_refused_naming_the_key():
 def test_garbage_is_a_protocol_error_naming_the_key(raw):
     with pytest.raises(ProtocolError, match=r"^store key meta/0: "):
         decode(raw, BroadcastMeta, "meta/0")
+
+
+def test_a_gloo_group_times_out_in_seconds_past_the_guard():
+    # the backend's own bound is the guard's plus slack, in seconds (it once read as days)
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from tandem.weights.group import GRACE, build_backend
+
+    pg = build_backend("gloo", dist.HashStore(), 0, 1, device=torch.device("cpu"),
+                       bind_host="127.0.0.1", timeout=3.0)
+    assert pg.options._timeout == timedelta(seconds=3.0 + 2 * GRACE)

@@ -128,16 +128,16 @@ def wait_keys(store: dist.Store, keys: list[str], timeout: float,
 def build_backend(backend: str, store: dist.Store, rank: int, world_size: int, *,
                   device: torch.device, bind_host: str, timeout: float) -> Any:
     """A `ProcessGroupGloo` or `ProcessGroupNCCL` built straight on `store`: no global group."""
+    # Each backend's own timeout sits past the guard's (`run_guarded`), so the guard, which can
+    # abort the group and name the peer, fires first instead of the backend's watchdog.
     if backend == "gloo":
         options = dist.ProcessGroupGloo._Options()
-        options._timeout = timedelta(timeout)
+        options._timeout = timedelta(seconds=timeout + 2 * GRACE)
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
         return dist.ProcessGroupGloo(store, rank, world_size, options)
     if backend == "nccl":
-        # The backend's own timeout sits past the guard's, so the guard (which can abort the
-        # communicator and name the peer) fires first instead of NCCL's watchdog.
         options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timedelta(timeout + 2 * GRACE)
+        options._timeout = timedelta(seconds=timeout + 2 * GRACE)
         if device.index is not None:
             torch.cuda.set_device(device)
         return dist.ProcessGroupNCCL(store, rank, world_size, options)
