@@ -14,7 +14,22 @@ sys.path.insert(0, str(Path(__file__).parent))  # shared test helpers, e.g. comp
 # the tools the tests drive or share code with (resume_check, chaos, bench_online, ...)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
-from processes import become_subreaper, descendants, kill_and_reap, reap_orphans, track_spawns
+from backstop import BACKSTOP
+from processes import (become_subreaper, cpu_seconds, descendants, kill_and_reap, reap_orphans,
+                       track_spawns)
+
+QUIET_SECONDS = 5.0  # a leftover that spends under 1% of a core this long only waits
+QUIET_CPU = QUIET_SECONDS / 100
+
+
+def _cpu_of(pids) -> float:
+    total = 0.0
+    for pid in pids:
+        try:
+            total += cpu_seconds(pid)
+        except (OSError, IndexError, ValueError):
+            pass  # gone meanwhile
+    return total
 
 
 def pytest_pyfunc_call(pyfuncitem):
@@ -35,23 +50,34 @@ def pytest_configure(config):
 @pytest.fixture(autouse=True)
 def no_leftover_processes():
     """Fail a test that leaves processes running anywhere below pytest (children, their
-    children, and orphans re-parented to pytest), after a short grace period; what is left is
-    killed so that it cannot disturb the tests after this one."""
+    children, and orphans re-parented to pytest); what is left is killed so that it cannot
+    disturb the tests after this one. A process that only waits (a server nobody stopped) is
+    left once it has spent under 1% of a core for 5 s; one still spending CPU is on its way out
+    (an interpreter holding torch exits for seconds on a loaded machine) and is waited for, up
+    to BACKSTOP."""
     if not Path("/proc").exists():
         yield
         return
     before = set(descendants())
     yield
     reap_orphans()
-    start = time.monotonic()
+    start = moved = time.monotonic()
+    spent = float("inf")
     while True:
         left = {pid: cmd for pid, cmd in descendants().items() if pid not in before}
+        if not left:
+            break
         # `tandem up` draws timeline.png in a detached `tandem timeline` that ends on its own
         # (seconds, more on a loaded machine): wait for it rather than kill it. A process whose
         # command line reads empty is past its exit (its memory is gone, it is not yet a
         # zombie), which a large one takes a while to reach on a loaded machine: wait for it too
         ending = all(" timeline " in cmd or not cmd for cmd in left.values())
-        if not left or time.monotonic() - start > (60.0 if ending else 5.0):
+        now = time.monotonic()
+        cpu = _cpu_of(left)
+        spent = min(spent, cpu)  # one that exited took its seconds out of the sum
+        if cpu - spent >= QUIET_CPU:
+            spent, moved = cpu, now
+        if now - moved > (60.0 if ending else QUIET_SECONDS) or now - start > BACKSTOP:
             break
         time.sleep(0.05)
     if left:
