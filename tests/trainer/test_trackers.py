@@ -144,9 +144,17 @@ def test_eval_rows_reach_the_trackers_against_their_version(tmp_path):
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("eval/heldout/greedy/accuracy")] == [
         (0, 0.25), (2, 0.5), (3, 0.75)]
-    # no end-of-run row: the wait ends after eval.final_wait
+    # the end-of-run row came before the run ended, read by the last step's write: the wait
+    # ends at its first look (it once waited the whole eval.final_wait for a newer one)
     cfg.eval.final_wait = 0.2
     writer = MetricsWriter(cfg.run_path, config=cfg)
-    assert writer.write_evals()  # a fresh writer reads the file from its start
+    writer.write(4, STEPS[1])  # a fresh writer reads the file from its start, the final row too
+    assert asyncio.run(writer.await_final_eval())
+    writer.close()
+    # no end-of-run row: the wait ends after eval.final_wait
+    rows.write_text("")
+    append(0, 0.25)
+    writer = MetricsWriter(cfg.run_path, config=cfg)
+    assert writer.write_evals()
     assert not asyncio.run(writer.await_final_eval())
     writer.close()

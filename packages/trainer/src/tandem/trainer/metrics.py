@@ -145,6 +145,7 @@ class MetricsWriter:
         self.endpoint: MetricsEndpoint | None = None
         self._evals: EvalRows | None = None
         self._final_wait = 0.0
+        self._final_seen = False  # an end-of-run eval row has been passed on
         if run_dir is None:
             return
         run_dir = Path(run_dir)
@@ -192,6 +193,7 @@ class MetricsWriter:
     def write_evals(self) -> list[dict]:
         """Pass the eval rows that appeared since the last call to the trackers."""
         rows = self._evals.read() if self._evals is not None else []
+        self._final_seen = self._final_seen or any(row.get("final") for row in rows)
         for row in rows:
             metrics = {f"eval/{row['taskset']}/{k}": float(v) for k, v in row["metrics"].items()}
             for tracker in self._trackers:
@@ -200,14 +202,17 @@ class MetricsWriter:
 
     async def await_final_eval(self) -> bool:
         """The run is over: wait up to `eval.final_wait` for the explorer's end-of-run rows
-        (`final`), passing on what arrives; False (and a warning) if they never come."""
+        (`final`), passing on what arrives; False (and a warning) if they never come. A row
+        the last step's `write` already passed on counts: the wait is for a row, not for a
+        new one."""
         if self._evals is None or self._final_wait <= 0:
             return True
         import asyncio
 
         deadline = time.monotonic() + self._final_wait
         while True:
-            if any(row.get("final") for row in self.write_evals()):
+            self.write_evals()
+            if self._final_seen:
                 return True
             if time.monotonic() >= deadline:
                 log.warning("trainer.eval_missing", waited=self._final_wait,
