@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from backstop import BACKSTOP
 from tandem.common.spawn import proc_stats, stat_fields
 
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
@@ -171,7 +172,7 @@ def alive(pid: int) -> bool:
     return any(state not in "ZX" for state in thread_states(pid))
 
 
-def freeze(pid: int, timeout: float = 60.0) -> None:
+def freeze(pid: int, timeout: float = BACKSTOP) -> None:
     """SIGSTOP `pid` and return once every one of its threads has stopped.
 
     `kill()` returns before the signal has reached a thread that is running on another core or

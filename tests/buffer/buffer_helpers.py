@@ -4,8 +4,11 @@ sys.path)."""
 from __future__ import annotations
 
 import asyncio
+import inspect
+import time
 
 import numpy as np
+from backstop import BACKSTOP
 from tandem.buffer import Buffer
 from tandem.common.config import load_config
 from tandem.common.messages import Experience, experience_id, group_id
@@ -65,5 +68,21 @@ class Running:
         await self.serving
         await self.buffer.close()
 
-    async def call(self, msg, timeout=5.0):
-        return await self.client.call(msg, timeout=timeout, retries=0, timeout_key="test")
+    async def call(self, msg, timeout=BACKSTOP, ttl=None):
+        """One attempt; `ttl` (default `timeout`) is the time the buffer is told it may take."""
+        return await self.client.call(msg, timeout=timeout, retries=0, ttl=ttl,
+                                      timeout_key="test")
+
+
+async def until(check, what: str) -> None:
+    """Until `check()` (or the awaitable it returns) is true: the system's own state, polled;
+    BACKSTOP only bounds a hang."""
+    deadline = time.monotonic() + BACKSTOP
+    while not ((await value) if inspect.isawaitable(value := check()) else value):
+        assert time.monotonic() < deadline, f"no {what} within {BACKSTOP:g}s"
+        await asyncio.sleep(0.01)
+
+
+async def parked(b: Running, n: int = 1) -> None:
+    """Until the buffer holds `n` waiting samples (its own state, not a guess in seconds)."""
+    await until(lambda: sum(map(len, b.buffer._parked.values())) >= n, f"{n} waiting samples")

@@ -8,7 +8,8 @@ import uuid
 
 import pytest
 
-from buffer_helpers import Running, config_for, make_group
+from backstop import BACKSTOP
+from buffer_helpers import Running, config_for, make_group, parked, until
 from tandem.common import codec
 from tandem.common.errors import RequestFailed
 from tandem.common.messages import PutExperiences, ReleaseLeases, SampleGroups
@@ -29,12 +30,6 @@ async def replies(sock, want: int, within: float) -> list[str]:
     return codes
 
 
-async def parked(b, n: int = 1) -> None:
-    """Until the buffer holds `n` waiting samples (its own state, not a guess in seconds)."""
-    while sum(map(len, b.buffer._parked.values())) < n:
-        await asyncio.sleep(0.01)
-
-
 async def test_a_flood_of_waiting_samples_does_not_deny_another_client(
         tmp_path, zmq_sockets_closed):
     async with Running(config_for(tmp_path)) as b:
@@ -44,15 +39,15 @@ async def test_a_flood_of_waiting_samples_does_not_deny_another_client(
             ask = SampleGroups(num_groups=1_000, wait=1e9)
             for _ in range(FLOOD):
                 await flood.send_multipart(codec.encode_request(ask, uuid.uuid4().hex, ttl=1e9))
-            await asyncio.sleep(0.2)  # the flood is being received
+            most = b.buffer.config.buffer.max_parked_per_client
+            await parked(b, most)  # the flood is in: the flooder holds all its waiting slots
             put = await b.call(PutExperiences(experiences=make_group("a", 2), group_size=2))
             assert put.stored == 2
-            sample = await b.call(SampleGroups(num_groups=1, wait=1.0))
+            sample = await b.call(SampleGroups(num_groups=1, wait=BACKSTOP))
             assert sample.group_ids == ["a@v0"]
             # the flooder itself is answered: every request but the newest few, at once
-            parked = b.buffer.config.buffer.max_parked_per_client
-            answered = await replies(flood, FLOOD - parked, within=20.0)
-            assert len(answered) == FLOOD - parked
+            answered = await replies(flood, FLOOD - most, within=BACKSTOP)
+            assert len(answered) == FLOOD - most
             assert set(answered) <= {"not_enough", "busy"}
         finally:
             flood.close(linger=0)
@@ -64,25 +59,25 @@ async def test_a_flood_of_waiting_samples_does_not_deny_another_client(
 
 async def test_a_newer_sample_from_the_same_client_supersedes_the_oldest(
         tmp_path, zmq_sockets_closed):
-    async with Running(config_for(tmp_path, "buffer.max_parked_per_client=1")) as b:
-        first = asyncio.create_task(b.call(SampleGroups(num_groups=1, wait=30.0), timeout=40))
-        await asyncio.wait_for(parked(b), 30)
-        second = asyncio.create_task(b.call(SampleGroups(num_groups=1, wait=30.0), timeout=40))
+    async with Running(config_for(tmp_path, "buffer.max_parked_per_client=1",
+                                  f"buffer.max_sample_wait={BACKSTOP}")) as b:
+        first = asyncio.create_task(b.call(SampleGroups(num_groups=1, wait=BACKSTOP)))
+        await parked(b)
+        second = asyncio.create_task(b.call(SampleGroups(num_groups=1, wait=BACKSTOP)))
         with pytest.raises(RequestFailed, match="superseded by a newer sample") as info:
-            await asyncio.wait_for(first, 5.0)
+            await first
         assert info.value.code == "not_enough"
         await b.call(PutExperiences(experiences=make_group("a", 2), group_size=2))
-        sample = await asyncio.wait_for(second, 5.0)  # the newer one still waits, and is served
+        sample = await second  # the newer one still waits, and is served
         assert sample.group_ids == ["a@v0"]
 
 
 async def test_a_wait_is_capped_by_max_sample_wait(tmp_path, zmq_sockets_closed):
     async with Running(config_for(tmp_path, "buffer.max_sample_wait=0.4")) as b:
-        started = time.monotonic()
+        # told it may take twice the caller's BACKSTOP: uncapped, the wait outlasts the call
         with pytest.raises(RequestFailed, match="after waiting") as info:
-            await b.call(SampleGroups(num_groups=1, wait=1e9), timeout=30)
+            await b.call(SampleGroups(num_groups=1, wait=1e9), ttl=2 * BACKSTOP)
         assert info.value.code == "not_enough"
-        assert time.monotonic() - started < 5.0
 
 
 async def test_one_client_cannot_take_every_request_slot_of_a_server(zmq_sockets_closed):
@@ -92,8 +87,11 @@ async def test_one_client_cannot_take_every_request_slot_of_a_server(zmq_sockets
     from tandem.common.rpc import RpcServer
 
     release = asyncio.Event()
+    held = 0
 
     async def park(msg, ctx):
+        nonlocal held
+        held += 1
         await release.wait()
         return Ok()
 
@@ -107,11 +105,12 @@ async def test_one_client_cannot_take_every_request_slot_of_a_server(zmq_sockets
         for _ in range(100):
             await flood.send_multipart(codec.encode_request(AckLease(lease_id="x"), uuid.uuid4().hex,
                                                             ttl=1e9))
-        codes = await replies(flood, 100 - 16, within=5.0)
+        codes = await replies(flood, 100 - 16, within=BACKSTOP)
         assert codes == ["busy"] * (100 - 16)  # refused at once, beyond its share
-        calls = [asyncio.create_task(other.call(AckLease(lease_id="y"), timeout=5.0, retries=0))
+        calls = [asyncio.create_task(other.call(AckLease(lease_id="y"), timeout=BACKSTOP,
+                                                retries=0))
                  for _ in range(16)]
-        await asyncio.sleep(0.2)
+        await until(lambda: held == 32, "the other client's 16 calls in their handlers")
         release.set()
         assert all(isinstance(r, Ok) for r in await asyncio.gather(*calls))
     finally:
@@ -125,18 +124,19 @@ async def test_releasing_a_holder_ends_its_dead_incarnations_waiting_sample(
         tmp_path, zmq_sockets_closed):
     """A restarted trainer (a new client) releases its holder's leases: the sample its dead
     incarnation left waiting must not lease the groups the new one is about to sample."""
-    async with Running(config_for(tmp_path)) as b:
+    async with Running(config_for(tmp_path, f"buffer.max_sample_wait={BACKSTOP}")) as b:
         dead = RpcClient(b.buffer.bound, peer="buffer", name="trainer-dead")
         try:
             orphan = asyncio.create_task(dead.call(
-                SampleGroups(num_groups=1, wait=30.0, holder="trainer"), timeout=40, retries=0))
-            await asyncio.wait_for(parked(b), 30)
+                SampleGroups(num_groups=1, wait=BACKSTOP, holder="trainer"), timeout=BACKSTOP,
+                retries=0))
+            await parked(b)
             released = await b.call(ReleaseLeases(holder="trainer"))
             assert released.leases == 0
             with pytest.raises(RequestFailed, match="its holder 'trainer' released its leases"):
-                await asyncio.wait_for(orphan, 5.0)
+                await orphan
             await b.call(PutExperiences(experiences=make_group("a", 2), group_size=2))
-            sample = await b.call(SampleGroups(num_groups=1, wait=2.0, holder="trainer"))
+            sample = await b.call(SampleGroups(num_groups=1, holder="trainer"))
             assert sample.group_ids == ["a@v0"]
         finally:
             await dead.close()

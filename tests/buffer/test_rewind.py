@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from buffer_helpers import Running, config_for, make_group
+from backstop import BACKSTOP
+from buffer_helpers import Running, config_for, make_group, until
 from tandem.buffer import RewindTooFar, SqliteStore
 from tandem.common.errors import RequestFailed
 from tandem.common.messages import (
@@ -46,8 +47,9 @@ def rows(path, group_id: str) -> int:
         db.close()
 
 
-def eventually(check, within: float = 5.0) -> bool:
-    deadline = time.monotonic() + within
+def eventually(check) -> bool:
+    """Whether `check()` comes true (polled; BACKSTOP only bounds a hang)."""
+    deadline = time.monotonic() + BACKSTOP
     while not check():
         if time.monotonic() > deadline:
             return False
@@ -161,7 +163,8 @@ def test_rows_a_rewind_may_need_outlive_the_pruner(open_store, tmp_path):
         await train(store, range(4))
 
     run(consume())
-    time.sleep(0.3)  # the pruner had time to run: no checkpoint yet, every row is held
+    # the pruner's pass after the last ack is done: no checkpoint yet, every row is held
+    assert eventually(lambda: store.pruner.due is None)
     assert [rows(path, f"{t}@v0") for t in "abcd"] == [2, 2, 2, 2]
     run(store.checkpointed(2))  # steps 0 and 1 can never be rewound now
     assert eventually(lambda: rows(path, "a@v0") == 0 and rows(path, "b@v0") == 0)
@@ -212,10 +215,10 @@ async def test_rewind_release_and_checkpoint_over_the_wire(tmp_path, zmq_sockets
         sample = await b.call(SampleGroups(num_groups=2, holder="trainer"))
         await b.call(AckLease(lease_id=sample.lease_id, step=0))
         await b.call(CheckpointSaved(step=1))
-        for _ in range(100):  # the pruner deletes the rows step 0 consumed
-            if (await b.call(GetBufferStats())).bytes == 0:
-                break
-            await asyncio.sleep(0.05)
+        async def pruned() -> bool:
+            return (await b.call(GetBufferStats())).bytes == 0
+
+        await until(pruned, "the pruner deleting the rows step 0 consumed")
         with pytest.raises(RequestFailed) as info:
             await b.call(RewindTo(step=0))
         assert info.value.code == "rewind_too_far" and "resume from" in info.value.message

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 import pytest
 
-from buffer_helpers import Running, config_for, make_group
+from backstop import BACKSTOP
+from buffer_helpers import Running, config_for, make_group, parked
 from tandem.common.errors import RequestFailed
 from tandem.common.messages import (
     AckLease, BufferStats, GetBufferStats, PutExperiences, ReleaseLease, SampleGroups,
@@ -39,32 +41,32 @@ async def test_put_sample_ack_release_over_the_wire(tmp_path, zmq_sockets_closed
 
 
 async def test_sample_waits_for_a_put(tmp_path):
-    async with Running(config_for(tmp_path)) as b:
+    async with Running(config_for(tmp_path, f"buffer.max_sample_wait={BACKSTOP}")) as b:
         async def late_put():
-            await asyncio.sleep(0.3)
+            await parked(b)  # the sample waits, with nothing to lease
             await b.call(PutExperiences(experiences=make_group("a", 2), group_size=2))
 
-        started = time.monotonic()
         putter = asyncio.create_task(late_put())
-        sample = await b.call(SampleGroups(num_groups=1, wait=5.0))
+        sample = await b.call(SampleGroups(num_groups=1, wait=BACKSTOP))
         await putter
         assert sample.group_ids == ["a@v0"]
-        assert 0.25 <= time.monotonic() - started < 3.0
 
 
 async def test_not_enough_after_waiting(tmp_path):
-    async with Running(config_for(tmp_path)) as b:
+    async with Running(config_for(tmp_path, f"buffer.max_sample_wait={2 * BACKSTOP}")) as b:
         await b.call(PutExperiences(experiences=make_group("a", 2), group_size=2))
         started = time.monotonic()
         with pytest.raises(RequestFailed) as info:
             await b.call(SampleGroups(num_groups=3, wait=0.4))
         assert time.monotonic() - started >= 0.4
         assert info.value.code == "not_enough"
-        assert info.value.message.startswith(
-            "not enough experiences (have 1 ready groups, need 3), after waiting 0.")
-        # a wait longer than the caller's deadline ends in time for the reply to arrive
+        waited = re.fullmatch(r"not enough experiences \(have 1 ready groups, need 3\), "
+                              r"after waiting (\d+\.\d) s", info.value.message)
+        assert waited and float(waited[1]) >= 0.4, info.value.message
+        # a wait longer than the caller's deadline (its ttl) ends at that deadline: uncapped,
+        # it would outlast the caller's own BACKSTOP and the call would fail with PeerDead
         with pytest.raises(RequestFailed, match="not enough"):
-            await b.call(SampleGroups(num_groups=3, wait=30.0), timeout=0.5)
+            await b.call(SampleGroups(num_groups=3, wait=2 * BACKSTOP), ttl=0.5)
 
 
 async def test_full_answers_retry_after(tmp_path):
@@ -90,9 +92,9 @@ async def test_group_size_from_the_explorers_config(tmp_path):
 
 
 async def test_waiting_sample_gets_groups_back_from_an_expired_lease(tmp_path):
-    async with Running(config_for(tmp_path)) as b:
+    async with Running(config_for(tmp_path, f"buffer.max_sample_wait={BACKSTOP}")) as b:
         await b.call(PutExperiences(experiences=make_group("a", 2), group_size=2))
         first = await b.call(SampleGroups(num_groups=1, lease_seconds=0.3))
-        second = await b.call(SampleGroups(num_groups=1, wait=5.0))
+        second = await b.call(SampleGroups(num_groups=1, wait=BACKSTOP))
         assert second.group_ids == first.group_ids and second.lease_id != first.lease_id
         assert second.expires_at > first.expires_at

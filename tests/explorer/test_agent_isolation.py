@@ -9,7 +9,8 @@ import os
 import socket
 
 import pytest
-from endpoint_helpers import GREEDY, encode, endpoint
+from backstop import BACKSTOP
+from endpoint_helpers import GREEDY, agent_args, encode, endpoint
 from prometheus_client import generate_latest
 
 from tandem.common.config.logs import MetricsConfig
@@ -38,9 +39,9 @@ def gates(ep, victims: int, thieves: int) -> None:
             count["victim"] += 1
             if count["victim"] == victims:
                 waiting.set()
-            await asyncio.wait_for(done.wait(), 120)
+            await asyncio.wait_for(done.wait(), BACKSTOP)
         elif name == "thief":
-            await asyncio.wait_for(waiting.wait(), 120)
+            await asyncio.wait_for(waiting.wait(), BACKSTOP)
         elif name == "thief_done":
             count["thief_done"] += 1
             if count["thief_done"] == thieves:
@@ -61,7 +62,7 @@ async def test_hostile_agent_cannot_write_into_another_episode(agent_engine):
                                              "ports": [port, master.getsockname()[1]]})]
         try:
             workflow = create_workflow("agent", agent_engine.tokenizer,
-                                       {"fn": "hostile_agents:party", "timeout": 120})
+                                       agent_args("hostile_agents:party"))
             experiences = await workflow.run(tasks, ctx(agent_engine, ep))
         finally:
             await ep.close()
@@ -96,14 +97,14 @@ async def test_a_failing_agent_costs_its_own_episode(agent_engine, fn, args, rea
     ep = endpoint(agent_engine)
     metrics = MetricsEndpoint(MetricsConfig(enabled=True, port=0), "explorer", "explorer-0")
     workflow = create_workflow("agent", agent_engine.tokenizer,
-                               {"fn": f"hostile_agents:{fn}", "timeout": 60, **args})
+                               agent_args(f"hostile_agents:{fn}", **args))
     workflow.attach(ep, repeat_times=2, metrics=metrics)
     await ep.start()
     try:
         failed = await workflow.run([Task(id="t", payload={})], ctx(agent_engine, ep))
         # the explorer and its endpoint carry on: the next step's agents play as usual
         after = create_workflow("agent", agent_engine.tokenizer,
-                                {"fn": "hostile_agents:polite", "timeout": 60})
+                                agent_args("hostile_agents:polite"))
         fine = await after.run([Task(id="u", payload={})], ctx(agent_engine, ep))
     finally:
         await ep.close()
@@ -127,8 +128,8 @@ async def test_sandbox_refuses_without_bwrap_and_names_the_key(monkeypatch):
 
 async def test_the_episode_timeout_counts_from_the_agents_call_not_its_process_start():
     # the agent's module takes 3 s to import, its episode 2 s: the start is not the agent's time
-    sandbox = AgentSandbox("slow_import_agent:instant", AgentSandboxArgs(), timeout=2,
-                           max_retries=0, slots=1)
+    sandbox = AgentSandbox("slow_import_agent:instant", AgentSandboxArgs(start_seconds=BACKSTOP),
+                           timeout=2, max_retries=0, slots=1)
     try:
         played = await sandbox.play("ep-0", "http://127.0.0.1:9/v1", {})
     finally:
@@ -138,9 +139,11 @@ async def test_the_episode_timeout_counts_from_the_agents_call_not_its_process_s
 
 async def test_the_episode_cpu_limit_counts_from_the_agents_call():
     # 2.5 s of CPU while the module imports, a 2 s CPU budget: the start is not the agent's
-    args = AgentSandboxArgs(cpu_seconds=2)
-    sandbox = AgentSandbox("cpu_import_agent:instant", args, timeout=60, max_retries=0, slots=1)
-    spinner = AgentSandbox("cpu_import_agent:spins", args, timeout=60, max_retries=0, slots=1)
+    args = AgentSandboxArgs(cpu_seconds=2, start_seconds=BACKSTOP)
+    sandbox = AgentSandbox("cpu_import_agent:instant", args, timeout=BACKSTOP, max_retries=0,
+                           slots=1)
+    spinner = AgentSandbox("cpu_import_agent:spins", args, timeout=BACKSTOP, max_retries=0,
+                           slots=1)
     try:
         played = await sandbox.play("ep-0", "http://127.0.0.1:9/v1", {})
         spun = await spinner.play("ep-1", "http://127.0.0.1:9/v1", {})
@@ -202,10 +205,10 @@ async def test_a_cancelled_rollout_leaves_no_agent_process(agent_engine):
     ep.calls.add = recorded
     before = _sandboxes()
     workflow = create_workflow("agent", agent_engine.tokenizer,
-                               {"fn": "hostile_agents:hangs_after_a_call", "timeout": 120})
+                               agent_args("hostile_agents:hangs_after_a_call"))
     run = asyncio.create_task(workflow.run([Task(id="t", payload={})], ctx(agent_engine, ep)))
     try:
-        await asyncio.wait_for(called.wait(), 120)  # both episodes made their call and hang
+        await asyncio.wait_for(called.wait(), BACKSTOP)  # both episodes made their call and hang
         assert len(_sandboxes() - before) == 2
         run.cancel()
         with pytest.raises(asyncio.CancelledError):

@@ -7,6 +7,7 @@ import sys
 
 from click.testing import CliRunner
 
+from backstop import BACKSTOP
 from tandem.explorer.cli import main
 
 
@@ -15,7 +16,7 @@ def test_help_answers_without_importing_torch():
         [sys.executable, "-c", "import sys; from tandem.explorer.cli import main\n"
          "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
          "print('torch' in sys.modules, 'transformers' in sys.modules)"],
-        capture_output=True, text=True, timeout=60)
+        capture_output=True, text=True, timeout=BACKSTOP)
     assert "--config" in out.stdout and "--name" in out.stdout
     assert out.stdout.strip().endswith("False False")
 

@@ -12,6 +12,7 @@ import httpx
 import pytest
 from PIL import Image
 
+from backstop import BACKSTOP
 from endpoint_helpers import endpoint
 
 
@@ -43,7 +44,7 @@ async def test_an_image_part_reaches_the_engine(vlm_engine):
     await ep.start()
     pad = vlm_engine.vision.image_token_id
     try:
-        async with httpx.AsyncClient(base_url=ep.url, timeout=60) as client:
+        async with httpx.AsyncClient(base_url=ep.url, timeout=BACKSTOP) as client:
             red_png = (await client.post("/chat/completions", json=chat(data_url((200, 0, 0)))))
             red_bmp = (await client.post("/chat/completions",
                                          json=chat(data_url((200, 0, 0), "BMP"))))
@@ -68,7 +69,7 @@ async def test_an_image_the_endpoint_cannot_use_is_a_400_naming_the_part(vlm_eng
     ep = endpoint(vlm_engine)
     await ep.start()
     try:
-        async with httpx.AsyncClient(base_url=ep.url, timeout=60) as client:
+        async with httpx.AsyncClient(base_url=ep.url, timeout=BACKSTOP) as client:
             reply = await client.post("/chat/completions", json=chat(url))
     finally:
         await ep.close()
@@ -84,7 +85,7 @@ async def test_a_text_model_refuses_images(tiny_model_dir):
     ep = endpoint(engine)
     await ep.start()
     try:
-        async with httpx.AsyncClient(base_url=ep.url, timeout=60) as client:
+        async with httpx.AsyncClient(base_url=ep.url, timeout=BACKSTOP) as client:
             reply = await client.post("/chat/completions", json=chat(data_url((1, 2, 3))))
     finally:
         await ep.close()

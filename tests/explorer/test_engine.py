@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
 
+from backstop import BACKSTOP
 from tandem.explorer.sampling import SamplingParams, policy_logprobs
 from tandem.explorer.transformers_engine import TransformersEngine
 
@@ -134,24 +136,24 @@ def test_load_weights_rejects_foreign_and_incomplete_weights(engine):
 
 
 def test_generate_runs_off_the_event_loop(engine):
+    # The first forward pass waits until the event loop has run a callback it scheduled: had
+    # generation run on the loop, the loop would be held and the wait in vain.
+    turned = threading.Event()
+    waited: list[bool] = []
+
     async def main():
-        ticks = 0
-
-        async def ticker():
-            nonlocal ticks
-            while True:
-                await asyncio.sleep(0.005)
-                ticks += 1
-
-        task = asyncio.create_task(ticker())
         loop = asyncio.get_running_loop()
-        start = loop.time()
-        await engine.generate(PROMPTS * 4, 4, SamplingParams(max_tokens=48, seed=0))
-        elapsed = loop.time() - start
-        task.cancel()
-        return ticks, elapsed
 
-    ticks, elapsed = asyncio.run(main())
-    # Run on the loop, generation would allow no tick at all; off it, the loop keeps turning
-    # (a fifth of the ideal tick count leaves room for a busy machine).
-    assert elapsed > 0.05 and ticks >= max(5, (elapsed / 0.005) / 5)
+        def wait_for_the_loop(module, args, output):
+            if not waited:
+                loop.call_soon_threadsafe(turned.set)
+                waited.append(turned.wait(BACKSTOP))
+
+        handle = engine.model.register_forward_hook(wait_for_the_loop)
+        try:
+            return await engine.generate(PROMPTS, 2, SamplingParams(max_tokens=8, seed=0))
+        finally:
+            handle.remove()
+
+    groups = asyncio.run(main())
+    assert waited == [True] and len(groups) == len(PROMPTS)

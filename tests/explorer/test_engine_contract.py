@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from backstop import BACKSTOP
 from tandem.explorer.sampling import SamplingParams, policy_logprobs
 from tandem.explorer.weights import WeightLoader
 from tandem.weights import WeightPublisher
@@ -137,7 +138,7 @@ async def test_a_weight_load_sets_version_and_the_next_call_samples_the_new_weig
     publisher = (SharedMemoryPublisher if in_memory else WeightPublisher)(tmp_path)
     publisher.publish(1, changed.items())
     publisher.publish(2, original.items())
-    loader = WeightLoader(engine, run_dir=tmp_path, explorer="explorer-0", timeout=60.0,
+    loader = WeightLoader(engine, run_dir=tmp_path, explorer="explorer-0", timeout=BACKSTOP,
                           shared_memory=in_memory)
     try:
         before = await engine.generate([LONG_PROMPT], 1, greedy)  # caches LONG_PROMPT's prefix

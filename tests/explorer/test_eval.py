@@ -4,11 +4,12 @@ error for an eval taskset without the answer the reward needs."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 
+from backstop import BACKSTOP
+from processes import run_group
 from tandem.common.config import RunConfig, load_config
 from tandem.common.errors import ConfigError
 from tandem.explorer.evaluation import Evaluator, pass_at_k, summarise
@@ -132,9 +133,10 @@ def test_tandem_eval_scores_a_checkpoint_alone(tmp_path, tiny_model_dir, heldout
         "sampling: {max_tokens: 4}}]\n"
         "reward: {functions: {k12: 1.0}}\n"
         f"eval: {{tasksets: [{{name: heldout, path: {heldout}}}], modes: [greedy]}}\n")
-    done = subprocess.run(
+    # `tandem eval` runs the explorer's eval CLI as its child: a hang's bound stops both
+    done = run_group(
         [sys.executable, "-m", "tandem.master.cli", "eval", str(cfg), "--checkpoint", str(step),
-         "--json"], capture_output=True, text=True, timeout=120)
+         "--json"], BACKSTOP)
     assert done.returncode == 0, done.stderr
     row = json.loads(done.stdout.strip().splitlines()[-1])
     assert row["version"] == 12 and row["taskset"] == "heldout"
@@ -143,9 +145,9 @@ def test_tandem_eval_scores_a_checkpoint_alone(tmp_path, tiny_model_dir, heldout
     written = json.loads((tmp_path / "run" / "eval.jsonl").read_text())
     assert written["version"] == 12 and written["checkpoint"] == str(step / "model")
     # a folder with no model is a usage error, in one line
-    bad = subprocess.run(
+    bad = run_group(
         [sys.executable, "-m", "tandem.master.cli", "eval", str(cfg), "--checkpoint",
-         str(tmp_path / "checkpoints")], capture_output=True, text=True, timeout=60)
+         str(tmp_path / "checkpoints")], BACKSTOP)
     assert bad.returncode == 2 and "holds no Hugging Face model" in bad.stderr
     assert "no LoRA adapter" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
 
@@ -154,15 +156,14 @@ def test_tandem_eval_forwards_its_arguments_and_help_to_the_explorer_cli(tmp_pat
     """`tandem eval` declares no option of its own: `--help` is the explorer CLI's, and a bad
     config is that CLI's one-line usage error."""
     tandem = [sys.executable, "-m", "tandem.master.cli", "eval"]
-    shown = subprocess.run([*tandem, "--help"], capture_output=True, text=True, timeout=60)
+    shown = run_group([*tandem, "--help"], BACKSTOP)
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.startswith("Usage: tandem eval [OPTIONS] CONFIG_PATH")
     for option in ("--checkpoint", "--set", "--out", "--version", "--json", "LoRA"):
         assert option in shown.stdout, option
     cfg = tmp_path / "run.yaml"
     cfg.write_text("eval: {repeat_times: 0}\n")
-    bad = subprocess.run([*tandem, str(cfg), "--checkpoint", str(tmp_path), "--json"],
-                         capture_output=True, text=True, timeout=60)
+    bad = run_group([*tandem, str(cfg), "--checkpoint", str(tmp_path), "--json"], BACKSTOP)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
     assert bad.stderr.startswith("tandem eval: invalid config") and "eval.repeat_times" in bad.stderr
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
 
+from backstop import BACKSTOP
+from processes import run_group
 from tandem.common.config import RunConfig
 from tandem.common.messages.experience import Experience, experience_id, group_id
 
@@ -91,9 +92,10 @@ def test_tandem_eval_merges_a_lora_checkpoint_into_the_base(tmp_path, tiny_model
         "reward: {functions: {k12: 1.0}}\n"
         f"eval: {{tasksets: [{{name: heldout, path: {heldout}}}], modes: [greedy]}}\n")
 
-    done = subprocess.run(
+    # `tandem eval` runs the explorer's eval CLI as its child: a hang's bound stops both
+    done = run_group(
         [sys.executable, "-m", "tandem.master.cli", "eval", str(cfg), "--checkpoint", str(step),
-         "--json"], capture_output=True, text=True, timeout=120)
+         "--json"], BACKSTOP)
     assert done.returncode == 0, done.stderr
     row = json.loads(done.stdout.strip().splitlines()[-1])
     # the answers are the merged model's own greedy ones: evaluated directly it scores 1.0,

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from backstop import BACKSTOP
 from tandem.common.config import RunConfig, validate
 from tandem.common.errors import ConfigError, WaitTimeout
 from tandem.common.messages.master import Stop, WeightsPublished
@@ -35,15 +36,16 @@ def config(tmp_path: Path, model: Path | str = "model", *, roles=("rollout", "ev
                        "sampling": {"max_tokens": 3}} for i, role in enumerate(roles)],
         "trainer": {"groups_per_step": 2, "lr": 1e-3},
         "reward": {"functions": {"k12": 1.0}},
-        "transport": {"liveness": 30.0},
+        "transport": {"liveness": BACKSTOP},
         "logging": {"level": "warning"},
-        "sync": {"timeout": 60},
-        "up": {"run_timeout": 120, "timeline": False},
+        "sync": {"timeout": BACKSTOP},
+        "up": {"run_timeout": BACKSTOP, "start_timeout": BACKSTOP, "stop_timeout": BACKSTOP,
+               "timeline": False},
     }
     if tasksets:
         path = write_jsonl(heldout[:2], tmp_path / "heldout.jsonl")
         data["eval"] = {"tasksets": [{"name": "heldout", "path": str(path)}],
-                        "modes": ["greedy"], "every": 1, "final_wait": 60}
+                        "modes": ["greedy"], "every": 1, "final_wait": BACKSTOP}
     for key, value in extra.items():
         section, _, field = key.partition("__")
         data.setdefault(section, {})[field] = value

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from backstop import BACKSTOP
 from tandem.buffer import Buffer
 from tandem.common.config import RunConfig
 from tandem.common.config.reward import RewardConfig
@@ -84,22 +85,22 @@ async def test_a_live_explorer_whose_snapshot_requests_keep_the_socket_busy_keep
     # snapshot replies as "recently heard", never sent a heartbeat, and the master declared the
     # explorer dead after transport.liveness. The verdict is what reaches the master, counted,
     # not how long it stayed alive: heartbeats keep coming while snapshot replies keep the
-    # client busy, at whatever pace this machine runs both.
-    config = make_config(tmp_path, tiny_model_path, "transport.liveness=1.0",
-                         "transport.heartbeat_interval=0.2")
+    # client busy, at whatever pace this machine runs both (so no liveness runs out here).
+    config = make_config(tmp_path, tiny_model_path, "transport.heartbeat_interval=0.2")
     master = HeartbeatCountingMaster(config)
     await master.start()
     client = RpcClient(master.address, peer="master", name="explorer-0")
     sub = CountingSubscriber(master.publish_address, topics=[barrier_topic("explorer-0")],
                              snapshot=client, resync_interval=0.1)
-    beat = Heartbeater(client, name="explorer-0", role="explorer", interval=0.2, liveness=1.0)
+    beat = Heartbeater(client, name="explorer-0", role="explorer", interval=0.2,
+                       liveness=BACKSTOP)
 
     async def listen_until(done, what: str) -> None:
-        """Keep the subscription resyncing until `done()`; 60 s only bound a hang."""
-        deadline = time.monotonic() + 60
+        """Keep the subscription resyncing until `done()`; BACKSTOP only bounds a hang."""
+        deadline = time.monotonic() + BACKSTOP
         while not done():
             assert time.monotonic() < deadline, (
-                f"no {what} in 60 s: {sub.resyncs} resyncs, "
+                f"no {what} in {BACKSTOP:g} s: {sub.resyncs} resyncs, "
                 f"{master.heartbeats['explorer-0']} heartbeats")
             try:
                 await sub.recv(0.3, what="barrier")
@@ -108,7 +109,7 @@ async def test_a_live_explorer_whose_snapshot_requests_keep_the_socket_busy_keep
 
     try:
         await client.call(Register(name="explorer-0", role="explorer", pid=os.getpid()),
-                          timeout=2)
+                          timeout=BACKSTOP)
         await sub.start()
         beat.start()
         await listen_until(lambda: sub.resyncs >= 10, "10 snapshot replies")
@@ -136,8 +137,9 @@ class DeclaredDeadAfterPut(Explorer):
         await super()._put(experiences, barrier, images)
         self.puts += 1
         if self.puts == 2:
-            deadline = time.monotonic() + 20
-            while self.master_service.clock.newest < 1 and time.monotonic() < deadline:
+            deadline = time.monotonic() + BACKSTOP
+            while self.master_service.clock.newest < 1:
+                assert time.monotonic() < deadline, "the trainer published no version 1"
                 await asyncio.sleep(0.05)
             await declare_dead(self.master_service, self.name)
 
@@ -167,8 +169,8 @@ async def test_an_explorer_declared_dead_after_its_put_registers_again_and_store
     trainer = asyncio.create_task(play_trainer(config, master.address, master.publish_address,
                                                trained, []))
     try:
-        await asyncio.wait_for(explorer.serve(), 90)
-        await asyncio.wait_for(trainer, 10)
+        await asyncio.wait_for(explorer.serve(), BACKSTOP)
+        await asyncio.wait_for(trainer, BACKSTOP)
         status = master.status()
     finally:
         trainer.cancel()
@@ -201,21 +203,21 @@ async def test_a_batch_completed_before_its_explorer_died_counts_once(tmp_path,
                      snapshot=client, resync_interval=0.2)
     try:
         await client.call(Register(name="explorer-0", role="explorer", pid=os.getpid()),
-                          timeout=2)
-        barrier = (await sub.recv(3, what="barrier")).body
+                          timeout=BACKSTOP)
+        barrier = (await sub.recv(BACKSTOP, what="barrier")).body
         lease = await client.call(LeaseTasks(explorer="explorer-0", count=2, step=barrier.step),
-                                  timeout=2)
-        await client.call(CompleteTasks(lease_id=lease.lease_id), timeout=2)
+                                  timeout=BACKSTOP)
+        await client.call(CompleteTasks(lease_id=lease.lease_id), timeout=BACKSTOP)
         await declare_dead(master, "explorer-0")
         status = master.status()
         # its restart registers and is granted the next batch, with new tasks
         await client.call(Register(name="explorer-0", role="explorer", pid=os.getpid()),
-                          timeout=2)
+                          timeout=BACKSTOP)
         again = None
         while again is None or again.batch == barrier.batch:
-            again = (await sub.recv(3, what="barrier")).body
+            again = (await sub.recv(BACKSTOP, what="barrier")).body
         lease2 = await client.call(LeaseTasks(explorer="explorer-0", count=2, step=again.step),
-                                   timeout=2)
+                                   timeout=BACKSTOP)
     finally:
         await sub.close()
         await client.close()
@@ -230,12 +232,12 @@ async def test_a_batch_completed_before_its_explorer_died_counts_once(tmp_path,
 async def test_a_score_request_in_flight_when_the_reward_service_dies_is_answered_by_its_restart(
         client, zmq_sockets_closed):
     # The first service takes the request and dies with it (closes without answering); a new
-    # service on the same address must get the request again long before
-    # reward.request_timeout. Before the fix it was never resent: the explorer waited the
-    # whole request_timeout and exited.
+    # service on the same address must get the request again, resent every reward.timeout.
+    # Before the fix it was never resent: the explorer waited the whole request_timeout and
+    # exited. The request_timeout is twice BACKSTOP: a request never resent outlasts the wait.
     address = f"tcp://127.0.0.1:{free_port()}"
     reward = RewardConfig(functions={"format": 1.0}, workers=1, service=True, address=address,
-                          timeout=0.5, request_timeout=30.0)
+                          timeout=0.5, request_timeout=2 * BACKSTOP)
     config = RunConfig(reward=reward)
     took = asyncio.Event()
     budget: list[float] = []
@@ -253,16 +255,17 @@ async def test_a_score_request_in_flight_when_the_reward_service_dies_is_answere
     restarted = None
     try:
         scoring = asyncio.create_task(scorer.score([ScoreItem(response="<think>x</think><answer>1</answer>")]))
-        await asyncio.wait_for(took.wait(), 10)
+        await asyncio.wait_for(took.wait(), BACKSTOP)
         await doomed.close()
         restarted = RewardService(config, address=address)
         await restarted.start()
-        # Never resent, the request would wait out reward.request_timeout and fail; resent,
-        # the restarted service answers it, however long its start took
-        [score] = await scoring
+        # Never resent, the request would wait out reward.request_timeout; resent, the
+        # restarted service answers it, however long its start took
+        [score] = await asyncio.wait_for(scoring, BACKSTOP)
         assert restarted.requests >= 1 and score.score == 1.0
-        # resent every reward.timeout, but the service may spend the whole request_timeout
-        assert budget[0] > 20
+        # resent every reward.timeout, but the service may spend the whole request_timeout:
+        # more than BACKSTOP of it is left (a resend's budget, or a default's, is less)
+        assert budget[0] > BACKSTOP
     finally:
         await scorer.close()
         if restarted is not None:

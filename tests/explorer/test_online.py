@@ -22,6 +22,7 @@ from tandem.explorer.workflows import RolloutContext, create_workflow
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
 
+from backstop import BACKSTOP
 from endpoint_helpers import endpoint
 from online_app import attach_reward, open_episode
 
@@ -50,7 +51,8 @@ def slots(n: int) -> list[Task]:
 
 async def two_turns(ep, episode: str, question: str) -> None:
     """A conversation of two turns, the assistant's first answer sent back as it came."""
-    client = openai.AsyncOpenAI(base_url=ep.url, api_key=episode, max_retries=0, timeout=60)
+    client = openai.AsyncOpenAI(base_url=ep.url, api_key=episode, max_retries=0,
+                                timeout=BACKSTOP)
     try:
         messages = [{"role": "user", "content": question}]
         reply = await client.chat.completions.create(model="policy", messages=messages,
@@ -66,12 +68,12 @@ async def started(agent_engine, tmp_path, repeat_times=2):
     """(endpoint, workflow, clock, tracer, the application's client), the endpoint serving."""
     clock = Clock()
     ep = endpoint(agent_engine, sampling=SAMPLING)
-    workflow = Online(agent_engine.tokenizer, {"episode_ttl": TTL, "wait_timeout": 30},
+    workflow = Online(agent_engine.tokenizer, {"episode_ttl": TTL, "wait_timeout": BACKSTOP},
                       clock=clock)
     tracer = Tracer(tmp_path, "explorer-0")
     workflow.attach(ep, repeat_times=repeat_times, tracer=tracer)
     await ep.start()
-    app = openai.AsyncOpenAI(base_url=ep.url, api_key="app", max_retries=0, timeout=60)
+    app = openai.AsyncOpenAI(base_url=ep.url, api_key="app", max_retries=0, timeout=BACKSTOP)
     return ep, workflow, clock, tracer, app
 
 
@@ -189,7 +191,7 @@ async def test_bad_episode_calls_get_a_4xx_naming_what_is_wrong(agent_engine, tm
 
     async def refused(path: str, body: object) -> tuple[int, dict]:
         # as JSON text: Python's encoder writes NaN, which the openai client refuses to send
-        async with httpx.AsyncClient(timeout=30) as http:
+        async with httpx.AsyncClient(timeout=BACKSTOP) as http:
             answer = await http.post(ep.url + path, content=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         return answer.status_code, answer.json()["error"]
@@ -219,7 +221,7 @@ async def test_bad_episode_calls_get_a_4xx_naming_what_is_wrong(agent_engine, tm
         await attach_reward(app, episode, 1.0)
         status, body = await refused(f"/episodes/{episode}/reward", {"reward": 0.0})
         assert status == 409 and body["code"] == "episode_closed" and "1" in body["message"]
-        async with httpx.AsyncClient(timeout=30) as http:
+        async with httpx.AsyncClient(timeout=BACKSTOP) as http:
             answer = await http.post(f"{ep.url}/episodes", content=b"{group")
         assert answer.status_code == 400 and answer.json()["error"]["code"] == "invalid_json"
     finally:

@@ -24,7 +24,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples" / "agents"))
 
 from agent_model import QUESTION, TOOLS
-from endpoint_helpers import GREEDY, encode, endpoint
+from backstop import BACKSTOP
+from endpoint_helpers import GREEDY, agent_args, encode, endpoint
+from processes import wait_for
 
 
 
@@ -38,7 +40,7 @@ async def test_tool_calling_agent_becomes_one_experience_with_exact_masks(agent_
     await ep.start()
     try:
         workflow = create_workflow("agent", agent_engine.tokenizer,
-                                   {"fn": "calculator_agent:run", "timeout": 30})
+                                   agent_args("calculator_agent:run"))
         task = Task(id="t0", payload={"prompt": QUESTION, "answer": 84, "max_tokens": 90})
         experiences = await workflow.run([task], ctx(agent_engine, ep))
     finally:
@@ -72,7 +74,7 @@ async def test_two_turn_agent_masks_what_the_agent_added(agent_engine):
     await ep.start()
     try:
         workflow = create_workflow("agent", agent_engine.tokenizer,
-                                   {"fn": "calculator_agent:two_turn"})
+                                   agent_args("calculator_agent:two_turn"))
         experiences = await workflow.run(
             [Task(id="a", payload={"prompt": "Hi"}), Task(id="b", payload={"prompt": "Why?"})],
             ctx(agent_engine, ep, repeat_times=3, sampling=sampling))
@@ -137,7 +139,7 @@ async def test_chat_logprobs_streaming_completions_and_models(agent_engine):
 def _post(url: str, body: bytes) -> tuple[int, dict]:
     request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=10) as resp:
+        with urllib.request.urlopen(request, timeout=BACKSTOP) as resp:
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
@@ -188,7 +190,7 @@ async def test_bad_input_gets_openai_error_json(agent_engine):
                            "logprobs": True}).encode()
 
         def hang_up() -> bytes:
-            with socket.create_connection((host, int(port)), timeout=10) as sock:
+            with socket.create_connection((host, int(port)), timeout=BACKSTOP) as sock:
                 sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
                              b"Content-Type: application/json\r\nAuthorization: Bearer gone\r\n"
                              + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
@@ -203,8 +205,16 @@ async def test_bad_input_gets_openai_error_json(agent_engine):
 
 
 async def test_excess_concurrent_calls_get_429(agent_engine):
-    # one request at a time, and each waits 0.3 s for company: the others are turned away
-    ep = endpoint(agent_engine, max_concurrency=1, batch_window=0.3)
+    # one request at a time, and the one served is held in the engine until the others were
+    # turned away
+    ep = endpoint(agent_engine, max_concurrency=1)
+    held: list[bool] = []
+
+    def hold(module, args, output):
+        if not held:
+            held.append(wait_for(lambda: ep.rejected == 2, BACKSTOP, "two calls turned away"))
+
+    handle = agent_engine.model.register_forward_hook(hold)
     await ep.start()
     client = openai.AsyncOpenAI(base_url=ep.url, api_key="x", max_retries=0)
     try:
@@ -213,6 +223,7 @@ async def test_excess_concurrent_calls_get_429(agent_engine):
                                            messages=[{"role": "user", "content": "Hi"}])
             for _ in range(3)), return_exceptions=True)
     finally:
+        handle.remove()
         await client.close()
         await ep.close()
     refused = [r for r in results if isinstance(r, openai.RateLimitError)]
@@ -226,10 +237,10 @@ async def test_failing_agents_score_zero_with_the_reason(agent_engine):
     tasks = [Task(id="t", payload={})]
     outcomes = {}
     try:
-        for fn, timeout in [("raises", 30), ("hangs", 0.3), ("garbage", 30),
-                            ("fresh_conversations", 30)]:
+        for fn, timeout in [("raises", BACKSTOP), ("hangs", 0.3), ("garbage", BACKSTOP),
+                            ("fresh_conversations", BACKSTOP)]:
             workflow = create_workflow("agent", agent_engine.tokenizer,
-                                       {"fn": f"agent_model:{fn}", "timeout": timeout})
+                                       agent_args(f"agent_model:{fn}", timeout=timeout))
             outcomes[fn] = await workflow.run(tasks, ctx(agent_engine, ep, repeat_times=2))
     finally:
         await ep.close()

@@ -16,7 +16,8 @@ import numpy as np
 import openai
 import pytest
 from agent_model import QUESTION, SEEN, TOOLS, record_seen
-from endpoint_helpers import GREEDY, encode, endpoint
+from backstop import BACKSTOP
+from endpoint_helpers import GREEDY, agent_args, encode, endpoint
 
 from tandem.common.messages.experience import Task
 from tandem.explorer.openai_calls import CallRecord, token_mismatch
@@ -44,8 +45,8 @@ async def test_streamed_tool_calling_conversations_are_the_models_own_tokens(age
         record_seen(ep.app)  # each episode runs in its own process: it reports its calls here
         await ep.start()
         try:
-            workflow = create_workflow("agent", tok, {"fn": "agent_model:streaming_calculator",
-                                                      "timeout": 60})
+            workflow = create_workflow("agent", tok,
+                                       agent_args("agent_model:streaming_calculator"))
             experiences = await workflow.run(tasks, RolloutContext(
                 engine=agent_engine, sampling=sampling, repeat_times=2, explorer="explorer-0",
                 run="test", endpoint=ep))
@@ -152,7 +153,7 @@ async def test_chunks_leave_while_the_engine_still_samples(agent_engine):
     passes = []
 
     def hold(module, args, output):
-        passes.append(got_chunk.wait(timeout=60) if len(passes) == 1 else True)
+        passes.append(got_chunk.wait(timeout=BACKSTOP) if len(passes) == 1 else True)
 
     handle = agent_engine.model.register_forward_hook(hold)
     ep = endpoint(agent_engine)
@@ -178,7 +179,7 @@ async def test_chunks_leave_while_the_engine_still_samples(agent_engine):
 def _post(url: str, body: bytes) -> tuple[int, dict]:
     request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=10) as resp:
+        with urllib.request.urlopen(request, timeout=BACKSTOP) as resp:
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())

@@ -18,6 +18,7 @@ import torch
 import uvicorn
 from fastapi import FastAPI
 
+from backstop import BACKSTOP
 from tandem.common.config import EngineConfig, ModelConfig, RunConfig
 from tandem.common.config.explorer import OpenAIConfig
 from tandem.common.config.transport import move_secrets_to_env
@@ -106,7 +107,7 @@ async def test_a_server_without_the_reload_route_fails_the_load_naming_it(
         1, [(n, p.detach().clone()) for n, p in engine.model.named_parameters()])
     async with Serving(engine) as url:
         remote = await connect(url, tiny_model_path)
-        loader = WeightLoader(remote, run_dir=tmp_path, explorer="explorer-0", timeout=30.0)
+        loader = WeightLoader(remote, run_dir=tmp_path, explorer="explorer-0", timeout=BACKSTOP)
         try:
             with pytest.raises(RemoteEngineError) as err:
                 await loader.load(1, "checkpoint")
@@ -126,7 +127,7 @@ async def test_a_server_without_the_reload_route_fails_the_load_naming_it(
 
 def test_an_unreachable_server_is_one_line_naming_engine_url(tiny_model_path):
     url = f"http://127.0.0.1:{free_port()}/v1"
-    config = EngineConfig(kind="remote", url=url, request_timeout=5)
+    config = EngineConfig(kind="remote", url=url, request_timeout=BACKSTOP)
     with pytest.raises(RemoteEngineError) as err:
         create_engine(config, ModelConfig(path=str(tiny_model_path)))
     assert str(err.value).startswith(f"engine.url {url}: cannot reach the server")
@@ -188,7 +189,7 @@ async def test_a_server_without_token_ids_or_logprobs_is_refused_naming_what_is_
             await connect(url, tiny_model_path, served_model="policy")
     finally:
         server.should_exit = True
-        await asyncio.wait_for(serving, 10)
+        await asyncio.wait_for(serving, BACKSTOP)
 
 
 def test_config_remote_needs_a_url_refuses_nccl_and_keeps_the_key_off_disk():
@@ -247,7 +248,7 @@ def vllm_server(tmp_path_factory):
         env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"}, stdout=log, stderr=subprocess.STDOUT,
         start_new_session=True)
     try:
-        deadline = time.monotonic() + 420
+        deadline = time.monotonic() + BACKSTOP
         while True:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
@@ -300,7 +301,7 @@ def gap_under(model, weights, groups, params) -> float:
 async def test_vllm_serve_generates_and_reloads_checkpoint_versions(vllm_server, tmp_path):
     url, path, model = vllm_server
     remote = await connect(url, path, served_model="policy")
-    loader = WeightLoader(remote, run_dir=tmp_path, explorer="explorer-0", timeout=120.0)
+    loader = WeightLoader(remote, run_dir=tmp_path, explorer="explorer-0", timeout=BACKSTOP)
     try:
         sampled = SamplingParams(temperature=0.8, max_tokens=12, seed=3)
         groups = await remote.generate(PROMPTS, 2, sampled)

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from backstop import BACKSTOP
 from component_process import ComponentProcess
 from processes import freeze
 from tandem.buffer import Buffer
@@ -52,7 +53,7 @@ class BufferProcess(ComponentProcess):
         super().__init__("tandem-buffer", [
             sys.executable, "-m", "tandem.buffer.cli", "--config", str(path),
             "--address", "tcp://127.0.0.1:0"])
-        self.address = self.wait_for("buffer.listening", 30.0)["address"]
+        self.address = self.wait_for("buffer.listening")["address"]
 
 
 class FreezesBufferAtFirstStep(Master):
@@ -71,11 +72,14 @@ class FreezesBufferAtFirstStep(Master):
 @pytest.mark.parametrize("paused", ["trainer", "master", "buffer"])
 async def test_a_restarted_explorer_never_rolls_out_a_reported_step_again(
         tmp_path, tiny_model_path, paused):
+    # the first incarnation's pause ends at sync.timeout, or, the buffer frozen, at its put's
+    # transport.rpc_timeout
     config = make_config(tmp_path, tiny_model_path, "sync.preset=fully_async",
                          "sync.offset=null", "sync.max_staleness=1",
                          f"master.total_steps={STEPS}",
                          "explorers.0.lease_ahead=false", "sync.timeout=3",
-                         "transport.rpc_timeout=3", "transport.rpc_retries=0")
+                         f"transport.rpc_timeout={3 if paused == 'buffer' else BACKSTOP}",
+                         "transport.rpc_retries=0")
     master = FreezesBufferAtFirstStep(config)
     await master.start()
     config.master.address = master.address
@@ -90,11 +94,14 @@ async def test_a_restarted_explorer_never_rolls_out_a_reported_step_again(
     engine = TransformersEngine.from_pretrained(tiny_model_path, max_batch=8)
     trained = TransformersEngine.from_pretrained(tiny_model_path)
     first = Explorer(config, "explorer-0", engine=engine)
-    second = Explorer(config, "explorer-0", engine=engine)
+    # the new incarnation runs to the end: neither bound may run out in its run
+    carried_on = config.model_copy(deep=True)
+    carried_on.sync.timeout = carried_on.transport.rpc_timeout = BACKSTOP
+    second = Explorer(carried_on, "explorer-0", engine=engine)
     trainer = None
     try:
         with pytest.raises(PeerDead if paused == "buffer" else WaitTimeout):
-            await first.serve()  # its pause: 60 s only bound a hang
+            await asyncio.wait_for(first.serve(), BACKSTOP)
         await first.close()
         if paused == "master":
             await declare_dead(master, "explorer-0")  # what it does when it wakes
@@ -102,8 +109,8 @@ async def test_a_restarted_explorer_never_rolls_out_a_reported_step_again(
             process.proc.send_signal(signal.SIGCONT)
         trainer = asyncio.create_task(play_trainer(config, master.address,
                                                    master.publish_address, trained, []))
-        await asyncio.wait_for(second.serve(), 120)  # 120 s only bound a hang
-        await asyncio.wait_for(trainer, 30)
+        await asyncio.wait_for(second.serve(), BACKSTOP)
+        await asyncio.wait_for(trainer, BACKSTOP)
         status = master.status()
     finally:
         if trainer is not None:

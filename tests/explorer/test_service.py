@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from backstop import BACKSTOP
 from tandem.common.config import load_config
 from tandem.common.errors import WaitTimeout
 from tandem.buffer import Buffer
@@ -45,8 +47,9 @@ def make_config(tmp_path: Path, model_path: Path, *overrides: str):
         "master.address=tcp://127.0.0.1:0", "master.publish_address=tcp://127.0.0.1:0",
         "buffer.address=tcp://127.0.0.1:0",
         f"master.taskset.path={taskset}", "master.taskset.id_field=id", "master.stop_grace=0.2",
-        "master.total_steps=2", "transport.heartbeat_interval=0.2", "transport.liveness=5",
-        "sync.method=checkpoint", "sync.interval=1", "sync.offset=0", "sync.timeout=30",
+        "master.total_steps=2", "transport.heartbeat_interval=0.2",
+        f"transport.liveness={BACKSTOP}", "sync.method=checkpoint", "sync.interval=1",
+        "sync.offset=0", f"sync.timeout={BACKSTOP}",
         "explorers.0.batch_size=2", "explorers.0.repeat_times=2",
         "explorers.0.workflow=multi_turn", "explorers.0.workflow_args.env=guess_number",
         "explorers.0.workflow_args.max_turns=2", "explorers.0.sampling.max_tokens=6",
@@ -54,35 +57,38 @@ def make_config(tmp_path: Path, model_path: Path, *overrides: str):
 
 
 async def play_trainer(config, master_address, publish_address, trained: TransformersEngine,
-                       log: list):
+                       log: list, before_done=None):
     """Train (nothing) on each TrainerGo, publish the trained weights when told to: as files
-    plus a notice, or by announcing a broadcast group and broadcasting into it."""
+    plus a notice, or by announcing a broadcast group and broadcasting into it.
+    `await before_done(step)`, when given, comes before each step's report: the moment the
+    test wants the explorer to have reached."""
     rpc = RpcClient(master_address, peer="master", name="trainer")
     snap = RpcClient(master_address, peer="master", name="trainer-s")
     sub = Subscriber(publish_address, topics=["trainer", "stop"], snapshot=snap,
                      resync_interval=0.2)
     publisher = WeightPublisher(config.run_dir)
-    sender = WeightBroadcaster(timeout=30) if config.sync.method == "nccl" else None
+    sender = WeightBroadcaster(timeout=BACKSTOP) if config.sync.method == "nccl" else None
     try:
-        await rpc.call(Register(name="trainer", role="trainer"), timeout=5)
+        await rpc.call(Register(name="trainer", role="trainer"), timeout=BACKSTOP)
         while True:
-            ev = (await sub.recv(30, what="trainer go")).body
+            ev = (await sub.recv(BACKSTOP, what="trainer go")).body
             if not isinstance(ev, TrainerGo):
                 return
             log.append(("go", ev.step))
-            await asyncio.sleep(0.5)  # the explorer is now waiting at its sync point
-            await rpc.call(TrainerStepDone(step=ev.step, version=ev.step + 1), timeout=5)
+            if before_done is not None:
+                await before_done(ev.step)
+            await rpc.call(TrainerStepDone(step=ev.step, version=ev.step + 1), timeout=BACKSTOP)
             if ev.publish is None:
                 continue
             if sender is None:
                 published = await asyncio.to_thread(
                     publisher.publish, ev.publish, trained.model.named_parameters())
                 await rpc.call(WeightsPublished(version=ev.publish, method="checkpoint",
-                                                path=str(published.path)), timeout=5)
+                                                path=str(published.path)), timeout=BACKSTOP)
             else:
                 group = sender.open_group([engine_member(e) for e in ev.explorers])
                 await rpc.call(WeightsPublished(version=ev.publish, method="nccl",
-                                                rendezvous=group.model_dump()), timeout=5)
+                                                rendezvous=group.model_dump()), timeout=BACKSTOP)
                 await asyncio.to_thread(sender.broadcast, ev.publish,
                                         trained.model.named_parameters())
             log.append(("published", ev.publish))
@@ -125,7 +131,7 @@ async def test_two_steps_with_a_sync_point_waiting_for_weights(tmp_path, tiny_mo
     load = WeightLoader.load
 
     async def load_once_leased(self, version, *args, **kwargs):
-        await asyncio.wait_for(leased[version].wait(), 20)
+        await asyncio.wait_for(leased[version].wait(), BACKSTOP)
         return await load(self, version, *args, **kwargs)
 
     monkeypatch.setattr(WeightLoader, "load", load_once_leased)
@@ -140,14 +146,28 @@ async def test_two_steps_with_a_sync_point_waiting_for_weights(tmp_path, tiny_mo
     engine = TransformersEngine.from_pretrained(tiny_model_path, max_batch=8)
     explorer = Explorer(config, "explorer-0", engine=engine)
     explorer.tracer.flush_interval = 1e9  # nothing reaches the file before close() flushes it
-    log: list = []
+    # the trainer reports step 0 only once the explorer waits at step 1's sync point
+    waiting, told = asyncio.Event(), []
+    next_barrier = explorer._next_barrier
+
+    async def next_barrier_noted(busy=None):
+        if explorer.steps_done == 1:
+            waiting.set()
+        return await next_barrier(busy=busy)
+
+    async def explorer_waits(step):
+        if step == 0:
+            await asyncio.wait_for(waiting.wait(), BACKSTOP)
+            told.append(time.time())
+
+    explorer._next_barrier = next_barrier_noted
     trainer = asyncio.create_task(play_trainer(config, master.address, master.publish_address,
-                                               trained, log))
+                                               trained, [], explorer_waits))
     try:
-        await asyncio.wait_for(explorer.serve(), 60)
-        await asyncio.wait_for(trainer, 10)
+        await asyncio.wait_for(explorer.serve(), BACKSTOP)
+        await asyncio.wait_for(trainer, BACKSTOP)
         async with RpcClient(config.buffer.address, peer="buffer") as client:
-            sample = await client.call(SampleGroups(num_groups=4), timeout=5)
+            sample = await client.call(SampleGroups(num_groups=4), timeout=BACKSTOP)
     finally:
         trainer.cancel()
         # the engine's teardown, which a supervisor may cut short with a SIGKILL (vLLM's takes
@@ -181,9 +201,10 @@ async def test_two_steps_with_a_sync_point_waiting_for_weights(tmp_path, tiny_mo
     assert ("rollout", 0) in kinds and ("rollout", 1) in kinds and ("sync", 1) in kinds
     [sync] = [s for s in mine if s["kind"] == "sync"]
     assert sync["version"] == 1 and sync["attrs"]["method"] == method
-    # the explorer waited at the sync point of step 1 until version 1 was published
+    # the explorer waited at the sync point of step 1 from before the trainer's report of step
+    # 0 until version 1 was published
     waits = [s for s in mine if s["kind"] == "wait" and s["step"] == 1]
-    assert waits and waits[0]["end"] - waits[0]["start"] >= 0.4
+    assert waits and waits[0]["start"] <= told[0] <= waits[0]["end"]
     engine.close()
     trained.close()
 
@@ -208,10 +229,10 @@ async def test_two_explorers_with_their_own_engines_and_batch_sizes(tmp_path, ti
     trainer = asyncio.create_task(play_trainer(config, master.address, master.publish_address,
                                                trained, []))
     try:
-        await asyncio.wait_for(asyncio.gather(*(e.serve() for e in explorers)), 60)
-        await asyncio.wait_for(trainer, 10)
+        await asyncio.wait_for(asyncio.gather(*(e.serve() for e in explorers)), BACKSTOP)
+        await asyncio.wait_for(trainer, BACKSTOP)
         async with RpcClient(config.buffer.address, peer="buffer") as client:
-            stats = await client.call(GetBufferStats(), timeout=5)
+            stats = await client.call(GetBufferStats(), timeout=BACKSTOP)
     finally:
         trainer.cancel()
         for e in explorers:
@@ -233,7 +254,7 @@ async def test_two_explorers_with_their_own_engines_and_batch_sizes(tmp_path, ti
         assert not [t for t in e.subscriber.topics for o in others if o.startswith(t)]
 
 
-@pytest.mark.parametrize("drain", [30.0, 0.0])
+@pytest.mark.parametrize("drain", [BACKSTOP, 0.0])
 async def test_stop_request_drains_the_running_step_or_abandons_it(tmp_path, tiny_model_path,
                                                                     drain):
     config = make_config(tmp_path, tiny_model_path, f"explorers.0.drain_seconds={drain}",
@@ -251,9 +272,9 @@ async def test_stop_request_drains_the_running_step_or_abandons_it(tmp_path, tin
         while explorer._lease_id is None:  # the first step holds its tasks and is rolling out
             await asyncio.sleep(0.01)
         explorer.request_stop()
-        await asyncio.wait_for(serving, 30)
+        await asyncio.wait_for(serving, BACKSTOP)
         async with RpcClient(config.buffer.address, peer="buffer") as client:
-            stats = await client.call(GetBufferStats(), timeout=5)
+            stats = await client.call(GetBufferStats(), timeout=BACKSTOP)
         status = master.status()
     finally:
         await explorer.close()
@@ -284,7 +305,7 @@ async def test_a_stalled_sync_point_fails_after_sync_timeout_naming_the_key(tmp_
     explorer = Explorer(config, "explorer-0", engine=engine)
     try:
         with pytest.raises(WaitTimeout, match="sync.timeout") as info:
-            await asyncio.wait_for(explorer.serve(), 30)
+            await asyncio.wait_for(explorer.serve(), BACKSTOP)
     finally:
         await explorer.close()
         await buffer.close()
@@ -311,8 +332,8 @@ async def test_the_evaluating_explorer_scores_between_steps_and_at_the_end(tmp_p
     trainer = asyncio.create_task(play_trainer(config, master.address, master.publish_address,
                                                trained, []))
     try:
-        await asyncio.wait_for(explorer.serve(), 60)
-        await asyncio.wait_for(trainer, 10)
+        await asyncio.wait_for(explorer.serve(), BACKSTOP)
+        await asyncio.wait_for(trainer, BACKSTOP)
     finally:
         trainer.cancel()
         await explorer.close()

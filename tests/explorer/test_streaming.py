@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 
+from backstop import BACKSTOP
+from processes import wait_for
 from tandem.buffer import SqliteStore
 from tandem.common.messages.experience import Task
 from tandem.common.messages.reward import Score
 from tandem.explorer.sampling import SamplingParams, policy_logprobs
 from tandem.explorer.transformers_engine import TransformersEngine
 from tandem.explorer.workflows import RolloutContext, create_workflow
-
-WAIT = 10.0  # seconds any hand-off between the test and the engine thread may take
 
 
 class LengthScorer:
@@ -88,7 +88,7 @@ def test_streamed_groups_reach_the_buffer_while_the_last_group_generates(tiny_mo
 
     def hold_last_batch(kind, index):
         if kind == "prefill" and index == 3:  # the last task's batch starts generating
-            waited.append(first_stored.wait(WAIT))
+            waited.append(first_stored.wait(BACKSTOP))
 
     async def put_group(group):
         await store.put(group, [len(group)] * len(group))
@@ -127,13 +127,13 @@ def test_interrupt_resumes_partial_responses_under_the_new_weights(tiny_model_pa
     def pause_at_token_six(kind, index):
         if kind == "decode" and index == 6:  # feeding the 6th sampled token of the 1st batch
             reached.set()
-            assert queued.wait(WAIT)
+            assert queued.wait(BACKSTOP)
 
     async def go():
         ctx = RolloutContext(engine=engine, sampling=sampling, repeat_times=2, explorer="e",
                              run="r", scorer=LengthScorer())
         rollout = asyncio.create_task(wf.run(tasks(2), ctx))
-        assert await asyncio.to_thread(reached.wait, WAIT)
+        assert await asyncio.to_thread(reached.wait, BACKSTOP)
         load = asyncio.create_task(engine.update_weights(lambda: new.model.state_dict().items(),
                                                          version=1))
         while engine._loads.empty():  # queued for the next token boundary
@@ -179,7 +179,7 @@ def test_an_idle_interruptible_engine_loads_at_once(tiny_model_path):
         await engine.update_weights(lambda: new.model.state_dict().items(), version=4)
         return await engine.generate(["1+2="], 1, params)
 
-    [[after]] = asyncio.run(asyncio.wait_for(go(), WAIT))
+    [[after]] = asyncio.run(asyncio.wait_for(go(), BACKSTOP))
     [[expected]] = new.generate_sync(["1+2="], 1, params)
     engine.close()
     new.close()
@@ -195,7 +195,7 @@ def test_a_failed_interrupting_load_fails_its_caller_not_the_generation(tiny_mod
             await engine.update_weights(lambda: [("nope", torch.zeros(1))], version=1)
         return await engine.generate(["1+2="], 1, SamplingParams(max_tokens=4, seed=0))
 
-    [[c]] = asyncio.run(asyncio.wait_for(go(), WAIT))
+    [[c]] = asyncio.run(asyncio.wait_for(go(), BACKSTOP))
     engine.close()
     assert engine.version == 0 and c.token_versions.tolist() == [0] * len(c)
 
@@ -204,7 +204,6 @@ async def test_an_explorer_takes_weights_published_mid_step(tmp_path, tiny_model
     """An asynchronous run with `on_new_weights: interrupt`: version 1 is published while step 1
     generates; the explorer loads it at once and step 1's responses switch mid-way."""
     import sys
-    import time
     from pathlib import Path
 
     from tandem.buffer import Buffer
@@ -220,25 +219,41 @@ async def test_an_explorer_takes_weights_published_mid_step(tmp_path, tiny_model
     config = make_config(
         tmp_path, tiny_model_path, "sync.preset=fully_async", "sync.method=checkpoint",
         "sync.offset=null", "explorers.0.on_new_weights=interrupt",
-        "explorers.0.workflow_args.max_turns=1", "explorers.0.sampling.max_tokens=150")
+        "explorers.0.workflow_args.max_turns=1", "explorers.0.sampling.max_tokens=16")
     master = Master(config)
     await master.start()
     buffer = Buffer(config)
     config.buffer.address = await buffer.start()
     config.master.address = master.address
     engine = TransformersEngine.from_pretrained(tiny_model_path, max_batch=8)
-    engine.eos_ids = {-1}  # every response runs its 150 tokens: a step outlasts the publish
+    engine.eos_ids = {-1}  # every response runs all its tokens: some come after the switch
     trained = perturbed(tiny_model_path, seed=9)
-    # >= 10 ms a token: a step takes 1.5 s or more; the trainer publishes 0.5 s after step 0
-    handle = on_forward(engine.model, lambda kind, i: time.sleep(0.01 if kind == "decode" else 0))
+    # one generation a step (one turn, one batch): the trainer reports step 0, and so publishes
+    # version 1, once step 1 generates, and step 1's first decode waits until that load is
+    # queued for a token boundary (or taken at the first)
+    step_one = threading.Event()
+    held: list[bool] = []
+
+    def hold_step_one(kind, index):
+        if kind == "prefill" and index == 2:
+            step_one.set()
+        elif kind == "decode" and step_one.is_set() and not held:
+            held.append(wait_for(lambda: engine.version == 1 or not engine._loads.empty(),
+                                 BACKSTOP, "version 1's load queued"))
+
+    async def step_one_generates(step):
+        if step == 0:
+            assert await asyncio.to_thread(step_one.wait, BACKSTOP)
+
+    handle = on_forward(engine.model, hold_step_one)
     explorer = Explorer(config, "explorer-0", engine=engine)
     trainer = asyncio.create_task(play_trainer(config, master.address, master.publish_address,
-                                               trained, []))
+                                               trained, [], step_one_generates))
     try:
-        await asyncio.wait_for(explorer.serve(), 60)
-        await asyncio.wait_for(trainer, 10)
+        await asyncio.wait_for(explorer.serve(), BACKSTOP)
+        await asyncio.wait_for(trainer, BACKSTOP)
         async with RpcClient(config.buffer.address, peer="buffer") as client:
-            sample = await client.call(SampleGroups(num_groups=4), timeout=5)
+            sample = await client.call(SampleGroups(num_groups=4), timeout=BACKSTOP)
     finally:
         handle.remove()
         trainer.cancel()

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 from click.testing import CliRunner
+from backstop import BACKSTOP
 from processes import vllm_processes
 
 from tandem.explorer.cli import main
@@ -87,7 +88,8 @@ async def test_a_weight_the_model_lacks_is_refused_by_name(vllm_engine, tmp_path
     import torch
 
     WeightPublisher(tmp_path).publish(1, [("model.no_such_layer.weight", torch.zeros(2, 2))])
-    loader = WeightLoader(vllm_engine, run_dir=tmp_path, explorer="explorer-0", timeout=60.0)
+    loader = WeightLoader(vllm_engine, run_dir=tmp_path, explorer="explorer-0",
+                          timeout=BACKSTOP)
     try:
         with pytest.raises(ValueError, match="weights: vLLM refused 'model.no_such_layer.weight'"):
             await loader.load(1, "checkpoint")

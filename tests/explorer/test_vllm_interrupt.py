@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from backstop import BACKSTOP
 from interrupt_helpers import stream_until_every_sample_has_tokens
 
 from tandem.explorer.sampling import SamplingParams, policy_logprobs
@@ -34,7 +35,7 @@ def setup(tmp_path_factory):
     engine = VLLMEngine.from_pretrained(path, dtype="float32", max_model_len=160,
                                         enforce_eager=True, kv_cache_memory_bytes=64 << 20)
     engine.interruptible = True
-    engine.generate_sync(PROMPTS, 1, SamplingParams(max_tokens=4), timeout=600)  # warm-up
+    engine.generate_sync(PROMPTS, 1, SamplingParams(max_tokens=4), timeout=BACKSTOP)  # warm-up
     yield engine, model.eval()
     engine.close()
 
@@ -58,10 +59,10 @@ async def test_weights_arriving_mid_generation_switch_every_sample_at_a_token_bo
     WeightPublisher(tmp_path).publish(1, changed.items())
 
     generation, sampled = stream_until_every_sample_has_tokens(engine, PROMPTS, 2, params)
-    await asyncio.wait_for(sampled.wait(), 300)
+    await asyncio.wait_for(sampled.wait(), BACKSTOP)
     assert await engine.fetch_checkpoint(tmp_path, 1) == len(changed)
     assert engine.version == 1
-    groups = await asyncio.wait_for(generation, 300)
+    groups = await asyncio.wait_for(generation, BACKSTOP)
 
     old = [teacher_forced(model, c, params) for g in groups for c in g]
     with torch.no_grad():

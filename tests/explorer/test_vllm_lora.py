@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from backstop import BACKSTOP
 from interrupt_helpers import stream_until_every_sample_has_tokens
 
 from tandem.common.config import RunConfig
@@ -127,9 +128,9 @@ async def test_an_interruptible_engine_switches_adapters_mid_generation(setup):
         trainer.train_step(experiences(groups, before))
         folder = trainer._publish_checkpoint(before + 1)
         generation, sampled = stream_until_every_sample_has_tokens(engine, PROMPTS, 2, long)
-        await asyncio.wait_for(sampled.wait(), 300)
+        await asyncio.wait_for(sampled.wait(), BACKSTOP)
         await engine.fetch_checkpoint(run_dir, before + 1)
-        groups = await asyncio.wait_for(generation, 300)
+        groups = await asyncio.wait_for(generation, BACKSTOP)
     finally:
         engine.interruptible = False
     base = AutoModelForCausalLM.from_pretrained(str(trainer.config.model.path),

@@ -15,6 +15,7 @@ import asyncio
 import json
 
 import pytest
+from backstop import BACKSTOP
 from processes import vllm_processes
 from vision_helpers import ResponseParity, picture
 
@@ -176,7 +177,7 @@ def load(engine, run_dir, version):
     from tandem.explorer.weights import WeightLoader
 
     async def run():
-        loader = WeightLoader(engine, run_dir=run_dir, explorer="explorer-0", timeout=60.0)
+        loader = WeightLoader(engine, run_dir=run_dir, explorer="explorer-0", timeout=BACKSTOP)
         try:
             await loader.load(version, "checkpoint")
         finally:

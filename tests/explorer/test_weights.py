@@ -9,6 +9,7 @@ import threading
 import pytest
 import torch
 
+from backstop import BACKSTOP
 from tandem.weights import WeightBroadcaster, WeightPublisher, WeightsError, engine_member
 from tandem.explorer.sampling import SamplingParams
 from tandem.explorer.transformers_engine import TransformersEngine
@@ -37,7 +38,7 @@ def outputs(engine):
 def test_checkpoint_load_makes_outputs_the_trainers(engine, trained, tmp_path):
     before = outputs(engine)
     WeightPublisher(tmp_path).publish(1, trained.model.named_parameters())
-    loader = WeightLoader(engine, run_dir=tmp_path, explorer="explorer-0", timeout=10)
+    loader = WeightLoader(engine, run_dir=tmp_path, explorer="explorer-0", timeout=BACKSTOP)
     stats = asyncio.run(loader.load(1, "checkpoint"))
     assert engine.version == 1 and stats["tensors"] == len(list(trained.model.parameters()))
     assert outputs(engine) == outputs(trained) != before
@@ -46,7 +47,7 @@ def test_checkpoint_load_makes_outputs_the_trainers(engine, trained, tmp_path):
 
 
 def test_checkpoint_of_a_missing_version_is_a_clear_error(engine, tmp_path):
-    loader = WeightLoader(engine, run_dir=tmp_path, explorer="explorer-0", timeout=10)
+    loader = WeightLoader(engine, run_dir=tmp_path, explorer="explorer-0", timeout=BACKSTOP)
     with pytest.raises(WeightsError, match="version 4 not found"):
         asyncio.run(loader.load(4, "checkpoint"))
     assert engine.version == 0
@@ -54,7 +55,7 @@ def test_checkpoint_of_a_missing_version_is_a_clear_error(engine, tmp_path):
 
 def test_broadcast_load_makes_outputs_the_trainers(engine, trained):
     before = outputs(engine)
-    sender = WeightBroadcaster(timeout=20)
+    sender = WeightBroadcaster(timeout=BACKSTOP)
     rendezvous = sender.open_group([engine_member("explorer-0")])
     errors = []
 
@@ -69,7 +70,7 @@ def test_broadcast_load_makes_outputs_the_trainers(engine, trained):
             errors.append(exc)
 
     async def explorer():
-        loader = WeightLoader(engine, run_dir="unused", explorer="explorer-0", timeout=20)
+        loader = WeightLoader(engine, run_dir="unused", explorer="explorer-0", timeout=BACKSTOP)
         loader.offer_group(rendezvous)  # announced before the sync point
         got = []
         for version in (1, 2):
@@ -93,9 +94,9 @@ def test_broadcast_load_makes_outputs_the_trainers(engine, trained):
             for p, s in zip(trained.model.parameters(), snapshot):
                 p.copy_(s)
         thread.start()
-        got = asyncio.run(asyncio.wait_for(explorer(), 60))
+        got = asyncio.run(asyncio.wait_for(explorer(), BACKSTOP))
     finally:
-        thread.join(60)
+        thread.join(BACKSTOP)
         sender.close()
     assert not errors, errors
     assert engine.version == 2 and got == expected and got[0] != before
@@ -112,15 +113,27 @@ def test_a_broadcast_load_takes_the_version_from_disk_once_a_resumed_trainer_wro
     """nccl: a version that went by in a broadcast is never sent again; a trainer that resumed
     writes it to weights/v{N}, and an explorer already waiting for it (no group announced)
     takes it from there instead of failing."""
-    loader = WeightLoader(engine, run_dir=tmp_path, explorer="explorer-0", timeout=20)
+    loader = WeightLoader(engine, run_dir=tmp_path, explorer="explorer-0", timeout=BACKSTOP)
+    looked: list[bool] = []  # what each look for weights/v3 on disk found
+    on_disk = loader._on_disk
+
+    def looking(version: int) -> bool:
+        looked.append(on_disk(version))
+        return looked[-1]
+
+    loader._on_disk = looking
 
     async def scenario():
         waiting = asyncio.ensure_future(loader.load(3, "nccl", None))
-        await asyncio.sleep(0.6)
-        assert not waiting.done()
+        # it found no group and, a second time, no file: it waits for the file now
+        deadline = asyncio.get_running_loop().time() + BACKSTOP
+        while len(looked) < 2:
+            assert asyncio.get_running_loop().time() < deadline, "the loader never looked again"
+            await asyncio.sleep(0.01)
+        assert not waiting.done() and not any(looked)
         await asyncio.to_thread(WeightPublisher(tmp_path).publish, 3,
                                 trained.model.named_parameters())
-        return await asyncio.wait_for(waiting, 10)
+        return await asyncio.wait_for(waiting, BACKSTOP)
 
     asyncio.run(scenario())
     assert engine.version == 3 and outputs(engine) == outputs(trained)
