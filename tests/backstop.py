@@ -9,4 +9,9 @@ to run out (the product's own timeout path under test). `tests/conftest.py` puts
 sys.path: `from backstop import BACKSTOP`.
 """
 
+from tandem.common.config import TransportConfig
+
 BACKSTOP = 900.0  # seconds; pytest-timeout's per-test bound (pyproject.toml) is above it
+
+# one attempt that waits as long as a hang allows: for calls a test expects to be answered
+PATIENT = TransportConfig(rpc_timeout=BACKSTOP, rpc_retries=0)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
+import inspect
 import os
 import signal
 import subprocess
@@ -165,6 +167,15 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
             raise AssertionError(f"timed out waiting for {what} ({timeout:g}s)")
         time.sleep(interval)
     return value
+
+
+async def until(check, what: str, interval: float = 0.01) -> None:
+    """`wait_for` in an event loop: until `check()` (or the awaitable it returns) is true, the
+    loop serving meanwhile; BACKSTOP only bounds a hang."""
+    deadline = time.monotonic() + BACKSTOP
+    while not ((await value) if inspect.isawaitable(value := check()) else value):
+        assert time.monotonic() < deadline, f"no {what} within {BACKSTOP:g}s"
+        await asyncio.sleep(interval)
 
 
 def alive(pid: int) -> bool:

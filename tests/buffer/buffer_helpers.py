@@ -4,11 +4,10 @@ sys.path)."""
 from __future__ import annotations
 
 import asyncio
-import inspect
-import time
 
 import numpy as np
 from backstop import BACKSTOP
+from processes import until
 from tandem.buffer import Buffer
 from tandem.common.config import load_config
 from tandem.common.messages import Experience, experience_id, group_id
@@ -72,15 +71,6 @@ class Running:
         """One attempt; `ttl` (default `timeout`) is the time the buffer is told it may take."""
         return await self.client.call(msg, timeout=timeout, retries=0, ttl=ttl,
                                       timeout_key="test")
-
-
-async def until(check, what: str) -> None:
-    """Until `check()` (or the awaitable it returns) is true: the system's own state, polled;
-    BACKSTOP only bounds a hang."""
-    deadline = time.monotonic() + BACKSTOP
-    while not ((await value) if inspect.isawaitable(value := check()) else value):
-        assert time.monotonic() < deadline, f"no {what} within {BACKSTOP:g}s"
-        await asyncio.sleep(0.01)
 
 
 async def parked(b: Running, n: int = 1) -> None:

@@ -9,7 +9,8 @@ import uuid
 import pytest
 
 from backstop import BACKSTOP
-from buffer_helpers import Running, config_for, make_group, parked, until
+from processes import until
+from buffer_helpers import Running, config_for, make_group, parked
 from tandem.common import codec
 from tandem.common.errors import RequestFailed
 from tandem.common.messages import PutExperiences, ReleaseLeases, SampleGroups

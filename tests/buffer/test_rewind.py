@@ -10,7 +10,8 @@ import time
 import pytest
 
 from backstop import BACKSTOP
-from buffer_helpers import Running, config_for, make_group, until
+from processes import until
+from buffer_helpers import Running, config_for, make_group
 from tandem.buffer import RewindTooFar, SqliteStore
 from tandem.common.errors import RequestFailed
 from tandem.common.messages import (

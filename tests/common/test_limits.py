@@ -18,14 +18,13 @@ import zmq
 import zmq.asyncio
 from structlog.testing import capture_logs
 
-from backstop import BACKSTOP
+from backstop import BACKSTOP, PATIENT
 from tandem.common import codec
 from tandem.common.config import TransportConfig
 from tandem.common.messages import GetBufferStats, Heartbeat, HeartbeatAck
 from tandem.common.messages.reward import ScoreBatch, Scores
 from tandem.common.rpc import RpcClient, RpcServer
 
-PATIENT = TransportConfig(rpc_timeout=BACKSTOP, rpc_retries=0)
 
 
 def score_batch_frames(n: int, id_: str = "big") -> list[bytes]:

@@ -8,8 +8,7 @@ import urllib.request
 
 import pytest
 
-from backstop import BACKSTOP
-from tandem.common.config import TransportConfig
+from backstop import BACKSTOP, PATIENT
 from tandem.common.config.logs import MetricsConfig
 from tandem.common.errors import RequestFailed
 from tandem.common.messages import AckLease, GetBufferStats, ReleaseLease
@@ -17,7 +16,6 @@ from tandem.common.metrics import MetricsEndpoint, served_endpoints
 from tandem.common.rpc import RpcClient, RpcServer
 from tandem.common.trace import Tracer
 
-PATIENT = TransportConfig(rpc_timeout=BACKSTOP, rpc_retries=0)
 ON = MetricsConfig(enabled=True, port=0)
 
 

@@ -9,8 +9,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from backstop import BACKSTOP
-from tandem.common.config import TransportConfig
+from backstop import BACKSTOP, PATIENT
 from tandem.common.errors import PeerDead, RequestFailed
 from tandem.common.messages import (
     AckLease, BufferStats, GetBufferStats, Heartbeat, HeartbeatAck, Ok, ReleaseLease,
@@ -19,7 +18,6 @@ from tandem.common.rpc import RpcClient, RpcServer
 
 # a call that should be answered waits for it however slow the machine is; a test that wants
 # silence to run out says how long it listens
-PATIENT = TransportConfig(rpc_timeout=BACKSTOP, rpc_retries=0)
 
 
 def stats(calls: int = 0) -> BufferStats:

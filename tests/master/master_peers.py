@@ -5,11 +5,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import time
 from pathlib import Path
 
-from backstop import BACKSTOP
-from tandem.common.config import TransportConfig, load_config
+from backstop import BACKSTOP, PATIENT
+from tandem.common.config import load_config
 from tandem.common.messages.master import (
     CompleteTasks,
     ExplorerStepDone,
@@ -26,7 +25,6 @@ from tandem.common.rpc import RpcClient
 from tandem.master.service import Master
 
 # a call waits for its answer however slow the machine is; only a hang runs it out
-PATIENT = TransportConfig(rpc_timeout=BACKSTOP, rpc_retries=0)
 
 
 def write_tasks(path: Path, n: int) -> Path:
@@ -50,15 +48,6 @@ def master_client(master, name: str) -> RpcClient:
     """An RPC client of `master` (anything with its `address`) whose calls wait for their
     answer up to BACKSTOP."""
     return RpcClient(master.address, peer="master", name=name, transport=PATIENT)
-
-
-async def until(condition, what: str) -> None:
-    """Return once `condition()` holds, polled while this loop serves the master; BACKSTOP
-    only bounds a hang."""
-    deadline = time.monotonic() + BACKSTOP
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} did not happen within {BACKSTOP:g}s"
-        await asyncio.sleep(0.02)
 
 
 class Peer:

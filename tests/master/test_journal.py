@@ -30,7 +30,8 @@ from tandem.master.journal import Journal, JournalError, read_journal
 from tandem.master.service import Master
 
 sys.path.insert(0, str(Path(__file__).parent))
-from master_peers import Peer, explorer_loop, make_config, master_client, trainer_loop, until
+from processes import until
+from master_peers import Peer, explorer_loop, make_config, master_client, trainer_loop
 
 
 def frame(payload: bytes) -> bytes:

@@ -37,7 +37,8 @@ from tandem.common.sockets import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).parent))
-from master_peers import (Peer, explorer_loop, make_config, master_client, trainer_loop, until,
+from processes import until
+from master_peers import (Peer, explorer_loop, make_config, master_client, trainer_loop,
                           write_tasks)
 
 
