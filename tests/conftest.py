@@ -15,21 +15,11 @@ sys.path.insert(0, str(Path(__file__).parent))  # shared test helpers, e.g. comp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
 from backstop import BACKSTOP
-from processes import (become_subreaper, cpu_seconds, descendants, kill_and_reap, reap_orphans,
+from processes import (CpuGrowth, become_subreaper, descendants, kill_and_reap, reap_orphans,
                        track_spawns)
 
 QUIET_SECONDS = 5.0  # a leftover that spends under 1% of a core this long only waits
 QUIET_CPU = QUIET_SECONDS / 100
-
-
-def _cpu_of(pids) -> float:
-    total = 0.0
-    for pid in pids:
-        try:
-            total += cpu_seconds(pid)
-        except (OSError, IndexError, ValueError):
-            pass  # gone meanwhile
-    return total
 
 
 def pytest_pyfunc_call(pyfuncitem):
@@ -62,7 +52,8 @@ def no_leftover_processes():
     yield
     reap_orphans()
     start = moved = time.monotonic()
-    spent = float("inf")
+    growth, since = CpuGrowth(), 0.0  # CPU seconds the leftovers spent since `moved`
+    growth.spent(descendants())  # from now on
     while True:
         left = {pid: cmd for pid, cmd in descendants().items() if pid not in before}
         if not left:
@@ -73,10 +64,9 @@ def no_leftover_processes():
         # zombie), which a large one takes a while to reach on a loaded machine: wait for it too
         ending = all(" timeline " in cmd or not cmd for cmd in left.values())
         now = time.monotonic()
-        cpu = _cpu_of(left)
-        spent = min(spent, cpu)  # one that exited took its seconds out of the sum
-        if cpu - spent >= QUIET_CPU:
-            spent, moved = cpu, now
+        since += growth.spent(left)
+        if since >= QUIET_CPU:
+            moved, since = now, 0.0
         if now - moved > (60.0 if ending else QUIET_SECONDS) or now - start > BACKSTOP:
             break
         time.sleep(0.05)

@@ -218,10 +218,14 @@ def run_group(argv: list[str], timeout: float, *, stall: float | None = None,
     GRPO) gets its share of a loaded machine's cores (a load of 13 on 2 cores leaves each
     process 15%) and goes on, however long that takes up to `timeout`, while a deadlock, whose
     processes only wait, is caught after `stall` seconds."""
+    # the run's processes are those below this one that were not there before it started:
+    # `tandem up` starts each component in a session of its own, and a zygote's forks are
+    # re-parented here once it exits, so neither the leader's group nor its session holds them all
+    before, growth = set(descendants()) if stall is not None else set(), CpuGrowth()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, **kwargs)
     deadline = time.monotonic() + timeout
-    cpu, moved = _cpu_below(proc.pid), time.monotonic()
+    moved, since = time.monotonic(), 0.0  # CPU seconds the run spent since `moved`
     while True:
         try:
             out, err = proc.communicate(timeout=timeout if stall is None else 5.0)
@@ -229,12 +233,9 @@ def run_group(argv: list[str], timeout: float, *, stall: float | None = None,
         except subprocess.TimeoutExpired:
             now = time.monotonic()
             if stall is not None:
-                used = _cpu_below(proc.pid)
-                # a member that exited took its CPU seconds out of the sum (its parent, or the
-                # subreaper it was re-parented to, holds them now): count from the lower sum
-                cpu = min(cpu, used)
-                if used - cpu >= stall / 100:
-                    cpu, moved = used, now
+                since += growth.spent((set(descendants()) - before) | {proc.pid})
+                if since >= stall / 100:
+                    moved, since = now, 0.0
             if now > deadline or (stall is not None and now - moved > stall):
                 break
     out = err = ""
@@ -263,15 +264,28 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _cpu_below(leader: int) -> float:
-    """CPU seconds spent by the processes below this one (`tandem up` starts each component in
-    a session of its own, and a zygote's forks are re-parented here once it exits, so neither
-    `leader`'s group nor its session holds them all) and the children they reaped. It drops when
-    one exits; `run_group` counts from the lower sum."""
-    below = set(descendants()) | {leader}
-    ticks = sum(int(f[11]) + int(f[12]) + int(f[13]) + int(f[14])
-                for pid, f in proc_stats() if pid in below)
-    return ticks / os.sysconf("SC_CLK_TCK")
+class CpuGrowth:
+    """CPU seconds a changing set of processes spent between two looks.
+
+    Each process (a pid and its start time, so a reused pid is a new one) is counted by its own
+    growth, its CPU and that of the children it reaped: a total summed over the set drops by
+    what a process that exits had spent, and hid the others' progress behind it (a run
+    computing a tenth of the time looked hung while an unrelated process exited)."""
+
+    def __init__(self) -> None:
+        self._ticks: dict[tuple[int, int], int] = {}
+
+    def spent(self, pids) -> float:
+        """Seconds spent by `pids` since the last call (for a process first seen: all of its)."""
+        pids = set(pids)
+        spent, now = 0, {}
+        for pid, f in proc_stats():
+            if pid in pids:
+                key, ticks = (pid, int(f[19])), sum(int(t) for t in f[11:15])
+                spent += ticks - self._ticks.get(key, 0)
+                now[key] = ticks
+        self._ticks = now
+        return spent / os.sysconf("SC_CLK_TCK")
 
 
 def _group(pgid: int) -> list[int]:

@@ -7,13 +7,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from backstop import BACKSTOP
-from processes import descendants, kill_and_reap, reap_orphans, run_group, zombie_children
+from processes import (descendants, kill_and_reap, reap_orphans, run_group, wait_for,
+                       zombie_children)
 
 # A child that starts a grandchild and exits at once, printing the grandchild's pid: the shape of
 # torchrun killed while its ranks run on.
@@ -92,6 +94,41 @@ def test_run_group_with_stall_stops_a_group_that_only_waits_and_lets_one_that_co
     leader = (f"import subprocess, sys; subprocess.run([sys.executable, '-c', {busy!r}], "
               "start_new_session=True, check=True)")
     assert run_group([sys.executable, "-c", leader], timeout=3600, stall=4).returncode == 0
+
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="/proc")
+@pytest.mark.timeout(300)
+def test_run_group_with_stall_is_not_fooled_by_another_process_exiting():
+    # a process that is not the run's (what an earlier test left exiting, on CI) spent more CPU
+    # than the run spends between two looks, and exits during the run: a sum over everything
+    # below pytest dropped by its seconds and the run, computing a tenth of the time, looked hung
+    spent = ("import sys, time\nend = time.process_time() + 1.5\n"
+             "while time.process_time() < end: pass\nprint('spent', flush=True)\n"
+             "sys.stdin.readline()")
+    other = subprocess.Popen([sys.executable, "-c", spent], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "spent"
+        # the run computes 10% of the time for 8 s (well over the 1% `stall` asks for); the
+        # other process exits once the run is under way
+        work = ("import time\nend = time.time() + 8\nwhile time.time() < end:\n"
+                "    busy = time.time() + 0.05\n    while time.time() < busy: pass\n"
+                "    time.sleep(0.45)\n")
+        runner = threading.Thread(target=lambda: result.append(
+            run_group([sys.executable, "-c", work], timeout=3600, stall=4)))
+        result: list[subprocess.CompletedProcess] = []
+        runner.start()
+        wait_for(lambda: any("busy = time.time()" in command
+                             for command in descendants().values()), BACKSTOP, "the run")
+        other.stdin.write("\n")
+        other.stdin.flush()
+        other.wait(timeout=BACKSTOP)  # exited and reaped: out of /proc
+        runner.join(timeout=BACKSTOP)
+        assert result and result[0].returncode == 0, result
+    finally:
+        other.kill()
+        other.wait(timeout=BACKSTOP)
 
 
 # forks a grandchild that outlives its parent, then exits once re-parented (to pytest)
