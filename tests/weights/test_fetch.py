@@ -189,6 +189,54 @@ async def test_a_corrupt_shard_fails_within_the_timeout_naming_the_trainer(publi
     assert not version_dir(tmp_path / "explorer", 1).exists()
 
 
+async def test_running_out_of_time_keeps_the_error_that_says_why(published, tmp_path):
+    # the first attempt finds a corrupt shard; the trainer then stops answering and the second
+    # attempt runs into sync.timeout: the error names both, not only the time that ran out
+    shard = min(version_dir(published, 1).glob("*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    server = await serve(published)
+    f = fetcher(tmp_path / "explorer", server.server.bound, timeout=2.0)
+    attempt = f._fetch_once
+
+    async def then_the_trainer_goes_quiet(*args):
+        try:
+            await attempt(*args)
+        finally:
+            await server.close()
+
+    f._fetch_once = then_the_trainer_goes_quiet
+    try:
+        with pytest.raises(WaitTimeout) as err:
+            await f.fetch(1)
+    finally:
+        await f.close()
+        await server.close()
+    message = str(err.value)
+    assert "arrived corrupt" in message and "then PeerDead" in message, message
+
+
+async def test_a_server_busy_until_the_timeout_says_so(published, tmp_path, monkeypatch):
+    # another explorer holds the one stream (weights.fetch_streams: 1) for longer than
+    # sync.timeout: the error says the server was busy and which setting limits it
+    monkeypatch.setattr("tandem.weights.fetch.IDLE_SECONDS", BACKSTOP)
+    server = await serve(published, streams=1)
+    holder = RpcClient(server.server.bound, peer="weights", transport=TRANSPORT)
+    f = fetcher(tmp_path / "explorer", server.server.bound, timeout=1.0)
+    try:
+        await holder.call(FetchChunk(version=1, file=_first_shard(published), offset=0,
+                                     length=CHUNK))
+        with pytest.raises(WaitTimeout) as err:
+            await f.fetch(1)
+    finally:
+        await f.close()
+        await holder.close()
+        await server.close()
+    message = str(err.value)
+    assert "busy" in message and "weights.fetch_streams" in message, message
+
+
 async def test_a_silent_trainer_fails_within_the_timeout(tmp_path):
     f = fetcher(tmp_path / "explorer", "tcp://127.0.0.1:9", timeout=1.0)
     try:

@@ -211,6 +211,7 @@ class WeightFetcher:
         partial = weights_dir(self.run_dir) / f".partial-v{version}-{self.client_name}"
         partial.mkdir(parents=True, exist_ok=True)
         last_error: Exception | None = None
+        ended: Exception | None = None  # what ran into the deadline, after `last_error`
         fetched_before = self.bytes_fetched
         while True:
             try:
@@ -220,7 +221,12 @@ class WeightFetcher:
                 if isinstance(exc, RequestFailed) and exc.code not in ("busy", "internal"):
                     raise WeightsError(f"weights version {version}: the trainer's weight server "
                                        f"at {self.address} refused: {exc.message}") from None
-                last_error = exc
+                # an error that only says sync.timeout ran out (a request cut short or never
+                # sent) does not hide the one before it, which says why: both are reported
+                if last_error is None or time.monotonic() < deadline:
+                    last_error = exc
+                else:
+                    ended = exc
                 if time.monotonic() >= deadline:
                     break
                 # a new connection, then resume at the end of what is on disk
@@ -233,8 +239,8 @@ class WeightFetcher:
             raise WaitTimeout(
                 f"weights version {version}: fetching from the trainer's weight server at "
                 f"{self.address} did not finish within {self.timeout:g}s (sync.timeout); "
-                f"{have} bytes on disk in {partial}, last error: "
-                f"{_describe(last_error)}")
+                f"{have} bytes on disk in {partial}, last error: {_describe(last_error)}"
+                + (f"; then {_describe(ended)}" if ended is not None else ""))
         try:
             os.rename(partial, final)
         except OSError:
@@ -312,10 +318,11 @@ class WeightFetcher:
                 f.flush()
 
     async def _call(self, msg, deadline: float):
+        refused: RequestFailed | None = None  # the server's last `busy`, for the error past time
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise PeerDead("trainer weight server", f"no time left for {msg.TYPE}")
+                raise _OutOfTime(msg.TYPE, refused)
             timeout = min(remaining, self.transport.rpc_timeout if self.transport else 30.0)
             try:
                 return await self._rpc().call(msg, timeout=timeout, retries=0,
@@ -323,6 +330,7 @@ class WeightFetcher:
             except RequestFailed as exc:
                 if exc.code != "busy":
                     raise
+                refused = exc
                 await asyncio.sleep(min(exc.retry_after or 0.05, max(0.0, remaining)))
 
     def _prune(self, newest: int) -> None:
@@ -331,9 +339,21 @@ class WeightFetcher:
                 shutil.rmtree(version_dir(self.run_dir, version), ignore_errors=True)
 
 
+class _OutOfTime(PeerDead):
+    """sync.timeout ran out before a request could be sent; `refused` is the server's last
+    `busy` answer while it was retried, if any."""
+
+    def __init__(self, request: str, refused: RequestFailed | None):
+        detail = f"; it last answered {refused.code}: {refused.message}" if refused else ""
+        super().__init__("trainer weight server", f"no time left for {request}{detail}")
+        self.refused = refused
+
+
 def _describe(exc: Exception | None) -> str:
     if exc is None:
         return "none (out of time)"
+    if isinstance(exc, _OutOfTime):
+        return str(exc)
     return f"{type(exc).__name__}: {exc}"
 
 
