@@ -81,14 +81,14 @@ def run_online(root: Path, model: Path, data: Path, *, steps: int, seed: int = 0
         [sys.executable, str(ROOT / "examples" / "online_app.py"),
          "--url-file", str(run_dir / "openai" / "explorer-0.url"), "--data", str(data),
          "--group-size", "8", "--questions", "8", "--seconds", str(run_timeout),
-         "--wait", "120", "--seed", str(seed), "--log", str(log)],
+         "--wait", str(run_timeout), "--seed", str(seed), "--log", str(log)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     start = time.monotonic()
     err = ""
     try:
         code = run_up(config, live=False)
         # the endpoint is gone with the run: the application's next call fails and it exits
-        _, err = app.communicate(timeout=60)
+        _, err = app.communicate(timeout=run_timeout)
     finally:
         if app.poll() is None:
             app.kill()

@@ -146,7 +146,7 @@ def test_a_killed_trainer_restarted_by_up_resumes_from_its_checkpoint_and_retrai
             # restart moves aside
             wait_for(lambda: newest_published(run_dir, since_resume=2) >= killed_at, BACKSTOP,
                      "the restarted trainer to train the lost steps again")
-        code, out = resume_check.finish(proc, 200)
+        code, out = resume_check.finish(proc, BACKSTOP)
     finally:
         if proc.poll() is None:
             resume_check.kill_everything(proc)
@@ -213,7 +213,7 @@ def test_sigterm_then_resume_finishes_every_step_without_waiting_for_stale_lease
             proc.send_signal(signal.SIGTERM)
             held.release(explorer)
             wait_for(lambda: not alive(explorer), BACKSTOP, "`tandem up` to stop the explorer")
-        first_code, first_out = resume_check.finish(proc, 400)
+        first_code, first_out = resume_check.finish(proc, BACKSTOP)
     finally:
         if proc.poll() is None:
             resume_check.kill_everything(proc)
@@ -225,7 +225,7 @@ def test_sigterm_then_resume_finishes_every_step_without_waiting_for_stale_lease
     assert 3 <= interrupted_at <= counted_at_stop == checkpoint_at_stop < steps
     proc = resume_check.up_process(config, "--resume")
     try:
-        code, out = resume_check.finish(proc, 240)
+        code, out = resume_check.finish(proc, BACKSTOP)
     finally:
         if proc.poll() is None:
             resume_check.kill_everything(proc)

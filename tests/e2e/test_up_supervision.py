@@ -36,7 +36,7 @@ def write_config(tmp_path: Path, model_dir: Path, steps: int, **up) -> Path:
                        "sampling": {"max_tokens": 3}}],
         "trainer": {"groups_per_step": 2, "lr": 1e-4},
         "reward": {"functions": {"k12": 1.0}},
-        "transport": {"liveness": 60.0},  # a component a test holds frozen is not dead
+        "transport": {"liveness": BACKSTOP},  # a component a test holds frozen is not dead
         "logging": {"level": "warning"},
         "up": {"run_timeout": BACKSTOP, "timeline": False, **up},
     }
