@@ -144,11 +144,20 @@ def test_eval_rows_reach_the_trackers_against_their_version(tmp_path):
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("eval/heldout/greedy/accuracy")] == [
         (0, 0.25), (2, 0.5), (3, 0.75)]
-    # the end-of-run row came before the run ended, read by the last step's write: the wait
-    # ends at its first look (it once waited the whole eval.final_wait for a newer one)
+    # a finished run resumed with more steps: the end-of-run row already in the file closed
+    # the earlier segment; a fresh writer passes it on again but does not take it for this
+    # segment's, and waits eval.final_wait for that
     cfg.eval.final_wait = 0.2
     writer = MetricsWriter(cfg.run_path, config=cfg)
     writer.write(4, STEPS[1])  # a fresh writer reads the file from its start, the final row too
+    assert [row["version"] for row in writer.write_evals()] == []
+    assert not asyncio.run(writer.await_final_eval())
+    writer.close()
+    # this segment's end-of-run row came before the run ended, read by the last step's write:
+    # the wait ends at its first look (it once waited the whole eval.final_wait for a newer one)
+    writer = MetricsWriter(cfg.run_path, config=cfg)
+    append(5, 0.8, True)
+    writer.write(5, STEPS[1])
     assert asyncio.run(writer.await_final_eval())
     writer.close()
     # no end-of-run row: the wait ends after eval.final_wait

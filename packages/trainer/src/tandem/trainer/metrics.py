@@ -145,7 +145,6 @@ class MetricsWriter:
         self.endpoint: MetricsEndpoint | None = None
         self._evals: EvalRows | None = None
         self._final_wait = 0.0
-        self._final_seen = False  # an end-of-run eval row has been passed on
         if run_dir is None:
             return
         run_dir = Path(run_dir)
@@ -193,7 +192,6 @@ class MetricsWriter:
     def write_evals(self) -> list[dict]:
         """Pass the eval rows that appeared since the last call to the trackers."""
         rows = self._evals.read() if self._evals is not None else []
-        self._final_seen = self._final_seen or any(row.get("final") for row in rows)
         for row in rows:
             metrics = {f"eval/{row['taskset']}/{k}": float(v) for k, v in row["metrics"].items()}
             for tracker in self._trackers:
@@ -203,8 +201,8 @@ class MetricsWriter:
     async def await_final_eval(self) -> bool:
         """The run is over: wait up to `eval.final_wait` for the explorer's end-of-run rows
         (`final`), passing on what arrives; False (and a warning) if they never come. A row
-        the last step's `write` already passed on counts: the wait is for a row, not for a
-        new one."""
+        the last step's `write` already passed on counts (the wait is for a row, not for a
+        new one); a row that was in eval.jsonl before this process started does not."""
         if self._evals is None or self._final_wait <= 0:
             return True
         import asyncio
@@ -212,7 +210,7 @@ class MetricsWriter:
         deadline = time.monotonic() + self._final_wait
         while True:
             self.write_evals()
-            if self._final_seen:
+            if self._evals.final_since_start:
                 return True
             if time.monotonic() >= deadline:
                 log.warning("trainer.eval_missing", waited=self._final_wait,
@@ -249,11 +247,19 @@ def _flatten(data: dict, prefix: str = "") -> dict[str, str]:
 
 
 class EvalRows:
-    """The rows run_dir/eval.jsonl gained since the last `read` (whole lines only)."""
+    """The rows run_dir/eval.jsonl gained since the last `read` (whole lines only), all of them
+    from the file's start. `final_since_start`: whether an end-of-run row (`final`) was
+    appended after this reader was made; one already there closed an earlier segment of the
+    run (a finished run resumed with more steps), not this one."""
 
     def __init__(self, path: Path):
         self.path = path
         self.offset = 0
+        try:
+            self.start = path.stat().st_size
+        except OSError:
+            self.start = 0
+        self.final_since_start = False
 
     def read(self) -> list[dict]:
         try:
@@ -263,15 +269,18 @@ class EvalRows:
         except OSError:
             return []
         end = chunk.rfind(b"\n") + 1
-        self.offset += end
+        at, self.offset = self.offset, self.offset + end
         rows = []
-        for line in chunk[:end].splitlines():
+        for line in chunk[:end].splitlines(keepends=True):
+            at += len(line)
             try:
                 row = json.loads(line)
             except ValueError:
                 continue
             if isinstance(row, dict) and isinstance(row.get("metrics"), dict):
                 rows.append(row)
+                if row.get("final") and at > self.start:
+                    self.final_since_start = True
         return rows
 
 
