@@ -327,6 +327,11 @@ class WeightFetcher:
             try:
                 return await self._rpc().call(msg, timeout=timeout, retries=0,
                                               timeout_key="sync.timeout")
+            except PeerDead as exc:
+                if refused is not None and time.monotonic() >= deadline:
+                    # a call cut short by the deadline after busy answers: busy says why
+                    raise _OutOfTime(msg.TYPE, refused) from exc
+                raise
             except RequestFailed as exc:
                 if exc.code != "busy":
                     raise
