@@ -22,6 +22,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -364,7 +365,9 @@ class Supervisor:
             if child.zygote is not None and not self._stop_reason:
                 child.start()
         if self.config.up.restart == "never":  # nothing will be forked again: free its pages
-            await asyncio.to_thread(self.zygote.close)  # its exit takes seconds under load
+            # on a thread, not awaited: its exit takes seconds under load, and the run is
+            # watched meanwhile (the close at the run's end waits for this one)
+            threading.Thread(target=self.zygote.close, name="zygote-close", daemon=True).start()
 
     def _reap_orphans(self) -> None:
         known = {c.proc.pid for c in self.children if c.proc is not None}

@@ -29,6 +29,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -272,6 +273,7 @@ class Zygote:
         self.ready_after: float | None = None
         self._buffer = b""
         self._env = dict(os.environ)
+        self._closing = threading.Lock()  # close() runs once; a second caller waits for it
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(
@@ -284,7 +286,7 @@ class Zygote:
         while b"\n" not in self._buffer:
             left = self._deadline - time.monotonic()
             if left <= 0 or not select.select([fd], [], [], left)[0]:
-                self.close()
+                self.close(kill=True)  # it does not answer: nothing to wait for
                 raise ZygoteRefused(f"the zygote did not answer within {self.timeout:g}s "
                                     f"(up.start_timeout; its log: {self.log_path})")
             chunk = os.read(fd, 65536)
@@ -326,25 +328,32 @@ class Zygote:
             raise ZygoteRefused(reply["error"])
         return ForkedProcess(reply["pid"])
 
-    def close(self) -> None:
+    def close(self, *, kill: bool = False) -> None:
         """End the zygote and wait for it: one that answered exits when its stdin closes, one
-        still importing is terminated (SIGTERM's default action), a stuck one killed. The wait
-        is bounded by up.start_timeout, as its start was: an interpreter holding torch takes
-        seconds to exit on a loaded machine, and a fixed 5 s turned that exit into a SIGKILL."""
-        importing = self.ready_after is None and self.refused is None
-        self.refused = self.refused or "the zygote was closed"
-        try:
-            self.proc.stdin.close()
-        except BrokenPipeError:
-            pass
-        if importing and self.proc.poll() is None:
-            self.proc.terminate()
-        try:
-            self.proc.wait(self.timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(5)
-        self.proc.stdout.close()
+        still importing is terminated (SIGTERM's default action), a stuck one (or, with
+        `kill`, one that stopped answering) killed. The wait is bounded by up.start_timeout, as
+        its start was: an interpreter holding torch takes seconds to exit on a loaded machine,
+        and a fixed 5 s turned that exit into a SIGKILL. Idempotent and thread-safe: `tandem
+        up` closes it on a thread once the children are forked, and again when the run ends."""
+        with self._closing:
+            if self.proc.stdout.closed:
+                return
+            importing = self.ready_after is None and self.refused is None
+            self.refused = self.refused or "the zygote was closed"
+            try:
+                self.proc.stdin.close()
+            except BrokenPipeError:
+                pass
+            if kill and self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            elif importing and self.proc.poll() is None:
+                self.proc.terminate()
+            try:
+                self.proc.wait(self.timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+            self.proc.stdout.close()
 
 
 def reap_orphans(known: set[int]) -> None:
