@@ -49,6 +49,14 @@ def fetcher(run_dir, address, **kwargs) -> WeightFetcher:
     return WeightFetcher(run_dir, address, **(opts | kwargs))
 
 
+def corrupt_a_shard(run_dir) -> None:
+    """Flip a byte of version 1's first shard: its xxh3 no longer matches the manifest."""
+    shard = min(version_dir(run_dir, 1).glob("*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+
+
 def shard_bytes(run_dir, version) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(version_dir(run_dir, version).iterdir())}
 
@@ -171,10 +179,7 @@ async def test_a_cut_connection_resumes_instead_of_starting_over(published, tmp_
 
 
 async def test_a_corrupt_shard_fails_within_the_timeout_naming_the_trainer(published, tmp_path):
-    shard = min(version_dir(published, 1).glob("*.safetensors"))
-    data = bytearray(shard.read_bytes())
-    data[-1] ^= 0xFF
-    shard.write_bytes(bytes(data))
+    corrupt_a_shard(published)
     server = await serve(published)
     f = fetcher(tmp_path / "explorer", server.server.bound, timeout=1.5)
     try:
@@ -192,10 +197,7 @@ async def test_a_corrupt_shard_fails_within_the_timeout_naming_the_trainer(publi
 async def test_running_out_of_time_keeps_the_error_that_says_why(published, tmp_path):
     # the first attempt finds a corrupt shard; the trainer then stops answering and the second
     # attempt runs into sync.timeout: the error names both, not only the time that ran out
-    shard = min(version_dir(published, 1).glob("*.safetensors"))
-    data = bytearray(shard.read_bytes())
-    data[-1] ^= 0xFF
-    shard.write_bytes(bytes(data))
+    corrupt_a_shard(published)
     server = await serve(published)
     f = fetcher(tmp_path / "explorer", server.server.bound, timeout=2.0)
     attempt = f._fetch_once
