@@ -51,8 +51,8 @@ def no_leftover_processes():
     before = set(descendants())
     yield
     reap_orphans()
-    start = moved = time.monotonic()
-    growth, since = CpuGrowth(), 0.0  # CPU seconds the leftovers spent since `moved`
+    start = time.monotonic()
+    growth = CpuGrowth(QUIET_CPU)
     growth.spent(descendants())  # from now on
     while True:
         left = {pid: cmd for pid, cmd in descendants().items() if pid not in before}
@@ -64,10 +64,7 @@ def no_leftover_processes():
         # zombie), which a large one takes a while to reach on a loaded machine: wait for it too
         ending = all(" timeline " in cmd or not cmd for cmd in left.values())
         now = time.monotonic()
-        since += growth.spent(left)
-        if since >= QUIET_CPU:
-            moved, since = now, 0.0
-        if now - moved > (60.0 if ending else QUIET_SECONDS) or now - start > BACKSTOP:
+        if now - growth.look(left) > (60.0 if ending else QUIET_SECONDS) or now - start > BACKSTOP:
             break
         time.sleep(0.05)
     if left:

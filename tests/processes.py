@@ -221,11 +221,11 @@ def run_group(argv: list[str], timeout: float, *, stall: float | None = None,
     # the run's processes are those below this one that were not there before it started:
     # `tandem up` starts each component in a session of its own, and a zygote's forks are
     # re-parented here once it exits, so neither the leader's group nor its session holds them all
-    before, growth = set(descendants()) if stall is not None else set(), CpuGrowth()
+    before = set(descendants()) if stall is not None else set()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, **kwargs)
     deadline = time.monotonic() + timeout
-    moved, since = time.monotonic(), 0.0  # CPU seconds the run spent since `moved`
+    growth = CpuGrowth(stall / 100 if stall is not None else 0.0)
     while True:
         try:
             out, err = proc.communicate(timeout=timeout if stall is None else 5.0)
@@ -233,10 +233,8 @@ def run_group(argv: list[str], timeout: float, *, stall: float | None = None,
         except subprocess.TimeoutExpired:
             now = time.monotonic()
             if stall is not None:
-                since += growth.spent((set(descendants()) - before) | {proc.pid})
-                if since >= stall / 100:
-                    moved, since = now, 0.0
-            if now > deadline or (stall is not None and now - moved > stall):
+                growth.look((set(descendants()) - before) | {proc.pid})
+            if now > deadline or (stall is not None and now - growth.moved > stall):
                 break
     out = err = ""
     for sig, wait in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 10.0)):
@@ -265,15 +263,26 @@ def cpu_seconds(pid: int) -> float:
 
 
 class CpuGrowth:
-    """CPU seconds a changing set of processes spent between two looks.
+    """CPU seconds a changing set of processes spent between two looks, and when they last
+    spent `threshold` (`moved`, time.monotonic()).
 
     Each process (a pid and its start time, so a reused pid is a new one) is counted by its own
     growth, its CPU and that of the children it reaped: a total summed over the set drops by
     what a process that exits had spent, and hid the others' progress behind it (a run
     computing a tenth of the time looked hung while an unrelated process exited)."""
 
-    def __init__(self) -> None:
+    def __init__(self, threshold: float = 0.0) -> None:
+        self.threshold = threshold
+        self.moved = time.monotonic()
+        self._since = 0.0  # seconds spent since `moved`
         self._ticks: dict[tuple[int, int], int] = {}
+
+    def look(self, pids) -> float:
+        """Count what `pids` spent since the last look; returns `moved`."""
+        self._since += self.spent(pids)
+        if self._since >= self.threshold:
+            self.moved, self._since = time.monotonic(), 0.0
+        return self.moved
 
     def spent(self, pids) -> float:
         """Seconds spent by `pids` since the last call (for a process first seen: all of its)."""

@@ -223,11 +223,12 @@ class WeightFetcher:
                                        f"at {self.address} refused: {exc.message}") from None
                 # an error that only says sync.timeout ran out (a request cut short or never
                 # sent) does not hide the one before it, which says why: both are reported
-                if last_error is None or time.monotonic() < deadline:
+                past = time.monotonic() >= deadline
+                if last_error is None or not past:
                     last_error = exc
                 else:
                     ended = exc
-                if time.monotonic() >= deadline:
+                if past:
                     break
                 # a new connection, then resume at the end of what is on disk
                 await self.close()
