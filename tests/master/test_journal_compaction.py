@@ -31,7 +31,7 @@ from tandem.common.messages.master import (
 from tandem.common.runrecord import read_run_record
 from tandem.master.journal import Journal, JournalError, read_journal
 from tandem.master.service import Master
-from tandem.master.snapshot import capture
+from tandem.master.snapshot import capture, restore
 
 sys.path.insert(0, str(Path(__file__).parent))
 from master_peers import make_config
@@ -213,6 +213,37 @@ def test_an_uncompacted_journal_replays_and_is_compacted(reference):
     assert [type(r) for r in records] == [JournalSnapshot]
     again, _ = replayed(cfg)
     assert again == state(master)
+
+
+def unsorted_pair() -> set[str]:
+    """Two explorer names whose set iterates out of sorted order in this process (which pair
+    does depends on the hash seed)."""
+    for i in range(100):
+        pair = {f"explorer-{i}", f"explorer-{i + 1}"}
+        if list(pair) != sorted(pair):
+            return pair
+    raise AssertionError("no pair of names iterates unsorted")
+
+
+def test_a_snapshot_writes_its_sets_sorted_so_the_same_state_is_the_same_snapshot(tmp_path):
+    # a set iterates in an order set by the hash seed and the order its members came in; a
+    # restored master builds its sets from the snapshot's lists, so the same state written as
+    # it iterates could read back as another snapshot (found: the replayed state differing from
+    # the live one in the order of `clock.done`, in one process of four)
+    master = opened(config(tmp_path / "run", "synchronous", 0))
+    master._commit(Register(name="trainer", role="trainer"))
+    master.clock.done[3] = unsorted_pair()
+    master.clock.on_disk = {8, 1}  # iterates 8, 1
+    master.clock.uncounted = {16, 2}
+    snap = capture(master)
+    clock = snap.state["clock"]
+    assert clock["done"]["3"] == sorted(master.clock.done[3])
+    assert clock["on_disk"] == [1, 8] and clock["uncounted"] == [2, 16]
+    again = Master(config(tmp_path / "again", "synchronous", 0))
+    restore(again, snap, "test")
+    again.journal.records = snap.records  # as replaying the journal counts them
+    assert again.clock.done[3] == master.clock.done[3] and again.clock.on_disk == {1, 8}
+    assert capture(again).model_dump() == snap.model_dump()
 
 
 def test_a_snapshot_of_a_newer_format_is_one_clear_error(reference):

@@ -50,7 +50,9 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import PlainSerializer
 
 from tandem.common.messages.master import (
     Barrier,
@@ -105,12 +107,19 @@ class ExplorerSlot:
             behind_newest=None if self.held is None else newest - self.held)
 
 
+# A set in the journal's snapshot (`snapshot.capture`) is written sorted: a set iterates in an
+# order that depends on the process's hash seed and on the order its members came in, so written
+# as it iterates, the same state would give a different snapshot in each process.
+Names = Annotated[set[str], PlainSerializer(sorted, return_type=list[str])]
+Steps = Annotated[set[int], PlainSerializer(sorted, return_type=list[int])]
+
+
 @dataclass
 class RunClock:
     plan: SyncPlan
     total_steps: int
     explorers: dict[str, ExplorerSlot] = field(default_factory=dict)
-    done: dict[int, set[str]] = field(default_factory=dict)  # synchronous: step -> explorers
+    done: dict[int, Names] = field(default_factory=dict)  # synchronous: step -> explorers
     groups: dict[int, int] = field(default_factory=dict)  # synchronous: step -> tasks done
     completed_groups: list[int | None] = field(default_factory=list)  # per batch, in order
     completed_informative: list[int | None] = field(default_factory=list)  # per batch, in order
@@ -122,7 +131,7 @@ class RunClock:
     newest: int = 0  # newest published version
     published_versions: list[int] = field(default_factory=list)  # in the trainer's lineage
     broadcast_through: int = 0  # nccl: versions a lost lineage broadcast; never broadcast again
-    on_disk: set[int] = field(default_factory=set)  # nccl: versions a resumed trainer wrote
+    on_disk: Steps = field(default_factory=set)  # nccl: versions a resumed trainer wrote
     stopped: bool = False
     exhausted: bool = False  # the taskset ran dry
     last_go: TrainerGo | None = None
@@ -133,7 +142,7 @@ class RunClock:
     colocated_sleeps_last: bool = True  # ... after the last step too (no final evaluation)
     max_extra: int = 0  # dynamic sampling: top-up batches one step may get
     informative: dict[int, int] = field(default_factory=dict)  # synchronous: step -> groups
-    uncounted: set[int] = field(default_factory=set)  # steps with a batch of unknown signal
+    uncounted: Steps = field(default_factory=set)  # steps with a batch of unknown signal
     extra: dict[int, int] = field(default_factory=dict)  # step -> top-up batches granted
     # asynchronous: step -> (first, count) of the completed batches it trains on, fixed once
     # released (a resumed trainer is released on the same ones)
