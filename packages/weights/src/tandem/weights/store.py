@@ -191,11 +191,23 @@ class StoreClient(dist.Store):
             # A DEALER holds a request until the Curve handshake succeeds, which for a refused
             # key is never; both waits go in short slices so close() from another thread waits
             # for at most one.
-            self._wait_for(zmq.POLLOUT, deadline, op, limit)
-            self._socket.send_multipart([request_id, msgpack.packb([op, *args])], zmq.NOBLOCK)
+            request = [request_id, msgpack.packb([op, *args])]
+            while True:
+                self._wait_for(zmq.POLLOUT, deadline, op, limit)
+                try:
+                    self._socket.send_multipart(request, zmq.NOBLOCK)
+                    break
+                except zmq.Again:
+                    # The pipe the poll saw went before the send: ZeroMQ's I/O thread tears
+                    # it down when a handshake fails or the connection drops, and makes a
+                    # new one on reconnecting. Not an error, only not writable yet.
+                    time.sleep(_POLL_MS / 1000 / 10)
             while True:
                 self._wait_for(zmq.POLLIN, deadline, op, limit)
-                frames = self._socket.recv_multipart()
+                try:  # never a blocking recv: what the poll saw is read or waited for again
+                    frames = self._socket.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    continue
                 if len(frames) == 2 and frames[0] == request_id:
                     break  # anything else answers a request given up on
         ok, result = msgpack.unpackb(frames[1], raw=False)
