@@ -107,11 +107,14 @@ class StoreServer:
             while not self._closed.is_set():
                 if not sock.poll(_POLL_MS):
                     continue
-                frames = sock.recv_multipart()
-                if len(frames) != 3:
-                    continue  # not a StoreClient: nothing to answer
-                peer, request_id, payload = frames
-                sock.send_multipart([peer, request_id, self._answer(payload)])
+                try:  # neither call may block, nor end the serving on a pipe that went
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                    if len(frames) != 3:
+                        continue  # not a StoreClient: nothing to answer
+                    peer, request_id, payload = frames
+                    sock.send_multipart([peer, request_id, self._answer(payload)], zmq.NOBLOCK)
+                except zmq.Again:
+                    continue  # the member's pipe went: it asks again or times out
         except zmq.ZMQError as exc:
             log.warning("weights.store.stopped", error=str(exc))
         finally:
