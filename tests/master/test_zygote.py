@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -106,3 +107,27 @@ def test_closing_a_zygote_ends_it_whether_or_not_its_imports_are_done(tmp_path):
     assert ready.refused is None and ready.ready_after is not None
     ready.close()
     assert ready.proc.returncode == 0
+
+
+def test_a_forked_components_log_exists_when_fork_returns(tmp_path):
+    """exec's path opens a component's log before the child runs; a forked component opens it
+    itself, once it runs, which on a loaded machine came after the zygote's answer: a reader
+    looking at once (this file's first test, under load) found no file. The interleaving made
+    certain here: the zygote answers, and its component has not run (nor ever will)."""
+    argv = [str(BIN / "tandem-master"), "--config", str(master_config(tmp_path))]
+    zygote = Zygote(tmp_path / "zygote.out", BACKSTOP, [argv])
+    sleeper = subprocess.Popen(["sleep", "600"])
+    stdin = zygote.proc.stdin
+    try:
+        zygote.wait_ready()
+        zygote.proc.stdin = open(os.devnull, "wb")  # the request reaches no zygote
+        zygote._line = lambda: {"pid": sleeper.pid}  # whose answer names a process of ours
+        log = tmp_path / "component.out"
+        zygote.fork(argv, dict(os.environ), log)
+        assert log.exists()
+    finally:
+        sleeper.kill()
+        sleeper.wait(BACKSTOP)
+        zygote.proc.stdin.close()
+        zygote.proc.stdin = stdin
+        zygote.close()

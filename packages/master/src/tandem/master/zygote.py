@@ -316,6 +316,10 @@ class Zygote:
         if self.refused:
             raise ZygoteRefused(self.refused)
         self._deadline = time.monotonic() + self.timeout
+        # The log exists when fork returns, as exec's does (up opens it before Popen): the
+        # component opens it itself, but only once it runs, which on a busy machine is after
+        # the zygote has answered, and a reader looking at once found no file.
+        os.close(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644))
         try:
             self.proc.stdin.write((json.dumps({"argv": argv, "env": env, "log": str(log),
                                                "cwd": os.getcwd()}) + "\n").encode())
