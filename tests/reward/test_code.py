@@ -202,10 +202,34 @@ async def test_a_cancel_while_the_process_starts_still_kills_it(reward_config,
 async def test_runs_under_the_slot_uid(reward_config, processes_mentioning):
     async with running(reward_config, processes_mentioning) as code:
         program = "import os\nprint(os.getuid())"
-        want = str(reward_config.code.uid_base)  # slot 0 is handed out first
+        want = str(code.sandbox.slot_uids(0)[0])  # slot 0 is handed out first
         truth = {"tests": [{"input": "", "output": want}]}
         got = await code.score(ScoreItem(response=program, truth=truth))
         assert got.score == 1.0, got.reason
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="per-slot uids are used when running as root")
+async def test_two_sandboxes_at_once_never_share_a_uid(reward_config, processes_mentioning):
+    """RLIMIT_NPROC counts a uid's processes host-wide: two sandboxes (two reward services,
+    two test workers) whose slots shared `uid_base + k` shared one limit, so a fork bomb in one
+    made a correct candidate of the other fail to fork (a suite under load scored the process
+    group escape `failed to load`). Both run a program that prints its uid, with one slot
+    each: the second sandbox's slot 0 runs under a uid the first does not hold."""
+    config = reward_config.model_copy(update={"workers": 1})
+    program = "import os\nprint(os.getuid(), os.getgid())"
+    async with running(config, processes_mentioning) as one, \
+            running(config, processes_mentioning) as two:
+        seen = []
+        for code in (one, two):
+            run = await code.sandbox.run(program)
+            assert run.status == "ok", run
+            uid, gid = (int(v) for v in run.stdout.split())
+            assert uid == gid
+            seen.append(uid)
+        assert seen[0] != seen[1]
+        assert seen == [one.sandbox.slot_uids(0)[0], two.sandbox.slot_uids(0)[0]]
+        held = set(one.sandbox.slot_uids(0)) | set(two.sandbox.slot_uids(0))
+        assert len(held) == 4, held  # candidate and harness uids, none shared
 
 
 def test_extract_program_prefers_the_last_python_block():

@@ -12,7 +12,7 @@ the namespaces; each run gets:
 - fresh PID (with its own `/proc`), network (loopback only), IPC (no host System V objects) and
   UTS namespaces; a fresh tmpfs on /tmp (also /var/tmp and /dev/shm) that vanishes with the run;
 - when the scorer runs as root, the candidate under its own uid per slot
-  (`reward.code.uid_base + slot`) and, in assert mode, the test harness under a second one, so
+  (claimed host-wide from `reward.code.uid_base` up: `SlotUids`) and, in assert mode, the test harness under a second one, so
   the candidate cannot signal, trace or read the harness, and `RLIMIT_NPROC` counts only it;
 - resource limits (CPU seconds, address space per process, processes, file size, open files),
   and, where a cgroup memory controller is writable, a memory limit for the whole run (every
@@ -25,6 +25,7 @@ Output is read up to `max_output_bytes`; grading happens in the caller, outside 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import secrets
 import shutil
@@ -100,6 +101,46 @@ def _status(code: int) -> str:
         sig = code - 128 if code > 128 else -code
         return "cpu" if sig in (signal.SIGXCPU, signal.SIGKILL) else "signal"
     return "exit"
+
+
+UID_LOCKS = Path("/run/lock") if os.path.isdir("/run/lock") else Path("/tmp")
+UID_SPAN = 4096  # how far past uid_base a sandbox looks for uids no other sandbox holds
+
+
+class SlotUids:
+    """The uids this sandbox's slots run under, claimed host-wide for as long as it lives.
+
+    `RLIMIT_NPROC` counts every process of a uid on the host, so two sandboxes (two reward
+    services, two test workers, a run and its evaluation) whose slots shared `uid_base + k`
+    shared one process limit: a fork bomb in one made the other's candidate fail to fork, and a
+    correct program scored 0. Each uid is claimed with an exclusive `flock` on a file under
+    /run/lock, held until `release` or this process's death, and the search goes on past a
+    held one."""
+
+    def __init__(self, base: int, count: int, key: str):
+        self.uids: list[int] = []
+        self._files: list[int] = []
+        uid = base
+        while len(self.uids) < count:
+            if uid >= base + UID_SPAN:
+                self.release()
+                raise TandemError(f"{key}.uid_base: no {count} free uids in {base}.."
+                                  f"{base + UID_SPAN - 1} (other sandboxes hold them)")
+            fd = os.open(UID_LOCKS / f"tandem-sandbox-uid-{uid}.lock",
+                         os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+            else:
+                self.uids.append(uid)
+                self._files.append(fd)
+            uid += 1
+
+    def release(self) -> None:
+        for fd in self._files:
+            os.close(fd)  # closing the last descriptor drops the lock
+        self._files, self.uids = [], []
 
 
 class Cgroups:
@@ -290,6 +331,7 @@ class Sandbox:
         self._slot_queue: asyncio.Queue[int] | None = None
         self._base: Path | None = None
         self._runner: Path | None = None
+        self._uids: SlotUids | None = None
 
     async def start(self) -> None:
         if self._base is not None:
@@ -308,6 +350,8 @@ class Sandbox:
         for slot in range(self.slots):
             self._slot_queue.put_nowait(slot)
         try:
+            if self.as_root:  # a candidate's and, in assert mode, a harness's uid per slot
+                self._uids = SlotUids(self.config.uid_base, 2 * self.slots, self.key)
             if self.isolated:
                 await asyncio.to_thread(self._prepare)
         except BaseException:
@@ -360,13 +404,18 @@ class Sandbox:
                 f"{done.stderr.decode(errors='replace').strip()[-300:] or done.returncode}; "
                 f"{install_hint(self.key)}")
 
+    def slot_uids(self, slot: int) -> tuple[int, int]:
+        """The candidate's and the harness's uid for `slot`: claimed ones as root, else ours."""
+        if self._uids is None:
+            return os.getuid(), os.getuid()
+        return self._uids.uids[slot], self._uids.uids[self.slots + slot]
+
     def _command(self, slot: int, mode: str, run_dir: Path, *, probe: bool = False,
                  binds: tuple[tuple[str, str], ...] = ()) -> list[str]:
         cfg = self.config
         # As root the candidate never keeps root, isolated or not (without isolation, modules
         # it imports must then be readable by the slot uid).
-        uid = cfg.uid_base + slot if self.as_root else os.getuid()
-        harness_uid = cfg.uid_base + self.slots + slot if self.as_root else os.getuid()
+        uid, harness_uid = self.slot_uids(slot)
         runner_args = [mode, str(cfg.cpu_seconds), str(cfg.memory_mb << 20), str(cfg.nproc),
                        str(int(cfg.file_size_mb * (1 << 20))), str(cfg.open_files), str(uid),
                        str(harness_uid)]
@@ -450,7 +499,7 @@ class Sandbox:
         (run_dir / "solution.py").write_text(program, encoding="utf-8")
         (run_dir / "solution.py").chmod(0o644)
         if self.as_root:
-            uid = cfg.uid_base + slot
+            uid = self.slot_uids(slot)[0]
             os.chown(work, uid, uid)
         work.chmod(0o700)
         mode = "stdio"
@@ -594,9 +643,12 @@ class Sandbox:
         if self.cgroups is not None:
             self.cgroups.close()
             self.cgroups = None
+        if self._uids is not None:
+            self._uids.release()
+            self._uids = None
 
     async def close(self) -> None:
-        if self.cgroups is not None:
+        if self.cgroups is not None or self._uids is not None:
             await asyncio.to_thread(self.close_sync)
         if self._base is not None:
             await asyncio.to_thread(shutil.rmtree, self._base, True)

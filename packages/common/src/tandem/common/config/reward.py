@@ -37,8 +37,9 @@ class CodeSandboxConfig(Section):
                     "without bwrap. none: rlimits and a process group only, for trusted code")
     uid_base: int = Field(
         default=61000, ge=1000,
-        description="when running as root, sandbox slot k runs as uid/gid uid_base+k, so the "
-                    "process limit counts only that slot's processes")
+        description="when running as root, each sandbox slot runs as a uid/gid of its own, "
+                    "the first free from uid_base up (claimed host-wide, so no two sandboxes "
+                    "share one), so the process limit counts only that slot's processes")
 
 
 class RewardModelConfig(Section):

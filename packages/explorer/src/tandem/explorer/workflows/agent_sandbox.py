@@ -68,8 +68,9 @@ class AgentSandboxArgs(BaseModel):
                                 description="largest file written (RLIMIT_FSIZE), MiB")
     uid_base: int = Field(
         default=62000, ge=1000,
-        description="as root, episode slot k runs as uid uid_base+k (apart from "
-                    "reward.code.uid_base, so reward runs and agents never share a uid)")
+        description="as root, each episode slot runs as a uid of its own, the first free "
+                    "from uid_base up (claimed host-wide; apart from reward.code.uid_base, so "
+                    "reward runs and agents never share a uid)")
 
 
 @dataclass
