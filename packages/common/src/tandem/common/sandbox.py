@@ -27,9 +27,11 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import os
+import pwd
 import secrets
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -103,8 +105,42 @@ def _status(code: int) -> str:
     return "exit"
 
 
-UID_LOCKS = Path("/run/lock") if os.path.isdir("/run/lock") else Path("/tmp")
+UID_LOCKS = Path("/run" if os.path.isdir("/run") else "/tmp") / "tandem-sandbox-uids"
 UID_SPAN = 4096  # how far past uid_base a sandbox looks for uids no other sandbox holds
+
+
+def _uid_in_use(uid: int) -> bool:
+    """A uid some process still runs as (a sandbox's leftover after a kill that gave up, or a
+    scorer killed unisolated), or one that names a user: never handed to a candidate."""
+    if uid >= 65534:  # nobody, and (uid_t)-1 of 16-bit tools
+        return True
+    try:
+        pwd.getpwuid(uid)
+        return True
+    except KeyError:
+        pass
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                if entry.stat().st_uid == uid:
+                    return True
+            except OSError:
+                pass  # exited meanwhile
+    return False
+
+
+def _lock_dir() -> Path:
+    """UID_LOCKS, root's own: made 0700, refused when it is a link or anyone else's (a world-
+    writable /tmp must not let another user plant a lock file or a symlink for root to open)."""
+    try:
+        UID_LOCKS.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(UID_LOCKS)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != 0 or info.st_mode & 0o077:
+        raise TandemError(f"{UID_LOCKS}: not a directory of root's own (mode 0700), so the "
+                          "sandbox cannot claim its uids there; remove it")
+    return UID_LOCKS
 
 
 class SlotUids:
@@ -113,29 +149,42 @@ class SlotUids:
     `RLIMIT_NPROC` counts every process of a uid on the host, so two sandboxes (two reward
     services, two test workers, a run and its evaluation) whose slots shared `uid_base + k`
     shared one process limit: a fork bomb in one made the other's candidate fail to fork, and a
-    correct program scored 0. Each uid is claimed with an exclusive `flock` on a file under
-    /run/lock, held until `release` or this process's death, and the search goes on past a
-    held one."""
+    correct program scored 0. Each uid is claimed with an exclusive `flock` on a file in a
+    directory of root's own, held until `release` or this process's death; the search goes on
+    past a uid another sandbox holds or some process still runs as."""
 
     def __init__(self, base: int, count: int, key: str):
         self.uids: list[int] = []
         self._files: list[int] = []
-        uid = base
-        while len(self.uids) < count:
-            if uid >= base + UID_SPAN:
-                self.release()
-                raise TandemError(f"{key}.uid_base: no {count} free uids in {base}.."
-                                  f"{base + UID_SPAN - 1} (other sandboxes hold them)")
-            fd = os.open(UID_LOCKS / f"tandem-sandbox-uid-{uid}.lock",
-                         os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-            else:
-                self.uids.append(uid)
-                self._files.append(fd)
-            uid += 1
+        try:
+            folder = _lock_dir()
+            uid = base
+            while len(self.uids) < count:
+                if uid >= base + UID_SPAN:
+                    raise TandemError(f"{key}.uid_base: no {count} free uids in {base}.."
+                                      f"{base + UID_SPAN - 1} (other sandboxes hold them)")
+                if not _uid_in_use(uid):
+                    self._claim(folder / f"{uid}.lock", uid)
+                uid += 1
+        except BaseException:
+            self.release()
+            raise
+
+    def _claim(self, path: Path, uid: int) -> None:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)  # another sandbox's
+            return
+        except BaseException:
+            os.close(fd)
+            raise
+        self.uids.append(uid)
+        self._files.append(fd)
+        if _uid_in_use(uid):  # a process took it between the look and the lock
+            self.uids.pop()
+            os.close(self._files.pop())
 
     def release(self) -> None:
         for fd in self._files:
@@ -406,8 +455,10 @@ class Sandbox:
 
     def slot_uids(self, slot: int) -> tuple[int, int]:
         """The candidate's and the harness's uid for `slot`: claimed ones as root, else ours."""
-        if self._uids is None:
+        if not self.as_root:
             return os.getuid(), os.getuid()
+        if self._uids is None:  # fail closed: as root, never a candidate under our own uid
+            raise TandemError(f"{self.key}: the sandbox is closed (or not started)")
         return self._uids.uids[slot], self._uids.uids[self.slots + slot]
 
     def _command(self, slot: int, mode: str, run_dir: Path, *, probe: bool = False,

@@ -226,12 +226,18 @@ class Agent(Workflow):
         sandbox = AgentSandbox(self.address, self.args.sandbox, timeout=self.args.timeout,
                                max_retries=self.args.max_retries, slots=slots)
         gate = asyncio.Semaphore(slots)
+        episodes: list[asyncio.Future] = []
         try:
             await sandbox.start()
-            return await asyncio.gather(*(
-                self._sandboxed(sandbox, gate, endpoint, task, k)
-                for task in tasks for k in range(ctx.repeat_times)))
+            episodes = [asyncio.ensure_future(self._sandboxed(sandbox, gate, endpoint, task, k))
+                        for task in tasks for k in range(ctx.repeat_times)]
+            return await asyncio.gather(*episodes)
         finally:
+            # every episode ends before the sandbox closes: one that failed or a cancellation
+            # must not leave others running in a closed sandbox, or starting it again
+            for episode in episodes:
+                episode.cancel()
+            await asyncio.gather(*episodes, return_exceptions=True)
             await sandbox.close()
 
     @staticmethod
