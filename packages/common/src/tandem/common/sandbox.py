@@ -11,9 +11,10 @@ the namespaces; each run gets:
   beyond those, so no dataset, no other run's files, no host unix socket it was not given;
 - fresh PID (with its own `/proc`), network (loopback only), IPC (no host System V objects) and
   UTS namespaces; a fresh tmpfs on /tmp (also /var/tmp and /dev/shm) that vanishes with the run;
-- when the scorer runs as root, the candidate under its own uid per slot
-  (claimed host-wide from `reward.code.uid_base` up: `SlotUids`) and, in assert mode, the test harness under a second one, so
-  the candidate cannot signal, trace or read the harness, and `RLIMIT_NPROC` counts only it;
+- when the scorer runs as root, the candidate under its own uid per slot (claimed host-wide
+  from `reward.code.uid_base` up: `SlotUids`) and, in assert mode, the test harness under a
+  second one, so the candidate cannot signal, trace or read the harness, and `RLIMIT_NPROC`
+  counts only it;
 - resource limits (CPU seconds, address space per process, processes, file size, open files),
   and, where a cgroup memory controller is writable, a memory limit for the whole run (every
   process the candidate forks shares one budget, tmpfs files included);
