@@ -30,11 +30,11 @@ run: $(STAMP)
 
 # The code reward's sandbox is bubblewrap (docs/reward.md), a Debian package, not a PyPI one:
 # install it when missing, as root only (CI runs as root with apt reachable); elsewhere say how.
+# One host-wide lock makes two `make test` at once on a fresh host install it once
+# (tools/apt_install.sh). BWRAP names the command looked for (a test names a missing one).
+BWRAP ?= bwrap
 bwrap:
-	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
-	  { apt-get install -y -q bubblewrap >/dev/null 2>&1 || \
-	    { apt-get update -q >/dev/null && apt-get install -y -q bubblewrap >/dev/null; }; }; } || \
-	  { echo "make: the code sandbox needs bubblewrap: apt-get install bubblewrap (as root)"; exit 1; }
+	@tools/apt_install.sh "the code sandbox" "$(BWRAP)" bubblewrap
 
 # Two pytest workers (pytest-xdist), tests handed out as each worker frees up: most of an e2e
 # test's wall-clock is processes starting, stopping and waiting on each other, which a second
@@ -78,11 +78,7 @@ test-vllm: $(VLLM_STAMP)
 # the tests runs `tandem deploy slurm`'s script with sbatch. Debian packages, installed like
 # bubblewrap: as root when missing; elsewhere say how.
 slurm:
-	@{ command -v sbatch && command -v slurmd && command -v munged; } >/dev/null 2>&1 || \
-	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
-	    { apt-get install -y -q slurm-wlm munge >/dev/null 2>&1 || \
-	      { apt-get update -q >/dev/null && apt-get install -y -q slurm-wlm munge >/dev/null; }; }; } || \
-	  { echo "make: the Slurm tier needs slurm-wlm and munge: apt-get install slurm-wlm munge (as root)"; exit 1; }
+	@tools/apt_install.sh "the Slurm tier" "sbatch slurmd munged" slurm-wlm munge
 
 # Only the tests marked `slurm`; `make test` collects them but skips them.
 test-slurm: $(STAMP) slurm
