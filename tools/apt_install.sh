@@ -20,7 +20,6 @@ fi
 wait_s=${TANDEM_APT_WAIT:-600}
 lock=${TANDEM_APT_LOCK:-/var/lock/tandem-apt.lock}
 apt="apt-get -o DPkg::Lock::Timeout=$wait_s -y -q"
-# shellcheck disable=SC2086
 flock -w "$wait_s" "$lock" sh -c '
   have() { for c in $1; do command -v "$c" >/dev/null 2>&1 || return 1; done; }
   have "$1" && exit 0
