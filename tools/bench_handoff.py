@@ -70,8 +70,9 @@ def batch(step: int, groups: int, tokens: int, prompt: int) -> list[Experience]:
     return out
 
 
-def array_bytes(experiences: list[Experience]) -> int:
-    return sum(e.tokens.nbytes + e.action_mask.nbytes + e.logprobs.nbytes for e in experiences)
+def array_bytes(groups: int, tokens: int, prompt: int) -> int:
+    """The bytes of one batch's arrays: int32 tokens, uint8 mask and float32 logprobs."""
+    return groups * GROUP * (4 * tokens + 5 * (tokens - prompt))
 
 
 async def stages(root: Path, shape: tuple[int, int, int], steps: int) -> dict[str, list[float]]:
@@ -88,21 +89,23 @@ async def stages(root: Path, shape: tuple[int, int, int], steps: int) -> dict[st
             times[name].append(time.perf_counter() - start)
         return result
 
+    async def timed_async(name: str, call, step: int):
+        start = time.perf_counter()
+        result = await call
+        if step >= WARMUP:
+            times[name].append(time.perf_counter() - start)
+        return result
+
     try:
         for step in range(steps + WARMUP):
             experiences = batch(step, *shape)
             frames = timed(STAGES[0], lambda: encode_request(
                 PutExperiences(experiences=experiences, group_size=GROUP), "put"), step)
             put = timed(STAGES[1], lambda: decode(frames).body, step)
-            start = time.perf_counter()
-            await store.put(put.experiences, [GROUP] * len(put.experiences))
-            if step >= WARMUP:
-                times[STAGES[2]].append(time.perf_counter() - start)
-            start = time.perf_counter()
-            leased = await store.writer.call(store._op_sample, groups, store.policy, None, None,
-                                             None, "trainer")
-            if step >= WARMUP:
-                times[STAGES[3]].append(time.perf_counter() - start)
+            await timed_async(STAGES[2], store.put(put.experiences,
+                                                   [GROUP] * len(put.experiences)), step)
+            leased = await timed_async(STAGES[3], store.writer.call(
+                store._op_sample, groups, store.policy, None, None, None, "trainer"), step)
             lease = timed(STAGES[4], lambda: store.lease_from(leased), step)
             reply = SampleResult(lease_id=lease.lease_id, expires_at=lease.expires_at,
                                  experiences=lease.experiences, group_ids=lease.group_ids)
@@ -182,16 +185,16 @@ def main() -> int:
             shape = SHAPES[name]
             inner = asyncio.run(stages(root / name, shape, args.steps))
             outer = asyncio.run(end_to_end(root / name, shape, args.steps))
-            sample = batch(0, *shape)
-            mb = array_bytes(sample) / 1e6
-            medians = {k: median_ms(v) for k, v in {**inner, **outer}.items()}
+            timings = {**inner, **outer}
+            experiences = shape[0] * GROUP
+            mb = array_bytes(*shape) / 1e6
+            medians = {k: median_ms(v) for k, v in timings.items()}
             total = sum(medians[s] for s in STAGES)
             report["shapes"][name] = {
-                "groups": shape[0], "experiences": len(sample), "tokens": shape[1],
+                "groups": shape[0], "experiences": experiences, "tokens": shape[1],
                 "array_mb": mb, "median_ms": medians, "stages_total_ms": total,
-                "vs_pickled": total / medians["pickled arrays (baseline)"],
-                "seconds": {k: v for k, v in {**inner, **outer}.items()}}
-            print(f"\n{name}: {shape[0]} groups x {GROUP} = {len(sample)} experiences of "
+                "vs_pickled": total / medians["pickled arrays (baseline)"], "seconds": timings}
+            print(f"\n{name}: {shape[0]} groups x {GROUP} = {experiences} experiences of "
                   f"{shape[1]} tokens, {mb:.2f} MB of arrays; medians of {args.steps} batches")
             print(f"{'stage':40} {'ms':>8} {'share':>6}")
             for stage in STAGES:
