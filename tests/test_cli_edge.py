@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,15 +22,14 @@ import yaml
 from backstop import BACKSTOP
 from component_process import ComponentProcess
 from processes import catches, freeze
+from tandem.common.sockets import free_port
 
 BIN = Path(sys.executable).parent
 UNBINDABLE = "tcp://192.0.2.1:5550"  # TEST-NET-1: an address of no interface on this host
 
 
 def unused_address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    return f"tcp://127.0.0.1:{free_port()}"
 
 
 def base(run_dir: Path, *extra: str) -> list[str]:

@@ -240,6 +240,28 @@ def test_free_ports_are_never_handed_out_twice():
     assert len(set(ports)) == len(ports)
 
 
+def test_a_free_port_is_one_no_other_socket_can_be_given_meanwhile():
+    """The port is bound by its process seconds later (after its imports); until then no
+    `bind(0)` (a /metrics endpoint on port 0, an srun's listener) nor the local end of a
+    `connect()` may take it, so it lies outside the kernel's ephemeral range, and it is free on
+    every address, for a server that binds 0.0.0.0."""
+    import socket
+
+    from tandem.common.sockets import FIXED_PORTS, ephemeral_ports, free_port
+
+    ephemeral = ephemeral_ports()
+    for _ in range(50):
+        port = free_port()
+        assert port not in ephemeral, (port, ephemeral)
+        assert not any(port in fixed for fixed in FIXED_PORTS), port
+        with socket.socket() as sock:
+            sock.bind(("0.0.0.0", port))
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        assert taken.getsockname()[1] in ephemeral  # what the kernel hands a bind(0)
+
+
 def test_peer_names_are_readable_and_one_to_one():
     from tandem.common.rpc import peer_name
     from tandem.common.sockets import new_identity

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 
 import pytest
@@ -15,12 +14,11 @@ from tandem.common.errors import PeerDead
 from tandem.common.heartbeat import Heartbeater
 from tandem.common.messages import GetBufferStats
 from tandem.common.rpc import RpcClient
+from tandem.common.sockets import free_port
 
 
 def nobody() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    return f"tcp://127.0.0.1:{free_port()}"
 
 
 async def test_a_retried_call_states_its_whole_wait(zmq_sockets_closed):

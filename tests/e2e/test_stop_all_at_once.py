@@ -16,7 +16,6 @@ the bound it ran under), never the wall time of a busy machine.
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,17 +27,12 @@ import yaml
 
 import bench_stop
 from processes import freeze
+from tandem.common.sockets import free_port
 from tandem.common.trace import JsonlTail
 from backstop import BACKSTOP
 
 BIN = Path(sys.executable).parent
 LIVENESS = 5.0  # the stop bound per peer
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_config(tmp_path: Path, model_dir: Path) -> Path:

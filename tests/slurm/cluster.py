@@ -15,6 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 from backstop import BACKSTOP
+from tandem.common.sockets import free_port
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 TOOLS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "squeue")
@@ -24,12 +25,6 @@ def missing_tools() -> list[str]:
     """The Slurm and munge programs this machine lacks (`make slurm` installs them)."""
     path = f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin"
     return [tool for tool in TOOLS if shutil.which(tool, path=path) is None]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def node_resources() -> tuple[int, int]:

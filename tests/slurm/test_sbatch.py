@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,7 +17,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 import resume_check
-from cluster import SlurmCluster, free_port
+from cluster import SlurmCluster
+from tandem.common.sockets import free_port
 from processes import descendants, freeze, thread_states
 from tandem.common.trace import JsonlTail
 from backstop import BACKSTOP
@@ -66,7 +68,26 @@ def job_output(tmp_path: Path, job: int | str) -> str:
     return path.read_text(errors="replace")[-3000:] if path.exists() else ""
 
 
-def wait_for(predicate, timeout: float, what: str, cluster: SlurmCluster, job: int):
+def diagnosis(tmp_path: Path, job: int, run_dir: Path | None = None) -> str:
+    """What a failed wait reports: the job's output and every component's last log lines."""
+    parts = [f"--- job {job} output ---\n{job_output(tmp_path, job)}"]
+    for log in sorted((run_dir / "logs").glob("*.jsonl")) if run_dir is not None else ():
+        lines = log.read_text(errors="replace").splitlines()[-15:]
+        parts.append(f"--- {log.name} ---\n" + "\n".join(line[:300] for line in lines))
+    return "\n".join(parts)
+
+
+def wait_for(predicate, timeout: float, what: str, cluster: SlurmCluster, job: int, *,
+             held: set[int] = frozenset(), tmp_path: Path | None = None,
+             run_dir: Path | None = None):
+    """`predicate()`'s first true value while the job runs. A job that began to stop while
+    the test holds one of its components still (SIGTERM waits in it) never ends by itself: its
+    script waits for every step, the frozen one too; that is a failure now, not a hang until
+    pytest's timeout, and like every failure here it reports the job's output and logs."""
+    def fail(why: str):
+        context = "" if tmp_path is None else "\n" + diagnosis(tmp_path, job, run_dir)
+        raise AssertionError(f"{why} while waiting for {what}{context}")
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
@@ -74,9 +95,12 @@ def wait_for(predicate, timeout: float, what: str, cluster: SlurmCluster, job: i
             return value
         state = cluster.job(job).get("JobState")
         if state not in ("PENDING", "CONFIGURING", "RUNNING"):
-            raise AssertionError(f"job {job} is {state} while waiting for {what}")
+            fail(f"job {job} is {state}")
+        stopping = sorted(pid for pid in held if sigterm_pending(pid))
+        if stopping:
+            fail(f"job {job} began to stop (SIGTERM waits in the held {stopping})")
         time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+    fail(f"timed out after {timeout:g}s")
 
 
 def component(name: str) -> int | None:
@@ -130,26 +154,29 @@ def stopped_at_step_two(cluster: SlurmCluster, jobs: list[int], model_dir: Path,
     trainer_log = run_dir / "logs" / "trainer.jsonl"
     job = submit(cluster, script, tmp_path, jobs)
     held: set[int] = set()
+
+    def until(predicate, what: str):
+        return wait_for(predicate, BACKSTOP, what, cluster, job, held=held, tmp_path=tmp_path,
+                        run_dir=run_dir)
+
     try:
-        explorer = wait_for(lambda: component("explorer"), BACKSTOP, "the explorer", cluster, job)
+        explorer = until(lambda: component("explorer"), "the explorer")
         freeze(explorer)
         held.add(explorer)
-        trainer = wait_for(lambda: component("trainer"), BACKSTOP, "the trainer", cluster, job)
-        wait_for(lambda: any(e.get("event") == "trainer.started"
-                             for e in JsonlTail().new_objects(trainer_log)),
-                 BACKSTOP, "the trainer's start", cluster, job)
+        trainer = until(lambda: component("trainer"), "the trainer")
+        until(lambda: any(e.get("event") == "trainer.started"
+                          for e in JsonlTail().new_objects(trainer_log)), "the trainer's start")
         freeze(trainer)
         held.add(trainer)
         # bound by Slurm to the CPUs of its step: each may use every CPU of the node
         node_cpus = len(os.sched_getaffinity(0))
         assert [len(os.sched_getaffinity(pid)) for pid in (explorer, trainer)] == [node_cpus] * 2
         os.kill(explorer, signal.SIGCONT)
-        wait_for(lambda: resume_check.batches_done(run_dir) >= 2, BACKSTOP, "two batches", cluster, job)
+        until(lambda: resume_check.batches_done(run_dir) >= 2, "two batches")
         freeze(explorer)
         os.kill(trainer, signal.SIGCONT)
-        wait_for(lambda: resume_check.master_steps(run_dir)
-                 == resume_check.batches_done(run_dir), BACKSTOP,
-                 "the trainer to train every batch", cluster, job)
+        until(lambda: resume_check.master_steps(run_dir) == resume_check.batches_done(run_dir),
+              "the trainer to train every batch")
         freeze(trainer)
         counted = resume_check.master_steps(run_dir)
         stop(job)
@@ -217,3 +244,22 @@ def test_cancelled_job_resubmitted_finishes_every_step_once(slurm_cluster, jobs,
     assert 2 <= counted <= counted_at_stop < STEPS, (counted, counted_at_stop, out)
     assert (resume_check.newest_checkpoint_step(run_dir) or 0) <= counted_at_stop
     resumed_to_the_end(slurm_cluster, jobs, script, run_dir, tmp_path)
+
+
+def test_a_step_that_fails_while_the_explorer_is_held_fails_the_wait(
+        slurm_cluster, jobs, tiny_model_dir, tmp_path, monkeypatch):
+    """The master cannot bind its port (a listener holds it), so its step fails and the script
+    stops the job's other steps while the test holds the explorer still. Held, the explorer
+    cannot end, so the script waits for it for ever: the test's wait fails at once with the
+    master's own error instead of running into pytest's timeout with none."""
+    holder = socket.socket()
+    holder.bind(("0.0.0.0", 0))
+    holder.listen()
+    port, free = holder.getsockname()[1], free_port
+    taken = iter([port])  # render()'s first port is the master's
+    monkeypatch.setitem(globals(), "free_port", lambda: next(taken, None) or free())
+    with holder, pytest.raises(AssertionError) as failed:
+        stopped_at_step_two(slurm_cluster, jobs, tiny_model_dir, tmp_path, lambda job: None)
+    message = str(failed.value)
+    assert "began to stop" in message or "is FAILED" in message, message
+    assert f"tandem-master: cannot bind tcp://0.0.0.0:{port}" in message, message

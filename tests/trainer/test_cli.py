@@ -1,7 +1,6 @@
 """`tandem-trainer` as a process: one-line errors with an exit code, a clean exit on SIGTERM."""
 
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -9,14 +8,13 @@ from pathlib import Path
 
 import pytest
 from backstop import BACKSTOP
+from tandem.common.sockets import free_port
 
 EXE = str(Path(sys.executable).with_name("tandem-trainer"))
 
 
 def unused_address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    return f"tcp://127.0.0.1:{free_port()}"
 
 
 def args(run_dir, model, *extra):

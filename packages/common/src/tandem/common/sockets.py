@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import os
+import random
 import socket
 import time
 import uuid
@@ -32,17 +34,57 @@ def install_uvloop() -> bool:
 
 _handed_out: set[int] = set()
 
+# Where `free_port` looks: registered ports below the usual ephemeral range (32768-60999), less
+# the fixed ones a run uses itself (torchrun's 29500, the nccl rendezvous 29400, the default
+# component and /metrics ports).
+PORT_POOL = range(10000, 32768)
+FIXED_PORTS = (range(29400, 29600), range(9400, 9500), range(5550, 5600))
+
+
+def ephemeral_ports() -> range:
+    """The kernel's range for `bind(0)` and the local end of `connect()` (Linux's
+    ip_local_port_range; its default elsewhere)."""
+    try:
+        low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
+@functools.cache
+def _port_pool() -> tuple[int, ...]:
+    ephemeral = ephemeral_ports()
+    return tuple(port for port in PORT_POOL if port not in ephemeral
+                 and not any(port in fixed for fixed in FIXED_PORTS))
+
+
+def _bindable(address: tuple[str, int]) -> int:
+    """The port bound at `address` (released again at once), 0 if it is taken."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(address)
+        except OSError:
+            return 0  # another listener, or a connection's local end
+        return sock.getsockname()[1]
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on now, for an address given to another process to bind.
-    Never the same one twice in this process: the kernel hands a just-closed ephemeral port out
-    again, and two addresses of one run on one port left `tandem up` a master that could not
-    bind its second socket."""
-    for _ in range(100):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind((host, 0))
-            port = sock.getsockname()[1]
-        if port not in _handed_out:
+    """A TCP port nothing is bound to now, for an address given to another process to bind.
+
+    Outside the kernel's ephemeral range: a port from `bind(0)` was one of those, and in the
+    seconds before its process bound it (a start-up's imports) it could become the local port
+    of any socket opened meanwhile, a /metrics endpoint on port 0 or an srun's, and the server
+    then failed to bind and took its run down. Outside the range only an explicit bind takes it.
+    Never the same one twice in this process, and never a port a run fixes for itself."""
+    pool = _port_pool()
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.choice(pool) if pool else 0
+        if port in _handed_out:
+            continue
+        # free on every address (a server may bind 0.0.0.0), and on `host` itself
+        port = _bindable(("0.0.0.0", port)) and _bindable((host, port))
+        if port and port not in _handed_out:
             _handed_out.add(port)
             return port
     raise OSError(f"no free TCP port on {host} that this process has not handed out already")
