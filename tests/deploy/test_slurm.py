@@ -83,12 +83,13 @@ def test_explorers_share_nodes_round_robin():
 
 
 FAKE_SCANCEL = """#!/bin/bash
-# stands in for `scancel --signal=TERM JOB[.STEP]`: SIGTERM to the tasks of that step, or of
+# stands in for `scancel --signal=SIG JOB[.STEP]`: SIG to the tasks of that step, or of
 # every step still running (a step's id is its stand-in srun's pid)
 echo "$*" >> "$SRUN_LOG.scancel"
+sig="${1#--signal=}"
 target="${@: -1}"
 while read -r pid name; do
-  if [[ "$target" != *.* || "$target" == *".$pid" ]]; then kill -TERM "$pid" 2>/dev/null; fi
+  if [[ "$target" != *.* || "$target" == *".$pid" ]]; then kill -"$sig" "$pid" 2>/dev/null; fi
 done < "$SRUN_LOG.steps"
 exit 0
 """
@@ -114,6 +115,8 @@ trap 'trap "" TERM; echo "TERM $*" >> "$SRUN_LOG"; kill $! 2>/dev/null; exit 143
 echo "$$ $name" >> "$SRUN_LOG.steps"
 echo "$node $*" >> "$SRUN_LOG"
 if [[ "$*" == *"$FAIL_ON"* ]]; then sleep 0.5; exit 3; fi
+# a component stuck in its stop: SIGTERM does nothing, only SIGKILL ends it
+if [[ "$*" == *"$STUCK"* ]]; then trap '' TERM; exec sleep 600; fi
 # a server (buffer, reward service) serves until it is told to stop
 if [[ "$*" == *tandem-buffer* || "$*" == *tandem-reward* ]]; then sleep "$SERVE_SECONDS" & wait $!; fi
 sleep "$STEP_SECONDS" & wait $!
@@ -121,7 +124,7 @@ sleep "$STEP_SECONDS" & wait $!
 
 
 def job_env(tmp_path: Path, fail_on: str = "never", step_seconds: float = 0.2,
-            serve_seconds: float = 600) -> dict[str, str]:
+            serve_seconds: float = 600, stuck: str = "never") -> dict[str, str]:
     """The job's environment, with stand-ins for Slurm's commands first on PATH."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
@@ -135,6 +138,7 @@ def job_env(tmp_path: Path, fail_on: str = "never", step_seconds: float = 0.2,
             "SRUN_LOG": str(tmp_path / "srun.log"), "SLURM_JOB_NODELIST": "node-[a-d]",
             "SLURM_JOB_ID": "77", "SLURM_CPUS_ON_NODE": "8", "FAIL_ON": fail_on,
             "STEP_SECONDS": str(step_seconds), "SERVE_SECONDS": str(serve_seconds),
+            "STUCK": stuck,
             "TANDEM_CURVE_SERVER_SECRET": "s", "TANDEM_CURVE_CLIENT_SECRET": "c"}
 
 
@@ -208,6 +212,23 @@ def test_a_failing_step_stops_the_others_and_fails_the_job(tmp_path):
     # every other step got SIGTERM (and the job did not wait out their 20 s)
     assert stopped == ["tandem-explorer", "tandem-explorer", "tandem-master", "tandem-reward",
                        "tandem-trainer"]
+
+
+def test_a_step_stuck_in_its_stop_is_killed_after_the_grace(tmp_path):
+    """The buffer fails, so the job stops the rest; the trainer ignores its SIGTERM (stuck in
+    its stop). The script waits for it at most its grace, the longest stop the config allows
+    (the trainer's, an explorer's drain) plus srun's teardown, then SIGKILLs what still runs
+    through Slurm and fails the job, instead of waiting for the time limit."""
+    script = render(SlurmOptions(run_dir=str(tmp_path / "run")),
+                    up={"stop_timeout": 0.5, "trainer_stop_timeout": 0.5},
+                    explorers=[{"name": "explorer-0", "batch_size": 4, "drain_seconds": 0.5}])
+    assert "GRACE=16" in script  # ceil(0.5) + 15
+    done, calls = run_job(tmp_path, script, fail_on="tandem-buffer", step_seconds=600,
+                          stuck="tandem-trainer")
+    assert done.returncode == 1, done.stderr
+    assert "tandem: steps still running 16s after SIGTERM: SIGKILL" in done.stderr
+    scancels = (tmp_path / "srun.log.scancel").read_text().splitlines()
+    assert scancels == ["--signal=TERM 77", "--signal=KILL 77"], scancels
 
 
 def test_job_ends_with_the_run_and_stops_the_servers(tmp_path):

@@ -35,6 +35,7 @@ submitting the same script again continues the run either way.
 
 from __future__ import annotations
 
+import math
 import shlex
 import sys
 from dataclasses import dataclass
@@ -106,6 +107,10 @@ def render_slurm(config: RunConfig, options: SlurmOptions) -> str:
         head.append(f"#SBATCH --partition={options.partition}")
     if options.account:
         head.append(f"#SBATCH --account={options.account}")
+    # the longest a stop may take: the trainer's exit checkpoint, an explorer's drain (as
+    # `tandem up` bounds them), and srun's own teardown
+    grace = math.ceil(max(config.up.stop_timeout, config.up.trainer_stop_timeout,
+                          *(e.drain_seconds for e in config.explorers))) + 15
     lines = head + [
         "# Rendered by `tandem deploy slurm`: submit with `sbatch THIS_FILE`. Stop the run",
         "# cleanly with `scancel --batch --signal=TERM JOBID` (a plain scancel SIGKILLs it). To",
@@ -164,6 +169,23 @@ def render_slurm(config: RunConfig, options: SlurmOptions) -> str:
         '    if [[ " $* " == *" $name "* ]]; then scancel --signal=TERM "$id" 2>/dev/null || true; fi',
         '  done < <(squeue --noheader --steps --jobs "$SLURM_JOB_ID" --format "%i %j" 2>/dev/null)',
         "}",
+        "# wait for these steps, for at most GRACE s: a step still running then (a component",
+        "# stuck in its stop) is SIGKILLed through Slurm, so no stop waits for ever",
+        f"GRACE={grace}",
+        "drain() {",
+        "  local deadline=$((SECONDS + GRACE)) pid alive",
+        "  while :; do",
+        "    alive=0",
+        '    for pid in "$@"; do kill -0 "$pid" 2>/dev/null && alive=1; done',
+        "    if (( ! alive || SECONDS >= deadline )); then break; fi",
+        "    sleep 1",
+        "  done",
+        "  if (( alive )); then",
+        '    echo "tandem: steps still running ${GRACE}s after SIGTERM: SIGKILL" >&2',
+        '    scancel --signal=KILL "$SLURM_JOB_ID" 2>/dev/null || true',
+        "  fi",
+        '  wait "$@" 2>/dev/null || true',
+        "}",
         "# scancel --batch --signal=TERM, or the time limit near (the stop itself is below: a",
         "# `wait` inside a trap that interrupted `wait -n` never returns)",
         "stopping=0",
@@ -216,14 +238,14 @@ def render_slurm(config: RunConfig, options: SlurmOptions) -> str:
         "while (( ! stopping )); do",
         "  code=0; wait -n || code=$?",
         "  if (( stopping )); then break; fi",
-        "  if (( code != 0 )); then stop; wait; exit 1; fi",
+        "  if (( code != 0 )); then stop; drain \"${PIDS[@]}\"; exit 1; fi",
         "  running=0",
         "  for pid in \"${RUN[@]}\"; do kill -0 \"$pid\" 2>/dev/null && running=1; done",
-        "  if (( ! running )); then stop; wait; exit 0; fi",
+        "  if (( ! running )); then stop; drain \"${PIDS[@]}\"; exit 0; fi",
         "done",
         "# stopped: as `tandem up` does, the explorers and the trainer while the master still",
         "# answers (the trainer checkpoints what the master counted), then the rest",
         "stop_steps tandem-explorer tandem-trainer",
-        'wait "${WORKERS[@]}" 2>/dev/null || true',
-        "stop; wait; exit 130", ""]
+        'drain "${WORKERS[@]}"',
+        'stop; drain "${PIDS[@]}"; exit 130', ""]
     return "\n".join(lines)
