@@ -227,6 +227,8 @@ def test_a_step_stuck_in_its_stop_is_killed_after_the_grace(tmp_path):
                           stuck="tandem-trainer")
     assert done.returncode == 1, done.stderr
     assert "tandem: steps still running 16s after SIGTERM: SIGKILL" in done.stderr
+    stopped = sorted(component(c) for c in calls if c.startswith("TERM"))
+    assert stopped == ["tandem-explorer", "tandem-master", "tandem-reward"]  # not the stuck one
     scancels = (tmp_path / "srun.log.scancel").read_text().splitlines()
     assert scancels == ["--signal=TERM 77", "--signal=KILL 77"], scancels
 
