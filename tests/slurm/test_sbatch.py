@@ -81,9 +81,10 @@ def wait_for(predicate, timeout: float, what: str, cluster: SlurmCluster, job: i
              held: set[int] = frozenset(), tmp_path: Path | None = None,
              run_dir: Path | None = None):
     """`predicate()`'s first true value while the job runs. A job that began to stop while
-    the test holds one of its components still (SIGTERM waits in it) never ends by itself: its
-    script waits for every step, the frozen one too; that is a failure now, not a hang until
-    pytest's timeout, and like every failure here it reports the job's output and logs."""
+    the test holds one of its components still (SIGTERM waits in it) waits for that step to
+    the end of the script's grace (315 s), and a held component never moves the run on: that
+    is a failure now, not a wait into pytest's timeout, and like every failure here it reports
+    the job's output and logs."""
     def fail(why: str):
         context = "" if tmp_path is None else "\n" + diagnosis(tmp_path, job, run_dir)
         raise AssertionError(f"{why} while waiting for {what}{context}")
@@ -250,8 +251,9 @@ def test_a_step_that_fails_while_the_explorer_is_held_fails_the_wait(
         slurm_cluster, jobs, tiny_model_dir, tmp_path, monkeypatch):
     """The master cannot bind its port (a listener holds it), so its step fails and the script
     stops the job's other steps while the test holds the explorer still. Held, the explorer
-    cannot end, so the script waits for it for ever: the test's wait fails at once with the
-    master's own error instead of running into pytest's timeout with none."""
+    cannot end, so the script waits for it to the end of its grace: the test's wait fails at
+    once with the master's own error instead of waiting with none (before the grace, until
+    pytest's timeout)."""
     holder = socket.socket()
     holder.bind(("0.0.0.0", 0))
     holder.listen()
