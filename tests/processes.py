@@ -138,10 +138,17 @@ def kill_and_reap(pids) -> None:
 def thread_states(pid: int) -> list[str]:
     """The scheduler state letter of each thread of `pid` (R, S, D, T, t, Z, ...); [] once it
     is gone."""
+    try:
+        # os.listdir, not Path.glob: glob checks the folder is there, then lists it, and a
+        # process reaped in between made it raise FileNotFoundError
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []  # gone (reaped) while we looked
     states = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
+    for task in tasks:
         try:
-            states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+            stat = Path(f"/proc/{pid}/task/{task}/stat").read_text()
+            states.append(stat.rsplit(")", 1)[1].split()[0])
         except (OSError, IndexError):
             continue  # that thread exited while we looked
     return states

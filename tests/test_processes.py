@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from backstop import BACKSTOP
-from processes import (descendants, kill_and_reap, reap_orphans, run_group, wait_for,
-                       zombie_children)
+from processes import (descendants, kill_and_reap, reap_orphans, run_group, thread_states,
+                       wait_for, zombie_children)
 
 # A child that starts a grandchild and exits at once, printing the grandchild's pid: the shape of
 # torchrun killed while its ranks run on.
@@ -156,3 +156,15 @@ def test_exited_orphans_are_reaped_and_our_own_children_keep_their_exit_codes():
     assert reap_orphans() == sorted(orphans)
     assert zombie_children() == {own.pid}
     assert own.wait(BACKSTOP) == 3  # still ours to wait for, with its own exit code
+
+
+def test_thread_states_of_a_process_reaped_while_looked_at_is_empty(monkeypatch):
+    """A process reaped between the look at its /proc folder and the listing of its threads
+    (the interleaving `alive()` met in a loaded run: `Path.glob` saw /proc/PID/task, then its
+    scandir raised FileNotFoundError) has no threads, it does not fail the test that asked."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(timeout=BACKSTOP)  # reaped: /proc/PID is gone
+    monkeypatch.setattr(Path, "is_dir", lambda self: True)  # the folder was there when checked
+    monkeypatch.setattr(Path, "exists", lambda self: True)
+    assert thread_states(child.pid) == []
+    assert thread_states(os.getpid()) != []  # a live process still has its threads

@@ -186,10 +186,14 @@ def write_config(workdir: Path, model_dir: Path, *, preset: str, steps: int, see
 
 
 def children(pid: int) -> list[int]:
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")  # not Path.glob: see tests/processes.py
+    except OSError:
+        return []  # gone (reaped) while we looked
     found = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
+    for task in tasks:
         try:
-            found += [int(c) for c in (task / "children").read_text().split()]
+            found += [int(c) for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
         except OSError:
             continue
     return found
