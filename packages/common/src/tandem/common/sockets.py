@@ -45,7 +45,8 @@ def ephemeral_ports() -> range:
     """The kernel's range for `bind(0)` and the local end of `connect()` (Linux's
     ip_local_port_range; its default elsewhere)."""
     try:
-        low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
     except (OSError, ValueError):
         low, high = 32768, 60999
     return range(low, high + 1)
