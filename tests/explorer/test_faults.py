@@ -4,7 +4,9 @@
   busy with snapshot requests (item 4).
 - An explorer declared dead right after the buffer acked its put registers again and carries
   on (item 6); the tasks of its batch are rolled out again under newer weights and store
-  nothing new, so every task has exactly one group in the buffer (item 3).
+  nothing new, so every task has exactly one group in the buffer (item 3). It registers again
+  once, also when a heartbeat refused as dead is answered only after that registration (the
+  order a loaded machine drew in issue 31's sixth run: it registered twice).
 - An explorer that completed its lease but died before its step report has its batch counted
   once, not lost (item 3).
 - A score request in flight when the reward service dies is resent (same id) and answered by
@@ -27,7 +29,7 @@ from backstop import BACKSTOP
 from tandem.buffer import Buffer
 from tandem.common.config import RunConfig
 from tandem.common.config.reward import RewardConfig
-from tandem.common.errors import WaitTimeout
+from tandem.common.errors import RequestFailed, WaitTimeout
 from tandem.common.heartbeat import Heartbeater
 from tandem.common.messages.master import (
     CompleteTasks,
@@ -142,6 +144,38 @@ class DeclaredDeadAfterPut(Explorer):
                 assert time.monotonic() < deadline, "the trainer published no version 1"
                 await asyncio.sleep(0.05)
             await declare_dead(self.master_service, self.name)
+            if isinstance(self.master_service, StaleHeartbeatRefusalMaster):
+                # a heartbeat is refused (and held) before the explorer learns it is dead
+                await asyncio.wait_for(self.master_service.refusal_held.wait(), BACKSTOP)
+
+
+class StaleHeartbeatRefusalMaster(Master):
+    """A master that answers the first heartbeat it refuses as `declared_dead` only after it
+    answered the explorer's next Register: the interleaving a loaded machine can draw, where a
+    heartbeat sent before the explorer registered again is refused after it did. That refusal
+    speaks of the registration that ended; the explorer must not register a third time."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.registered = asyncio.Event()
+        self.refusal_held = asyncio.Event()
+        self.held_refusals = 0
+
+    async def _on_register(self, msg, ctx):
+        reply = await super()._on_register(msg, ctx)
+        if self.held_refusals:
+            self.registered.set()
+        return reply
+
+    async def _on_heartbeat(self, msg, ctx):
+        try:
+            return await super()._on_heartbeat(msg, ctx)
+        except RequestFailed as exc:
+            if exc.code == "declared_dead" and not self.held_refusals:
+                self.held_refusals += 1
+                self.refusal_held.set()
+                await asyncio.wait_for(self.registered.wait(), BACKSTOP)
+            raise
 
 
 def groups_per_task(config) -> tuple[Counter, int]:
@@ -154,11 +188,16 @@ def groups_per_task(config) -> tuple[Counter, int]:
     return Counter(task for _, task in rows), stored
 
 
+@pytest.mark.parametrize("master_type", [Master, StaleHeartbeatRefusalMaster],
+                         ids=["refusals_in_order", "a_refusal_answered_after_it_registered"])
 async def test_an_explorer_declared_dead_after_its_put_registers_again_and_stores_nothing_twice(
-        tmp_path, tiny_model_path):
+        tmp_path, tiny_model_path, master_type):
+    # Declared dead once, it registers again once, whichever order the master answers its
+    # requests in: with StaleHeartbeatRefusalMaster a heartbeat refused as dead reaches it
+    # only after its new registration was answered (before the fix it registered again)
     config = make_config(tmp_path, tiny_model_path, "sync.preset=fully_async",
                          "sync.method=checkpoint", "sync.offset=null", "master.total_steps=3")
-    master = Master(config)
+    master = master_type(config)
     await master.start()
     buffer = Buffer(config)
     config.buffer.address = await buffer.start()
@@ -180,6 +219,8 @@ async def test_an_explorer_declared_dead_after_its_put_registers_again_and_store
         engine.close()
         trained.close()
     assert explorer.rejoins == 1 and explorer.stop_reason.startswith("done")
+    if master_type is StaleHeartbeatRefusalMaster:
+        assert master.held_refusals == 1 and master.registered.is_set()
     assert status.counters.batches_lost == 1 and status.counters.batches_done == 3
     # 3 batches of 2 tasks counted, and the lost batch's 2 tasks rolled out again with
     # version 1: each task has one group of repeat_times=2 experiences, nothing stored twice

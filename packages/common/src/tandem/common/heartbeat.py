@@ -53,7 +53,9 @@ class Heartbeater:
     to a request the server does not count as life (a subscriber's snapshot request) must not
     let the server's `liveness` run out. `on_dead(peer)` runs once when the server has been
     silent past `liveness`, `on_alive(peer)` once when it answers again, and
-    `on_refused(error)` each time the server refuses the heartbeat (e.g. `declared_dead`).
+    `on_refused(error)` each time the server refuses the heartbeat (e.g. `declared_dead`);
+    `sent_at` is then when that heartbeat was sent (monotonic), so that a caller can tell a
+    refusal of a request sent before some change of its own (a new registration) from one after.
     """
 
     def __init__(self, client, *, name: str, role: str = "", interval: float = 1.0,
@@ -70,6 +72,7 @@ class Heartbeater:
         self.on_alive = on_alive
         self.on_refused = on_refused
         self.alive = True
+        self.sent_at = float("-inf")  # the latest heartbeat's send (monotonic)
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -84,7 +87,7 @@ class Heartbeater:
 
     async def _run(self) -> None:
         while True:
-            sent = time.monotonic()
+            sent = self.sent_at = time.monotonic()
             try:
                 await self.client.call(Heartbeat(name=self.name, role=self.role),
                                        timeout=self.liveness, retries=0,

@@ -129,6 +129,9 @@ class Explorer:
         self._flight: _Flight | None = None  # the newest step started
         self._leases: dict[int, str] = {}  # batch -> lease id: leased, not yet completed
         self._declared_dead = asyncio.Event()  # the master refused us as dead: register again
+        # when the latest Register was answered (monotonic): a refusal of a request sent before
+        # it speaks of the registration that ended, not of this one (`_refused_as_dead`)
+        self._registered_at = float("-inf")
         self.rejoins = 0
         self._wait_task: asyncio.Task | None = None
         self._owns_engine = engine is None
@@ -231,6 +234,7 @@ class Explorer:
                            "device": self.cfg.engine.device, "version": self.engine.version},
                      terms=self.config.terms(self.role, self.name)),
             timeout_key="transport.rpc_timeout")  # refused (config_mismatch) unless it agrees
+        self._registered_at = time.monotonic()
         self.run_id = reply.run_id
         if reply.reported_batch is not None:
             # a restart: the barrier a snapshot replays may be one this explorer (an earlier
@@ -244,17 +248,30 @@ class Explorer:
     async def _call_unless_dead(self, msg: Any) -> Any | None:
         """The master's reply to `msg`, or None when the master declared this explorer dead
         (the next barrier wait registers again); any other refusal raises."""
+        sent = time.monotonic()
         try:
             return await self.master.call(msg, timeout_key="transport.rpc_timeout")
         except RequestFailed as exc:
             if exc.code != "declared_dead":
                 raise
-            self._declared_dead.set()
+            self._refused_as_dead(sent, type(msg).__name__)
             return None
 
     def _on_refused(self, exc: RequestFailed) -> None:
         if exc.code == "declared_dead":
-            self._declared_dead.set()
+            self._refused_as_dead(self.heartbeater.sent_at, "Heartbeat")
+
+    def _refused_as_dead(self, sent: float, what: str) -> None:
+        """The master refused a request sent at `sent` (monotonic) with `declared_dead`. Only a
+        request sent after the latest registration was answered speaks of this registration: one
+        sent before it (a heartbeat in flight while `_register_again` ran, answered after it)
+        was refused for the registration that ended, and acting on it would register a live,
+        registered explorer again and give up the batch it had just been granted."""
+        if sent < self._registered_at:
+            log.info("explorer.stale_refusal", explorer=self.name, request=what,
+                     why="sent before the explorer registered again")
+            return
+        self._declared_dead.set()
 
     async def _register_again(self, why: str) -> None:
         """The master declared this explorer dead while it was alive: register again and take
@@ -379,13 +396,14 @@ class Explorer:
     async def _ask_ahead(self, flight: _Flight) -> None:
         """Tell the master `flight`'s step drains, so it may grant the next one now."""
         b = flight.barrier
+        sent = time.monotonic()
         try:
             await self.master.call(ExplorerDraining(explorer=self.name, step=b.step,
                                                     batch=b.batch),
                                    timeout_key="transport.rpc_timeout")
         except RequestFailed as exc:
             if exc.code == "declared_dead":
-                self._declared_dead.set()
+                self._refused_as_dead(sent, "ExplorerDraining")
             else:  # the next barrier comes after the report, as without lease_ahead
                 log.warning("explorer.ahead_refused", explorer=self.name, error=str(exc))
 
