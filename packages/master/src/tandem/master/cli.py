@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 from typing import Any
 
@@ -29,6 +30,8 @@ LAZY_COMMANDS: dict[str, tuple[str, str, str]] = {
              "Evaluate a saved model on the config's eval tasksets."),
     "plugins": ("tandem.master.plugins_cmd", "plugins",
                 "List every registered plugin item (rewards, workflows, engines, ...)."),
+    "warm": ("tandem.master.warm", "warm",
+             "Keep torch and tandem up imported; each `tandem up` forks from it."),
     "deploy": ("tandem.master.deploy.cli", "deploy",
                "Render a run for Kubernetes (manifests) or Slurm (an sbatch script)."),
 }
@@ -289,6 +292,13 @@ def master_main_command(config_path: str | None, overrides: tuple[str, ...],
 
 
 def main() -> None:
+    warm = os.environ.get("TANDEM_WARM")
+    if warm and sys.argv[1:2] == ["up"]:  # forked from the warm process (tandem warm)
+        from .warm import run_warm, socket_path
+
+        code = run_warm(socket_path(warm), sys.argv)
+        if code is not None:
+            sys.exit(code)
     tandem(prog_name="tandem")
 
 

@@ -672,6 +672,9 @@ class Supervisor:
         except click.ClickException:
             rows.append(("timeline", "no trace written"))
         rows += self.placement_rows()
+        if self.zygote is not None and self.zygote.preforked:
+            # forked from `tandem warm` (tandem.master.warm), whose pid is this process's parent
+            rows.append(("launch", f"forked from the warm process {os.getppid()} (tandem warm)"))
         rows += self.startup.rows(run_seconds)
         if self.config.logging.metrics.enabled is not False:
             from tandem.common.metrics import served_endpoints

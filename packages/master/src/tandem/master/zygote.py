@@ -196,6 +196,11 @@ def serve(inp, out: int) -> None:
     answer(out, ready=round(time.monotonic() - started, 3), refused=refused)
     for line in inp:
         request = json.loads(line)
+        if "argv" not in request and "log" in request:  # a preforked zygote learns its log
+            log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(log, 2)
+            os.close(log)
+            continue
         if refused:
             answer(out, error=refused)
             continue
@@ -258,6 +263,67 @@ class ForkedProcess:
         return self.returncode
 
 
+class PreforkedProcess(ForkedProcess):
+    """A zygote forked from this process (`prefork`): the part of subprocess.Popen that
+    `Zygote` uses, over the two pipes of the zygote's protocol."""
+
+    def __init__(self, pid: int, stdin: io.BufferedWriter, stdout: io.BufferedReader):
+        super().__init__(pid)
+        self.stdin = stdin
+        self.stdout = stdout
+
+    def terminate(self) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGTERM)
+
+
+_preforked: PreforkedProcess | None = None
+
+
+def prefork() -> None:
+    """Fork this process's zygote now, for the next `Zygote` to take: in a `tandem up` forked
+    from the warm process (`tandem.master.warm`), which imported what the zygote would, and
+    before the run has a thread, a socket or an event loop. The zygote is this process's child
+    in a session of its own, as an exec'd one is; its stderr goes to the log `Zygote` names."""
+    global _preforked
+    to_zygote, requests = os.pipe()
+    answers, from_zygote = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setsid()
+            os.close(requests)
+            os.close(answers)
+            os.dup2(to_zygote, 0)
+            os.dup2(from_zygote, 1)
+            os.close(to_zygote)
+            os.close(from_zygote)
+        except OSError:  # never back into the caller's code: that is `tandem up`'s
+            os._exit(1)
+        # the zygote's SystemExit, and each forked component's, ends this interpreter as an
+        # exec'd one's would: it unwinds through the caller's frames, which leave it be
+        main()
+    os.close(to_zygote)
+    os.close(from_zygote)
+    _preforked = PreforkedProcess(pid, os.fdopen(requests, "wb"), os.fdopen(answers, "rb"))
+
+
+def drop_prefork() -> None:
+    """End a preforked zygote no `Zygote` took (the run started its components by exec)."""
+    global _preforked
+    proc, _preforked = _preforked, None
+    if proc is not None:
+        proc.stdin.close()  # it exits when its stdin closes
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        proc.stdout.close()
+
+
 class Zygote:
     """`tandem up`'s handle on the warm process: started at once, so its imports overlap the
     master's and the buffer's start; `fork` waits for them (bounded by `timeout`, the run's
@@ -275,11 +341,21 @@ class Zygote:
         self._env = dict(os.environ)
         self._closing = threading.Lock()  # close() runs once; a second caller waits for it
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "ab") as log:
+        global _preforked
+        self.preforked = _preforked is not None
+        if self.preforked:  # forked from the warm process: nothing left to import
+            self.proc, _preforked = _preforked, None
+            self.proc.stdin.write((json.dumps({"log": str(log_path)}) + "\n").encode())
+            self.proc.stdin.flush()
+        else:
+            self._exec(argvs)
+        self._deadline = time.monotonic() + timeout
+
+    def _exec(self, argvs: list[list[str]]) -> None:
+        with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "tandem.master.zygote", room(argvs)], stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, stderr=log, start_new_session=True, env=self._env)
-        self._deadline = time.monotonic() + timeout
 
     def _line(self) -> dict:
         fd = self.proc.stdout.fileno()
