@@ -6,7 +6,10 @@ side by side: typically the tree before a change and the tree after it.
         [--preset fully_async] [--steps 10] [--rounds 2] [--out .bench/startup.json]
 
 An install is a `tandem` executable, optionally followed by arguments for `tandem up` (the same
-install with a switch). Each round runs every install once, interleaved (the machine is shared
+install with a switch). `--warm LABEL` runs that install's invocations through a warm process
+(`tandem warm`, started by the tool from that install before the rounds, its own start-up
+reported apart, stopped after): its runs are forks of that process, so their PSS is sampled
+under it and their CPU seconds are its children's, plus the client's. Each round runs every install once, interleaved (the machine is shared
 and noisy), on the same config: the quickstart task, one explorer, a tiny Qwen2 built locally,
 `placement: auto`. From each summary it reads the run's wall-clock (the trace's), every
 component's start-up seconds (process start to registered), the invocation end to end and the
@@ -95,7 +98,8 @@ def median(rows: list[dict], key: str, name: str | None = None) -> float:
 def role(cmdline: list[str]) -> str | None:
     """The component a process of the run is, from its command line (None: not one)."""
     args = [a for a in cmdline if a]
-    if any(a.endswith("tandem.master.zygote") for a in args):
+    # a zygote forked by a warm run's `tandem up` keeps the warm process's command line
+    if any(a.endswith(("tandem.master.zygote", "tandem.master.warm")) for a in args):
         return "zygote"
     script = next((Path(a).name for a in args if Path(a).name.startswith("tandem-")), None)
     if script is None:
@@ -105,17 +109,20 @@ def role(cmdline: list[str]) -> str | None:
     return script.removeprefix("tandem-")
 
 
-def sample_pss(root: int, peaks: dict[str, float], total: list[float]) -> None:
+def sample_pss(root: int, peaks: dict[str, float], total: list[float],
+               warm: bool = False) -> None:
     """One sample of the tree under `root`: each component's PSS (MiB) into `peaks` (max), the
-    tree's sum into total[0] (max)."""
+    tree's sum into total[0] (max). With `warm`, `root` is the warm process, which the tree
+    includes (the memory it holds is the run's)."""
     try:
-        procs = psutil.Process(root).children(recursive=True)
+        top = psutil.Process(root)
+        procs = [*([top] if warm else []), *top.children(recursive=True)]
     except psutil.NoSuchProcess:
         return
     now = 0.0
     for proc in procs:
         try:
-            name = role(proc.cmdline())
+            name = "warm" if proc.pid == root else role(proc.cmdline())
             pss = proc.memory_full_info().pss / 2**20
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
@@ -125,21 +132,45 @@ def sample_pss(root: int, peaks: dict[str, float], total: list[float]) -> None:
     total[0] = max(total[0], now)
 
 
-def run_once(tandem: list[str], config: Path, run_dir: Path) -> dict:
+def children_cpu(warm: psutil.Process | None) -> float:
+    """CPU seconds of the processes the warm process waited for (its forks, and what each
+    reaped in turn); 0 without one."""
+    if warm is None:
+        return 0.0
+    times = warm.cpu_times()
+    return times.children_user + times.children_system
+
+
+def start_warm(tandem: str, socket: Path) -> tuple[subprocess.Popen, dict]:
+    """`tandem warm` on `socket`, once it is ready (its ready line: seconds, pid)."""
+    proc = subprocess.Popen([tandem, "warm", "--socket", str(socket)], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    line = proc.stdout.readline()  # it answers once its imports are done, or exits
+    if not line:
+        raise SystemExit(f"{tandem} warm exited ({proc.wait(60)}) before it was ready")
+    return proc, json.loads(line)
+
+
+def run_once(tandem: list[str], config: Path, run_dir: Path,
+             warm: tuple[subprocess.Popen, dict] | None = None) -> dict:
     subprocess.run(["rm", "-rf", str(run_dir)], check=True)
     cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    server = psutil.Process(warm[0].pid) if warm else None
+    warm_before = children_cpu(server)
+    env = {**os.environ, "TANDEM_WARM": warm[1]["socket"]} if warm else None
     start = time.monotonic()
     began = time.time()
     proc = subprocess.Popen([tandem[0], "up", str(config), "--plain", *tandem[1:]],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, env=env)
+    root = server.pid if server else proc.pid  # a warm run is the warm process's fork
     peaks: dict[str, float] = {}
     total = [0.0]
     sampling = True
 
     def sample() -> None:
         while sampling:
-            sample_pss(proc.pid, peaks, total)
+            sample_pss(root, peaks, total, warm=server is not None)
             time.sleep(0.2)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -160,7 +191,8 @@ def run_once(tandem: list[str], config: Path, run_dir: Path) -> dict:
     cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
     # CPU seconds of everything the invocation waited for: `tandem up`, and the components
     # it reaped (forked ones too: it is their subreaper). Load from others does not add to it.
-    row["cpu"] = round(cpu.ru_utime + cpu.ru_stime - cpu_before.ru_utime - cpu_before.ru_stime, 2)
+    row["cpu"] = round(cpu.ru_utime + cpu.ru_stime - cpu_before.ru_utime - cpu_before.ru_stime
+                       + children_cpu(server) - warm_before, 2)
     row["code"] = proc.returncode
     row["pss_mib"] = {k: round(v, 1) for k, v in sorted(peaks.items())}
     row["pss_tree_mib"] = round(total[0], 1)
@@ -203,6 +235,8 @@ def main() -> int:
     parser.add_argument("--preset", default="fully_async")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--warm", action="append", default=[], metavar="LABEL",
+                        help="run this install's invocations through `tandem warm` (repeatable)")
     parser.add_argument("--out", default=".bench/startup.json")
     args = parser.parse_args()
     installs = {label: shlex.split(command) for label, command in
@@ -223,12 +257,22 @@ def main() -> int:
         model_dir = workdir / "model"
         build_tiny_model(model_dir)
         config = write_config(workdir, model_dir, preset=args.preset, steps=args.steps)
-        for rnd in range(args.rounds):
-            for label, tandem in installs.items():
-                row = run_once(tandem, config, workdir / "run")
-                row.update(label=label, round=rnd, load=os.getloadavg()[0])
-                rows.append(row)
-                print(f"round {rnd} {label}: {json.dumps(row)}", file=sys.stderr, flush=True)
+        warm = {}
+        try:
+            for label in args.warm:
+                warm[label] = start_warm(installs[label][0], workdir / f"{label}.sock")
+                print(f"warm {label}: {json.dumps(warm[label][1])}", file=sys.stderr, flush=True)
+            for rnd in range(args.rounds):
+                for label, tandem in installs.items():
+                    row = run_once(tandem, config, workdir / "run", warm.get(label))
+                    row.update(label=label, round=rnd, load=os.getloadavg()[0])
+                    rows.append(row)
+                    print(f"round {rnd} {label}: {json.dumps(row)}", file=sys.stderr,
+                          flush=True)
+        finally:
+            for proc, _ in warm.values():
+                proc.terminate()
+                proc.wait(300)
 
     print(f"\n{args.preset}, {args.steps} steps, {args.rounds} rounds interleaved (medians)\n")
     header = "| install | wall-clock | trainer start-up | explorer start-up | end to end | " \
@@ -255,7 +299,7 @@ def main() -> int:
               f"{s['outside_the_run']:.1f} s | {s['before_run']:.1f} s | {s['after_run']:.1f} s | "
               f"{s['invocation']:.1f} s | {s['cpu']:.1f} s | "
               f"{s['load']:.1f} |")
-    names = ["master", "buffer", "reward", "trainer", "explorer-0", "zygote"]
+    names = ["master", "buffer", "reward", "trainer", "explorer-0", "zygote", "warm"]
     names = [n for n in names if any(n in summary[label]["pss_mib"] for label in installs)]
     print("\nPeak PSS per process, MiB (medians; the tree's peak is of the sum at one moment)\n")
     print("| install | " + " | ".join(names) + " | tree |")
@@ -271,8 +315,13 @@ def main() -> int:
         print(f"| {label} | " + " | ".join(f"{imports[label][n]:.2f}" for n in IMPORTS) + " |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    warm_ready = {label: ready for label, (_, ready) in warm.items()}
+    for label, ready in warm_ready.items():
+        print(f"\n{label}: `tandem warm` was ready after {ready['ready']:.1f} s of imports, "
+              "once, before the rounds (not in the rows above)")
     out.write_text(json.dumps({"preset": args.preset, "steps": args.steps, "rows": rows,
-                               "summary": summary, "imports": imports}, indent=2))
+                               "summary": summary, "imports": imports, "warm": warm_ready},
+                              indent=2))
     print(f"\nwrote {out}")
     return 0 if all(r["code"] == 0 for r in rows) else 1
 

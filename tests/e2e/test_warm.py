@@ -121,6 +121,11 @@ def test_runs_fork_from_the_warm_process_and_stop_as_plain_runs_do(tmp_path, tin
         assert cold.returncode == 0 and "Usage: tandem up" in cold.stdout
         assert "LD_BIND_NOW in the client's environment takes effect only at exec; starting " \
                "cold" in cold.stderr, cold.stderr
+        # ... and one that sets what transformers read when the warm process imported it
+        cold = subprocess.run([TANDEM, "up", "--help"], env={**env, "HF_HOME": str(tmp_path)},
+                              capture_output=True, text=True, timeout=BACKSTOP)
+        assert cold.returncode == 0 and "Usage: tandem up" in cold.stdout
+        assert "refused: HF_HOME in the client's environment differs" in cold.stderr, cold.stderr
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(BACKSTOP)

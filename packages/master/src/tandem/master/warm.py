@@ -46,6 +46,9 @@ from .zygote import PRELOAD, needs_exec, set_cmdline, unsound
 # supervisor and what they import on the way to starting the components.
 WARM_PRELOAD = (*PRELOAD, "tandem.master.cli", "tandem.master.up", "tandem.common.cli",
                 "tandem.master.taskset")
+# Read when torch, transformers or huggingface_hub is imported (cache folders, offline mode):
+# a fork would keep the warm process's values, so a client that sets them otherwise starts cold
+IMPORT_TIME_PREFIXES = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TORCH_")
 RELAYED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 ROOM = " " * 4096  # argv padding: a fork's set_cmdline writes its own command over it
 CONNECT_TIMEOUT = 5.0  # seconds to reach a warm process and hear whether it forked
@@ -272,6 +275,11 @@ class WarmServer:
         reason = needs_exec(request["env"])
         if reason:
             return f"{reason} in the client's environment takes effect only at exec"
+        env = request["env"]
+        for key in sorted(set(env) | set(os.environ)):
+            if key.startswith(IMPORT_TIME_PREFIXES) and env.get(key) != os.environ.get(key):
+                return (f"{key} in the client's environment differs from the warm process's, "
+                        "which read it when it imported torch and transformers")
         changed = changed_source(self.sources)
         if changed:
             return (f"{changed} changed since the warm process imported it; restart "
@@ -375,8 +383,40 @@ def run_cli(argv: list[str]) -> None:
         zygote.prefork()
     try:
         tandem.main(args=argv[1:], prog_name="tandem")
+    except SystemExit as exc:
+        code = exc.code
+    else:
+        code = 0
     finally:
         zygote.drop_prefork()
+    leave(code)
+
+
+def leave(code) -> None:
+    """End the command as the interpreter would (its threads joined, atexit handlers run,
+    streams flushed) but without tearing down the modules the warm process imported: with
+    torch among them that took a second of each invocation's end on a loaded machine, which
+    an exec'd `tandem up`, holding no torch, never spends."""
+    import atexit
+    import threading
+
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    if code is None:
+        status = 0
+    elif isinstance(code, int):
+        status = code & 0xFF
+    else:  # sys.exit("message"): printed, status 1
+        print(code, file=sys.stderr)
+        status = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
 
 
 def main(argv: list[str]) -> int:
