@@ -38,7 +38,10 @@ def write_config(tmp_path: Path, model_dir: Path, name: str, steps: int) -> Path
     path = bench_stop.write_config(workdir, model_dir, "fully_async", sync_timeout=BACKSTOP)
     config = yaml.safe_load(path.read_text())
     config["master"]["total_steps"] = steps
-    config["up"].update(run_timeout=BACKSTOP)
+    # bounds that only catch a hang (tests/backstop.py): a loaded machine's slow stop or
+    # silent component is not what these runs are about
+    config["up"].update(run_timeout=BACKSTOP, stop_timeout=BACKSTOP / 3)
+    config["transport"] = {"liveness": BACKSTOP}
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
 
