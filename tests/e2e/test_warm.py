@@ -145,6 +145,18 @@ def test_without_a_warm_process_tandem_up_starts_cold_and_says_so(tmp_path):
     assert proc.stderr.rstrip().endswith("starting cold")
 
 
+def test_a_socket_in_a_folder_others_may_write_is_refused_before_any_import(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # anyone could replace the socket with their own
+    proc = subprocess.run([TANDEM, "warm", "--socket", str(shared / "s.sock")],
+                          capture_output=True, text=True, timeout=BACKSTOP)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert f"tandem warm: {shared} is writable by others (mode 777); choose another --socket" \
+        in proc.stderr, proc.stderr
+    assert not (shared / "s.sock").exists()
+
+
 def test_a_tandem_module_changed_on_disk_makes_the_warm_process_stale(tmp_path):
     sources = tandem_sources()
     assert any(path.endswith("tandem/master/warm.py") for path in sources)

@@ -34,6 +34,7 @@ import os
 import selectors
 import signal
 import socket
+import struct
 import sys
 import time
 from pathlib import Path
@@ -51,6 +52,7 @@ WARM_PRELOAD = (*PRELOAD, "tandem.master.cli", "tandem.master.up", "tandem.commo
 IMPORT_TIME_PREFIXES = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TORCH_")
 RELAYED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 ROOM = " " * 4096  # argv padding: a fork's set_cmdline writes its own command over it
+MAX_REQUEST = 1 << 22  # bytes of one request (argv and environment); a client past it is dropped
 CONNECT_TIMEOUT = 5.0  # seconds to reach a warm process and hear whether it forked
 
 
@@ -58,6 +60,23 @@ def default_socket() -> Path:
     """The socket of this user's warm process for this interpreter (one per virtualenv)."""
     base = Path(os.environ.get("XDG_RUNTIME_DIR") or "/tmp") / f"tandem-warm-{os.getuid()}"
     return base / f"{hashlib.sha1(sys.executable.encode()).hexdigest()[:12]}.sock"
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The uid of the process at the other end of a connected Unix socket (SO_PEERCRED)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]
+
+
+def private_folder(folder: Path) -> str | None:
+    """Why `folder` may not hold a warm process's socket (another user owns it, or others may
+    write in it and so replace the socket), or None."""
+    info = folder.stat()
+    if info.st_uid != os.getuid():
+        return f"{folder} belongs to uid {info.st_uid}"
+    if info.st_mode & 0o022:
+        return f"{folder} is writable by others (mode {info.st_mode & 0o777:o})"
+    return None
 
 
 def socket_path(value: str) -> str:
@@ -136,7 +155,6 @@ class WarmServer:
         return time.monotonic() - started
 
     def bind(self) -> None:
-        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         probe.settimeout(CONNECT_TIMEOUT)
         try:
@@ -199,6 +217,9 @@ class WarmServer:
         if self.stopping:
             conn.close()
             return
+        if peer_uid(conn) != os.getuid():  # the socket's mode already keeps others out
+            conn.close()
+            return
         conn.setblocking(False)
         self._pending[conn] = b""
         self._fds[conn] = []
@@ -235,7 +256,7 @@ class WarmServer:
             return
         self._fds[conn] += fds
         self._pending[conn] += data
-        if not data:
+        if not data or len(self._pending[conn]) > MAX_REQUEST:
             self._drop(conn)
             return
         if b"\n" not in self._pending[conn]:
@@ -422,6 +443,11 @@ def leave(code) -> None:
 def main(argv: list[str]) -> int:
     """`python -m tandem.master.warm SOCKET IDLE ROOM`: what `tandem warm` execs."""
     path, idle = Path(argv[0]), float(argv[1])
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    why = private_folder(path.parent)
+    if why:  # a socket there could be replaced by someone else's: say so before any import
+        print(f"tandem warm: {why}; choose another --socket", file=sys.stderr)
+        return 1
     server = WarmServer(path, idle)
     seconds = server.preload()
     try:
@@ -457,9 +483,13 @@ def run_warm(path: str, argv: list[str]) -> int | None:
     try:
         sock.settimeout(CONNECT_TIMEOUT)
         sock.connect(path)
+        if peer_uid(sock) != os.getuid():  # never hand another user our environment
+            raise PermissionError(f"the process listening there runs as uid {peer_uid(sock)}")
         request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(),
                    "executable": sys.executable}
-        socket.send_fds(sock, [(json.dumps(request) + "\n").encode()], [0, 1, 2])
+        data = (json.dumps(request) + "\n").encode()
+        sent = socket.send_fds(sock, [data], [0, 1, 2])
+        sock.sendall(data[sent:])  # a stream socket may take a large environment in parts
         reply = lines.next(CONNECT_TIMEOUT)
     except OSError as exc:  # TimeoutError too: no answer within CONNECT_TIMEOUT
         sock.close()
