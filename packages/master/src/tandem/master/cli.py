@@ -294,7 +294,7 @@ def master_main_command(config_path: str | None, overrides: tuple[str, ...],
 def main() -> None:
     warm = os.environ.get("TANDEM_WARM")
     if warm and sys.argv[1:2] == ["up"]:  # forked from the warm process (tandem warm)
-        from .warm import run_warm, socket_path
+        from .warm_client import run_warm, socket_path
 
         code = run_warm(socket_path(warm), sys.argv)
         if code is not None:
