@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 import bench_stop
+from chaos import children
 from processes import wait_for
 from tandem.common.trace import read_trace
 from tandem.master.warm import changed_source, tandem_sources
@@ -54,14 +55,6 @@ def start_warm(socket: Path) -> tuple[subprocess.Popen, dict]:
     line = proc.stdout.readline()
     assert line, proc.stderr.read()
     return proc, json.loads(line)
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            found += [int(p) for p in f.read().split()]
-    return found
 
 
 def until_training(client: subprocess.Popen, run_dir: Path) -> None:

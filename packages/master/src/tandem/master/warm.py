@@ -283,7 +283,6 @@ class WarmServer:
         for sig in (signal.SIGTERM, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        keep = set(fds)
         for fd in (self._wake_r, self._wake_w):
             os.close(fd)
         for other in {conn, *self.runs.values(), *self._pending, *self._fds}:
@@ -293,7 +292,7 @@ class WarmServer:
         self.selector.close()
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
-        for fd in keep:
+        for fd in fds:
             if fd > 2:
                 os.close(fd)
         os.setsid()  # its own session, as a shell's job would be: the client relays signals
