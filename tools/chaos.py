@@ -16,12 +16,10 @@ strikes one component at a time at one moment:
 | mid-rollout   | the target is frozen the moment an explorer lease is journaled, and struck    |
 |               | while that lease is still open                                                |
 | after-put     | the buffer acked a put the explorer has not acted on. For the explorer this is|
-|               | exact: right after a trainer ack the buffer is frozen until the explorer's    |
-|               | put waits in its socket (/proc/net/tcp), the explorer is frozen, the buffer   |
-|               | thawed, and the explorer dies once the buffer logged the put, its ack unread  |
-| mid-train     | the same with the trainer: frozen once its next request waits in the frozen   |
-|               | buffer, struck once the buffer logged the sample it answered (the trainer     |
-|               | holds its step's groups and cannot ack them)                                  |
+|               | exact: it stops itself at failpoint `explorer.put_acked` (tandem.common.      |
+|               | failpoints), armed for this strike, and dies there                            |
+| mid-train     | the trainer stops itself at failpoint `trainer.leased`: it holds its step's   |
+|               | groups, leased and read, neither trained nor acked; the target is struck there|
 | mid-score     | the reward service is frozen until a score request waits in a connection to it|
 |               | from the explorer, then the target is struck                                  |
 | mid-broadcast | the master journaled a `WeightsPublished` (with nccl the broadcast follows)   |
@@ -67,6 +65,8 @@ from collections.abc import Callable
 
 import msgpack
 import yaml
+
+from tandem.common import failpoints
 
 TANDEM = str(Path(sys.executable).parent / "tandem")
 COMPONENTS = ("explorer", "buffer", "trainer", "master", "reward")
@@ -353,6 +353,7 @@ class Chaos:
         self.moment_timeout = moment_timeout
         self.log = log
         self.watch = RunWatch(self.run_dir)
+        self.failpoints = workdir / "failpoints"  # armed one strike at a time
         self.proc: subprocess.Popen | None = None
         self.ports: dict[str, int] = {}
         self.rss: dict[str, dict[str, Any]] = {}
@@ -418,7 +419,8 @@ class Chaos:
         self.started = time.time()
         t0 = time.monotonic()
         self.proc = subprocess.Popen([TANDEM, "up", str(self.config_path), "--plain"],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env=dict(os.environ, **{failpoints.ENV: str(self.failpoints)}))
         output: list[str] = []
         import threading
 
@@ -570,128 +572,62 @@ class Chaos:
             return None
         return self._hit(strike, pid, f"buffer logged a put of {put['stored']} experiences")
 
+    def _stopped_at(self, failpoint: str, prefix: str) -> tuple[str, int] | None:
+        """Arm `failpoint` (tandem.common.failpoints) and wait until a component whose name
+        starts with `prefix` stopped itself there: its name and PID. Bounded by the strike's
+        deadline only: the failpoint is on the path of every step, so it is reached unless the
+        run ends first (then None, the failpoint disarmed)."""
+        path = failpoints.arm(self.failpoints, failpoint)
+
+        def stopped_there() -> tuple[str, int] | None:
+            if path.exists():  # not taken yet
+                return None
+            return next(((n, p) for n, p in self.pids().items()
+                         if n.startswith(prefix) and failpoints.stopped(p)), None)
+
+        found = self.wait(stopped_there, self.moment_timeout)
+        if found is None and not failpoints.disarm(self.failpoints, failpoint):
+            # taken, and the taker died or the run ended before it stopped: let nothing stay
+            # stopped behind the accounting
+            for pid in self.pids().values():
+                if failpoints.stopped(pid):
+                    self._thaw(pid)
+        return found
+
     def _explorer_after_put(self, strike: Strike, name: str) -> int | None:
-        """Freeze the buffer right after the trainer acked a step (the explorer then has room
-        under its staleness bound and rolls out) until the explorer's put waits in the buffer's
-        socket, freeze the explorer, thaw the buffer, and strike once the buffer logged the
-        put: the put is stored and acked, and the ack sits unread in the explorer's socket."""
-        pids = self.pids()
-        buffer, explorer = pids.get("buffer"), pids.get(name)
-        if buffer is None or explorer is None:
+        """The explorer stops itself at failpoint `explorer.put_acked`, right after the buffer
+        acked its put and before it reports anything to the master; it dies there."""
+        found = self._stopped_at("explorer.put_acked", "explorer")
+        if found is None:
             return None
-        port = self.ports["buffer"]
-        deadline = time.monotonic() + self.moment_timeout
-        tries: Counter = Counter()
-        while time.monotonic() < deadline:
-            strike.evidence = "tries: " + ", ".join(f"{k} {v}" for k, v in tries.items())
-            mark = len(self.watch.events)
-            self.wait(lambda: self.watch.since(mark, "buffer.ack", "buffer"),
-                      min(5.0, max(0.0, deadline - time.monotonic())))
-            before = connections(port)
-            self._freeze(buffer)
-            try:
-                if not self.wait(lambda: waiting_bytes(port, explorer, before) > 0, 5.0):
-                    tries["no put in time"] += 1
-                    continue
-                time.sleep(0.05)  # the rest of a multi-frame put
-                self._freeze(explorer)
-            finally:
-                events_mark = len(self.watch.events)
-                self._thaw(buffer)
-            put = self.wait(lambda: next(
-                (e for e in self.watch.since(events_mark, "buffer.put", "buffer")
-                 if f"-{explorer}-" in str(e.get("peer"))), None), 30)
-            if put is None:
-                # frozen before the put's last frame left it (the 50 ms are not a promise on a
-                # busy machine): the buffer holds no whole put, so this is not the moment; let
-                # the explorer go on and take the next one
-                tries["put incomplete when frozen"] += 1
-                self._thaw(explorer)
-                continue
-            lease = self._open_lease(0)
-            return self._hit(strike, explorer, f"put acked (stored {put['stored']}, duplicates "
-                                               f"{put['duplicates']}), its ack unread; open lease "
-                                               f"{lease.lease_id if lease else 'none'}",
-                             stopped=True)
-        return None
+        explorer, pid = found
+        lease = self._open_lease(0)
+        return self._hit(strike, pid, f"{explorer}'s put acked, not acted on (stopped at "
+                                      f"explorer.put_acked); open lease "
+                                      f"{lease.lease_id if lease else 'none'}", stopped=True)
 
     def _at_mid_train(self, strike: Strike, name: str) -> int | None:
-        """Strike while the trainer holds its step's groups, leased and not acked (a tiny model
-        trains a step in milliseconds, quicker than any log can be read), step by step:
-
-        1. once the master journaled a trainer step, freeze the trainer (it publishes, then
-           waits for its next `TrainerGo`);
-        2. wait until an explorer reports a step to the master (the journal gains an
-           `ExplorerStepDone`): the master can release the next step, which waits unread in the
-           frozen trainer's socket;
-        3. freeze the buffer, thaw the trainer, and wait for its request in the buffer's socket;
-        4. freeze the trainer, thaw the buffer, and strike once the buffer logged the sample it
-           answered: its reply sits unread in the trainer's socket."""
-        deadline = time.monotonic() + self.moment_timeout
-        tries: Counter = Counter()
-        while time.monotonic() < deadline:
-            strike.evidence = "tries: " + ", ".join(f"{k} {v}" for k, v in tries.items())
-            pids = self.pids()
-            trainer, buffer, pid = pids.get("trainer"), pids.get("buffer"), pids.get(name)
-            if trainer is None or buffer is None or pid is None:
-                return None
-            left = lambda: min(15.0, max(0.0, deadline - time.monotonic()))
-            mark = len(self.watch.records)
-            if not self.wait(lambda: any(type(r).__name__ == "TrainerStepDone"
-                                         for r in self.watch.records[mark:]), left()):
-                tries["no trainer step in time"] += 1
-                continue
-            self._freeze(trainer)
-            frozen = [trainer]
-            try:
-                mark = len(self.watch.records)
-
-                def next_step_ready() -> bool:
-                    kinds = Counter(type(r).__name__ for r in self.watch.records)
-                    return (kinds["ExplorerStepDone"] > kinds["TrainerStepDone"]
-                            or any(type(r).__name__ == "ExplorerStepDone"
-                                   for r in self.watch.records[mark:]))
-
-                if not self.wait(next_step_ready, left()):
-                    tries["no explorer step in time"] += 1
-                    continue
-                time.sleep(0.2)  # the master's TrainerGo on its way to the frozen trainer
-                port = self.ports["buffer"]
-                # Steps 3 and 4, request by request: the one caught may not be the sample (a
-                # checkpoint notice, or a sample the buffer holds and answers `not_enough` while
-                # the explorer is still putting); the trainer then sends another, caught the same
-                # way, until one is answered with groups
-                while time.monotonic() < deadline:
-                    before = connections(port)
-                    self._freeze(buffer)
-                    frozen.append(buffer)
-                    self._thaw(trainer)
-                    frozen.remove(trainer)
-                    if not self.wait(lambda: waiting_bytes(port, trainer, before) > 0, left()):
-                        tries["no request in time"] += 1
-                        break
-                    time.sleep(0.05)  # the rest of a multi-frame request
-                    self._freeze(trainer)
-                    frozen.append(trainer)
-                    mark = len(self.watch.events)
-                    self._thaw(buffer)
-                    frozen.remove(buffer)
-                    sample = self.wait(lambda: next(
-                        (e for e in self.watch.since(mark, "buffer.sample", "buffer")
-                         if f"-{trainer}-" in str(e.get("peer"))), None), 10.0)
-                    if sample is None:  # answered otherwise: catch its next request
-                        tries["not a sample"] += 1
-                        continue
-                    frozen.remove(trainer)
-                    return self._hit(strike, pid, f"trainer leased {sample['groups']} groups "
-                                                  f"(lease {sample['lease'][:8]}), its reply "
-                                                  "unread", stopped=pid == trainer)
-            finally:
-                for frozen_pid in frozen:
-                    self._thaw(frozen_pid)
-                if pid != trainer:
-                    self._thaw(trainer)
-        return None
+        """Strike while the trainer holds its step's groups, leased and not acked: it stops
+        itself at failpoint `trainer.leased` (a tiny model trains a step in milliseconds,
+        quicker than any log can be read); the target is struck there, and a trainer that is
+        not the target resumes after."""
+        found = self._stopped_at("trainer.leased", "trainer")
+        if found is None:
+            return None
+        _, trainer = found
+        self.watch.poll()
+        sample = next((e for e in reversed(self.watch.events) if e.get("event") == "buffer.sample"
+                       and f"-{trainer}-" in str(e.get("peer"))), None)
+        evidence = (f"trainer leased {sample['groups']} groups (lease {sample['lease'][:8]}), "
+                    "not trained nor acked" if sample else
+                    "trainer stopped at trainer.leased (its sample not logged yet)")
+        if name == "trainer":
+            return self._hit(strike, trainer, evidence, stopped=True)
+        pid = self.pids().get(name)
+        try:
+            return None if pid is None else self._hit(strike, pid, evidence)
+        finally:
+            self._thaw(trainer)
 
     def _at_mid_score(self, strike: Strike, name: str) -> int | None:
         pids = self.pids()

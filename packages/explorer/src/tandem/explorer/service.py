@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 import structlog
 
+from tandem.common import failpoints
 from tandem.common.config import RunConfig
 from tandem.common.errors import PeerDead, RequestFailed, TandemError, WaitTimeout
 from tandem.common.groups import informative_groups
@@ -796,6 +797,7 @@ class Explorer:
                 # a resend, or a put retried after `full`, never waits past put_timeout
                 await self.buffer.call(msg, timeout_key="transport.rpc_timeout",
                                        deadline=deadline, deadline_key="explorers[].put_timeout")
+                failpoints.reached("explorer.put_acked")
                 return
             except RequestFailed as exc:
                 if exc.code != "full":

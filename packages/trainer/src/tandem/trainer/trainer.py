@@ -38,6 +38,7 @@ from collections.abc import Sequence
 import structlog
 import torch
 
+from tandem.common import failpoints
 from tandem.common.config import RunConfig
 from tandem.common.errors import PeerDead, RequestFailed, TandemError, WaitTimeout
 from tandem.common.messages.buffer import (
@@ -461,6 +462,7 @@ class Trainer:
         sample = await self._take_ahead(go, groups)
         if sample is None:
             sample = await self._unless_stopped(self._sample(groups, go.step))
+        failpoints.reached("trainer.leased")
         metrics = await asyncio.to_thread(
             self.train_step, sample.experiences, step=go.step, extra_batches=go.extra_batches,
             images={h: v.tobytes() for h, v in sample.images.items()}, write=False)
