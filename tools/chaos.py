@@ -587,11 +587,11 @@ class Chaos:
 
         found = self.wait(stopped_there, self.moment_timeout)
         if found is None and not failpoints.disarm(self.failpoints, failpoint):
-            # taken, and the taker died or the run ended before it stopped: let nothing stay
-            # stopped behind the accounting
-            for pid in self.pids().values():
-                if failpoints.stopped(pid):
-                    self._thaw(pid)
+            # taken as the wait ended: the taker stops itself next (or died, or the run ended);
+            # nothing may stay stopped behind the accounting
+            taker = self.wait(stopped_there, self.moment_timeout)
+            if taker is not None:
+                self._thaw(taker[1])
         return found
 
     def _explorer_after_put(self, strike: Strike, name: str) -> int | None:

@@ -39,8 +39,8 @@ def reached(name: str) -> bool:
         os.unlink(Path(folder) / name)  # atomic: one process takes an armed failpoint
     except FileNotFoundError:
         return False
-    log.warning("failpoint.stopped", failpoint=name, pid=os.getpid())
-    os.kill(os.getpid(), signal.SIGSTOP)
+    os.kill(os.getpid(), signal.SIGSTOP)  # at once: the test sees it taken, then stopped
+    log.warning("failpoint.resumed", failpoint=name, pid=os.getpid())
     return True
 
 
