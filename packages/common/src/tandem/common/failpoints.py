@@ -23,6 +23,8 @@ from pathlib import Path
 
 import structlog
 
+from .spawn import stat_fields
+
 ENV = "TANDEM_FAILPOINTS"
 NAMES = ("trainer.leased", "explorer.put_acked")
 
@@ -66,7 +68,6 @@ def disarm(folder: Path, name: str) -> bool:
 def stopped(pid: int) -> bool:
     """Whether `pid` is stopped by a signal (state T in /proc/PID/stat)."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+        return stat_fields(pid)[0] == "T"
+    except (OSError, IndexError):  # gone
         return False
-    return stat.rsplit(")", 1)[1].split()[0] == "T"
