@@ -8,10 +8,11 @@ processes) and the trainer (in this process) speak the real protocol with the re
 
     explorer: Register, heartbeats -> Barrier -> LeaseTasks -> "roll out" for --rollout-seconds,
               putting each task's group (--repeat experiences of 1-4k tokens, logprobs, mask) as
-              it is "scored", as streaming explorers do -> CompleteTasks -> ExplorerStepDone
+              it is "scored", as streaming explorers do -> ExplorerStepDone (completing the
+              task lease)
     trainer:  Register, ReleaseLeases, RewindTo(0), TrainerResumed(0), heartbeats -> TrainerGo
-              -> SampleGroups -> "train" for --train-seconds -> AckLease -> TrainerStepDone
-              -> WeightsPublished; every --checkpoint-every steps TrainerCheckpointed and the
+              -> SampleGroups -> "train" for --train-seconds -> AckLease beside TrainerStepDone
+              (carrying WeightsPublished); every --checkpoint-every steps TrainerCheckpointed and the
               buffer's CheckpointSaved, which lets the buffer prune consumed rows
 
 The plan is synchronous over files (`sync: {method: checkpoint, offset: 0}`): every step waits
@@ -265,15 +266,16 @@ async def explorer(name: str, cfg: dict, waiting, start, stats: dict) -> None:
                                         pool)
                 puts.append(asyncio.create_task(put(group)))
             await asyncio.gather(*puts)
-            await master.call(CompleteTasks(lease_id=lease.lease_id), timeout=TIMEOUT)
             stats["reports"].append((barrier.step, time.time()))
-            # the report's metrics as `step_metrics` makes them (the journal records them)
+            # the report's metrics as `step_metrics` makes them (the journal records them); it
+            # completes the step's task lease, as the explorer's report does
             metrics = dict(reward_mean=0.5, response_len_mean=1875.0, generated_tokens=30000.0,
                            rollout_s=cfg["rollout_seconds"], tokens_per_s=15000.0)
             await master.call(ExplorerStepDone(explorer=name, step=barrier.step,
                                                version=barrier.version, batch=barrier.batch,
                                                experiences=len(lease.tasks) * cfg["repeat"],
-                                               informative=len(lease.tasks), metrics=metrics),
+                                               informative=len(lease.tasks), metrics=metrics,
+                                               lease_id=lease.lease_id),
                               timeout=TIMEOUT)
     finally:
         if heart is not None:
@@ -364,18 +366,25 @@ async def trainer(cfg: dict, pids: dict[str, int], waiting, start, args, db: Pat
             out["sampled_bytes"] += sum(e.nbytes for e in sample.experiences)
             out["groups"] += sample.group_ids
             await asyncio.sleep(args.train_seconds)
-            began = time.time()
-            await buffer.call(AckLease(lease_id=sample.lease_id, step=go.step), timeout=TIMEOUT)
-            out["ack"].append(time.time() - began)
-            await master.call(TrainerStepDone(step=go.step, version=go.step + 1,
-                                              metrics=TRAINER_METRICS), timeout=TIMEOUT)
-            out["trained"].append(go.step)
-            done = go.step + 1
+
+            async def ack() -> None:
+                began = time.time()
+                await buffer.call(AckLease(lease_id=sample.lease_id, step=go.step),
+                                  timeout=TIMEOUT)
+                out["ack"].append(time.time() - began)
+
+            # as the trainer does in a synchronous plan over files: the ack and the count at
+            # once, the count carrying the version's announcement
+            published = None
             if go.publish is not None:
                 out["published"][go.publish] = time.time()
-                await master.call(WeightsPublished(version=go.publish, method="checkpoint",
-                                                   path=f"weights/v{go.publish}"),
-                                  timeout=TIMEOUT)
+                published = WeightsPublished(version=go.publish, method="checkpoint",
+                                             path=f"weights/v{go.publish}")
+            await asyncio.gather(ack(), master.call(
+                TrainerStepDone(step=go.step, version=go.step + 1, metrics=TRAINER_METRICS,
+                                published=published), timeout=TIMEOUT))
+            out["trained"].append(go.step)
+            done = go.step + 1
             if done % args.checkpoint_every == 0 or done == args.steps_now:
                 await master.call(TrainerCheckpointed(step=done, checkpoint=f"step_{done}"),
                                   timeout=TIMEOUT)

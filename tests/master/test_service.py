@@ -162,6 +162,48 @@ async def test_silent_explorer_is_declared_dead_and_its_lease_returns(tmp_path,
         await master.close()
 
 
+async def test_step_report_completes_its_lease_in_one_round_trip(tmp_path, zmq_sockets_closed):
+    """ExplorerStepDone with `lease_id` completes the lease first, journaled as CompleteTasks
+    (a restart replays what two messages left); a lease that is no longer open is warned of,
+    and the report still counts."""
+    config = make_config(tmp_path, "sync.preset=synchronous", "master.total_steps=3")
+    master = Master(config)
+    await master.start()
+    peer = Peer(master, "explorer-0", "explorer", [barrier_topic("explorer-0"), "stop"])
+    await peer.start()
+    trainer = master_client(master, "trainer")
+    try:
+        await peer.next("barrier")
+        lease0 = await peer.rpc.call(LeaseTasks(explorer="explorer-0", count=4, step=0))
+        await peer.rpc.call(ExplorerStepDone(explorer="explorer-0", step=0, batch=0, version=0,
+                                             lease_id=lease0.lease_id))
+        assert lease0.lease_id in master.dispatcher.done_ids
+        assert master.clock.batches_done == 1
+        records = [type(r).__name__ for r in read_journal(master.journal.path)]
+        assert records[-2:] == ["CompleteTasks", "ExplorerStepDone"]
+        assert all(getattr(r, "lease_id", None) is None for r in read_journal(master.journal.path)
+                   if isinstance(r, ExplorerStepDone))
+        await trainer.call(Register(name="trainer", role="trainer"))
+        await trainer.call(TrainerStepDone(step=0, version=1))
+        await trainer.call(WeightsPublished(version=1, method="nccl"))
+        await peer.next("barrier")
+        await peer.rpc.call(LeaseTasks(explorer="explorer-0", count=4, step=1))
+        # not a lease of this run: warned of, and step 1 is counted all the same
+        await peer.rpc.call(ExplorerStepDone(explorer="explorer-0", step=1, batch=1, version=1,
+                                             lease_id="nope"))
+        assert master.clock.batches_done == 2
+    finally:
+        await peer.close()
+        await trainer.close()
+        await master.close()
+    master2 = Master(config.model_copy(deep=True))
+    await master2.start()
+    try:
+        assert lease0.lease_id in master2.dispatcher.done_ids
+    finally:
+        await master2.close()
+
+
 async def test_restarted_master_resumes_cursor_clock_and_sequence(tmp_path, zmq_sockets_closed):
     config = make_config(tmp_path, "sync.preset=synchronous", "master.total_steps=6")
     master = Master(config)

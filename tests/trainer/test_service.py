@@ -27,7 +27,7 @@ from tandem.common.errors import PeerDead, TandemError
 from tandem.common.messages.buffer import GetBufferStats, PutExperiences
 from tandem.common.messages.experience import Experience, experience_id, group_id
 from tandem.common.messages.master import (
-    CompleteTasks, ExplorerStepDone, GetStatus, LeaseTasks, Register, TrainerGo,
+    CompleteTasks, ExplorerStepDone, GetStatus, LeaseTasks, Register, TrainerGo, TrainerStepDone,
     WeightsPublished, barrier_topic)
 from tandem.common.messages.base import Ok
 from tandem.common.heartbeat import Heartbeater
@@ -376,6 +376,52 @@ async def test_a_steps_ack_and_its_count_travel_at_once(tmp_path, tiny_model_pat
         await trainer.close()
     assert [type(m).__name__ for m in buffer.sent + master.sent] == ["AckLease", "TrainerStepDone"]
     assert trainer._counted == 1 and written == [(1, {"loss/total": 1.0})]
+
+
+async def test_a_synchronous_plan_announces_its_version_with_the_count(
+        tmp_path, tiny_model_path, fixed_batch):
+    """synchronous with sync.method checkpoint (issue 27 item 2): the ack goes while the next
+    version is written, and the count carries its announcement: one message to the master, not
+    a count and then a WeightsPublished. Not in an asynchronous plan (written behind the next
+    step), nor by broadcast, nor for a lost lineage's version."""
+    def config(**sync):
+        return RunConfig.model_validate({
+            "model": {"path": str(tiny_model_path)}, "run_dir": str(tmp_path), "sync": sync,
+            "trainer": {"micro_batch_tokens": 64, "lr": 1e-3, "tensorboard": False}})
+
+    trainer = Trainer(config(preset="synchronous", method="checkpoint"))
+    master = trainer._master = _AnswersWhenTold()
+    buffer = trainer._buffer = _AnswersWhenTold()
+    go = TrainerGo(step=0, publish=1)
+    try:
+        assert trainer._announced_with_count(go)
+        assert not trainer._announced_with_count(TrainerGo(step=0, publish=1, publish_by="checkpoint"))
+        metrics = trainer.train_step(fixed_batch, write=False)
+        writing = asyncio.ensure_future(trainer._write_version(1))
+        reporting = asyncio.create_task(trainer._report_step(0, "lease-0", metrics, metrics,
+                                                             writing))
+        await asyncio.wait_for(asyncio.gather(buffer.called.wait(), master.called.wait()),
+                               BACKSTOP)
+        assert writing.done()  # the count was sent after the version was in place
+        buffer.answer.set()
+        master.answer.set()
+        await asyncio.wait_for(reporting, BACKSTOP)
+        count, = master.sent
+        assert isinstance(count, TrainerStepDone) and count.published.version == 1
+        assert count.published.method == "checkpoint"
+    finally:
+        await trainer.close()
+    assert Path(count.published.path) == tmp_path / "weights" / "v1"
+    assert dict(WeightSubscriber(tmp_path).load(1))  # whole, manifest checked
+    assert [type(m).__name__ for m in buffer.sent] == ["AckLease"]
+    assert trainer._counted == 1
+    for sync in ({"preset": "synchronous", "method": "nccl"},
+                 {"preset": "fully_async", "method": "checkpoint"}):
+        other = Trainer(config(**sync))
+        try:
+            assert not other._announced_with_count(go)
+        finally:
+            await other.close()
 
 
 async def test_an_asynchronous_plan_writes_each_version_behind_the_next_step(

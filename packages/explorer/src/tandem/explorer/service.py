@@ -3,20 +3,21 @@
 One step, as the master protocol has it (`tandem.common.messages.master`):
 
     wait for Barrier(step, version) -> load `version` if told -> LeaseTasks -> roll out
-    -> PutExperiences (acked once durable) -> CompleteTasks -> ExplorerStepDone -> next Barrier
+    -> PutExperiences (acked once durable) -> ExplorerStepDone (which completes the task lease,
+    journaled as CompleteTasks) -> next Barrier
 
 The master alone decides when a step may start and with which weights (`SyncPlan`); the
 explorer waits only for its barrier, up to `sync.timeout`. Generation runs on the engine's
 thread, so heartbeats and the subscription keep going while a batch is being sampled.
 
 Streaming (`explorers[].streaming`, on in the asynchronous presets): within a step, each task's
-group is put as soon as it is scored, while the engine samples the others; CompleteTasks and
-ExplorerStepDone still follow the step's last put. Across steps (`explorers[].lease_ahead`,
+group is put as soon as it is scored, while the engine samples the others; ExplorerStepDone
+still follows the step's last put. Across steps (`explorers[].lease_ahead`,
 asynchronous plans): once a step's first group is scored, the explorer sends ExplorerDraining,
 and the master's barrier for the next step may come while this one drains; the next step then
 leases its tasks and hands them to the engine at once (after this step's generation when it
 must load weights first), so the engine never waits for a report and a barrier. At most two
-steps are in flight; their CompleteTasks and ExplorerStepDone go in grant order. Interruptible (`on_new_weights: interrupt`):
+steps are in flight; their reports go in grant order. Interruptible (`on_new_weights: interrupt`):
 while a step generates, the explorer listens for published versions and loads each newer one
 at once; the engine takes it at its next token boundary and every token records its version.
 Colocated (`placement.colocate`): a barrier with `sleep_after` has the engine sleep once the
@@ -52,7 +53,6 @@ from tandem.common.messages.buffer import PutExperiences
 from tandem.common.messages.experience import Experience, Task
 from tandem.common.messages.master import (
     Barrier,
-    CompleteTasks,
     ExplorerDraining,
     ExplorerStepDone,
     LeaseTasks,
@@ -658,21 +658,17 @@ class Explorer:
             # again and stored once), and the master no longer expects its report
             self._leases.pop(barrier.batch, None)
             return True
-        try:
-            await self.master.call(CompleteTasks(lease_id=lease.lease_id),
-                                   timeout_key="transport.rpc_timeout")
-            self._leases.pop(barrier.batch, None)
-        except RequestFailed as exc:
-            # The lease ran out during a slow rollout, or we were declared dead: the
-            # experiences are stored, and a re-roll of the same tasks (ids name the task's place
-            # in the run) stores nothing new.
-            self._leases.pop(barrier.batch, None)
-            log.warning("explorer.lease_lost", explorer=self.name, lease=lease.lease_id,
-                        error=str(exc), hint="raise master.task_lease_seconds")
+        # The report completes the step's task lease first (`lease_id`): one round trip. A
+        # lease that ran out during a slow rollout, or went with a declaration of death, is the
+        # master's warning: the experiences are stored, and a re-roll of the same tasks (ids
+        # name the task's place in the run) stores nothing new.
         done = ExplorerStepDone(explorer=self.name, step=barrier.step, version=barrier.version,
                                 batch=barrier.batch, experiences=len(experiences),
-                                informative=informative_groups(experiences), metrics=metrics)
-        if await self._call_unless_dead(done) is None:
+                                informative=informative_groups(experiences), metrics=metrics,
+                                lease_id=lease.lease_id)
+        reported = await self._call_unless_dead(done)
+        self._leases.pop(barrier.batch, None)
+        if reported is None:
             return True  # the batch was given up; its tasks are rolled out again, stored once
         self.steps_done += 1
         log.info("explorer.step", explorer=self.name, step=barrier.step, batch=barrier.batch,

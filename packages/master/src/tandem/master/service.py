@@ -691,18 +691,34 @@ class Master:
 
     async def _on_complete(self, msg: CompleteTasks, ctx: CallContext) -> Ok:
         self._touch(ctx)
+        self._complete(msg.lease_id)
+        return Ok()
+
+    def _complete(self, lease_id: str) -> None:
+        """Journal the lease's tasks as done (once: a repeat is a no-op); `unknown_lease` when
+        it is not open: never granted, or given up with its explorer."""
         d = self._need_taskset()
-        if msg.lease_id in d.done_ids:
-            return Ok()
-        if msg.lease_id not in d.leases and msg.lease_id not in d.late:
-            raise RequestFailed("unknown_lease", f"lease {msg.lease_id!r} is not open: never "
+        if lease_id in d.done_ids:
+            return
+        if lease_id not in d.leases and lease_id not in d.late:
+            raise RequestFailed("unknown_lease", f"lease {lease_id!r} is not open: never "
                                 "granted, or its explorer was declared dead and its tasks were "
                                 "leased out again")
-        self._commit(msg)
-        return Ok()
+        self._commit(CompleteTasks(lease_id=lease_id))
 
     async def _on_explorer_step(self, msg: ExplorerStepDone, ctx: CallContext) -> Ok:
         self._touch(ctx, msg.explorer)
+        if msg.lease_id is not None:
+            # what a CompleteTasks just before it did, answered the same way: the experiences
+            # are stored whatever becomes of the report, and a lost lease is the explorer's
+            # warning, not a refusal of its report
+            try:
+                self._complete(msg.lease_id)
+            except RequestFailed as exc:
+                log.warning("explorer.lease_lost", explorer=msg.explorer, lease=msg.lease_id,
+                            step=msg.step, error=exc.message,
+                            hint="raise master.task_lease_seconds")
+            msg = msg.model_copy(update={"lease_id": None})  # journaled as CompleteTasks
         async with self._lock:
             if self.clock.is_reported(msg.explorer, msg.step, msg.batch):
                 log.warning("explorer.step_repeated", explorer=msg.explorer, step=msg.step,
@@ -754,8 +770,11 @@ class Master:
                 self.clock.check_trainer_step(msg.step)
             except StepMismatch as exc:
                 raise RequestFailed("unexpected_step", str(exc)) from None
-            decisions = self._commit(msg)
+            published = msg.published
+            decisions = self._commit(msg.model_copy(update={"published": None}))
             decisions += self._judge_staleness(msg.step, msg.metrics)
+            if published is not None:  # what a WeightsPublished just after it did
+                decisions += self._commit(published)
             await self._emit(decisions)
         return Ok()
 

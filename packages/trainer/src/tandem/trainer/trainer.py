@@ -472,29 +472,44 @@ class Trainer:
         # step is reported and published instead of after the next TrainerGo (issue 27 item 2)
         self._ask_ahead(go.step + 1, groups)
         metrics["buffer/dropped_stale"] = float(sample.dropped_stale)
-        await self._report_step(go.step, sample.lease_id, metrics, written)
-        if go.publish is not None:
-            await self._publish(go.publish, go)
+        if go.publish is not None and self._announced_with_count(go):
+            start = time.time()
+            writing = asyncio.ensure_future(self._write_version(go.publish))
+            await self._report_step(go.step, sample.lease_id, metrics, written, writing)
+            moved = writing.result()[1]
+            self.tracer.record("sync", start, time.time(), step=go.step, version=go.publish,
+                               method="checkpoint", bytes=moved)
+        else:
+            await self._report_step(go.step, sample.lease_id, metrics, written)
+            if go.publish is not None:
+                await self._publish(go.publish, go)
         every = self.tc.checkpoint_every
         if every and self.step % every == 0:
             await self._checkpoint()
 
     async def _report_step(self, step: int, lease_id: str, metrics: dict[str, float],
-                           written: dict[str, float]) -> None:
+                           written: dict[str, float],
+                           writing: asyncio.Future[tuple[WeightsPublished, int]] | None = None
+                           ) -> None:
         """The step's groups consumed (buffer) and the step counted (master), both at once: two
         peers, so one round trip between the spans instead of two (issue 27 item 2); the
         trackers get `written` on a thread meanwhile (a few ms of TensorBoard and JSONL that
-        were on the path). The step
+        were on the path). `writing`: the next version being written (`_write_version`); the
+        count waits for it and carries its announcement, while the ack goes at once. The step
         counts for the exit checkpoint only when both were answered: a checkpoint never holds a
         step whose groups were not acked (they would be trained again) or that the master did
         not count; a crash between the two leaves what a crash between them did before (the
         resume releases the lease, rewinds the acks, and trains the step again)."""
+        async def count() -> object:
+            published = None if writing is None else (await writing)[0]
+            return await self._master.call(
+                TrainerStepDone(step=step, version=step + 1, metrics=metrics, published=published),
+                timeout_key="transport.rpc_timeout")
+
         acked, counted, wrote = await asyncio.gather(
             self._buffer.call(AckLease(lease_id=lease_id, step=step),
                               timeout_key="transport.rpc_timeout"),
-            self._master.call(TrainerStepDone(step=step, version=step + 1, metrics=metrics),
-                              timeout_key="transport.rpc_timeout"),
-            asyncio.to_thread(self.writer.write, step + 1, written),
+            count(), asyncio.to_thread(self.writer.write, step + 1, written),
             return_exceptions=True)
         for result in (acked, counted, wrote):
             if isinstance(result, BaseException):
@@ -612,13 +627,8 @@ class Trainer:
             return
         if method == "checkpoint":
             # a lost lineage's version goes to disk once, maybe already at resume
-            write = self._current_version if go.publish_by else self._publish_checkpoint
-            path = Path(await asyncio.to_thread(write, version))
-            moved = (path.stat().st_size if path.is_file()  # a shared-memory segment
-                     else sum(f.stat().st_size for f in path.iterdir() if f.is_file()))
-            await self._master.call(
-                WeightsPublished(version=version, method="checkpoint", path=str(path)),
-                timeout_key="transport.rpc_timeout")
+            published, moved = await self._write_version(version, lost=bool(go.publish_by))
+            await self._master.call(published, timeout_key="transport.rpc_timeout")
         elif self._stopping:
             # the explorers are stopping too (`tandem up` stops them with the trainer): none
             # would join, and a resume announces v{step} from disk (`_resume_run`)
@@ -656,6 +666,23 @@ class Trainer:
                     log.warning("weights.broadcast_retry", version=version, error=str(exc))
         self.tracer.record("sync", start, time.time(), step=go.step, version=version, method=method,
                            bytes=moved)
+
+    def _announced_with_count(self, go: TrainerGo) -> bool:
+        """The version `go` asks for is written beside the step's ack and announced with its
+        count (`_report_step`): a checkpoint version in a plan whose explorers wait for it at a
+        sync point, of this lineage, with nothing of an earlier version still in flight."""
+        return (go.publish_by is None and self.config.sync.method == "checkpoint"
+                and self.config.sync.offset is not None and self._publishing is None)
+
+    async def _write_version(self, version: int, *, lost: bool = False
+                             ) -> tuple[WeightsPublished, int]:
+        """Write checkpoint `version` (a folder, or a shared-memory segment; `lost`: a lost
+        lineage's version, written only if missing); its announcement and the bytes it holds."""
+        write = self._current_version if lost else self._publish_checkpoint
+        path = Path(await asyncio.to_thread(write, version))
+        moved = (path.stat().st_size if path.is_file()  # a shared-memory segment
+                 else sum(f.stat().st_size for f in path.iterdir() if f.is_file()))
+        return WeightsPublished(version=version, method="checkpoint", path=str(path)), moved
 
     async def _publish_behind(self, version: int, go: TrainerGo, tensors) -> None:
         """Write `version` from its copy and announce it; traced as `publish` (off the

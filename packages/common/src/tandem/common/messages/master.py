@@ -126,12 +126,17 @@ class ReleaseTasks(Request):
 
 @wire("master.explorer.step", reply=Ok)
 class ExplorerStepDone(Request):
-    """Explorer to master: explorer step `step` is in the buffer, rolled out with `version`."""
+    """Explorer to master: explorer step `step` is in the buffer, rolled out with `version`.
+    With `lease_id` it also completes the step's task lease, as a `CompleteTasks` sent just
+    before it would: one round trip between the step's last put and the trainer's go, not two
+    (issue 27 item 2)."""
 
     explorer: str
     step: int = Field(ge=0)
     version: int = Field(ge=0)
     batch: int | None = Field(default=None, ge=0, description="echo of `Barrier.batch`")
+    lease_id: str | None = Field(default=None, description="the step's task lease, completed "
+                                 "first (journaled as its own `CompleteTasks`)")
     experiences: int = 0
     informative: int | None = Field(
         default=None, ge=0, description="groups whose rewards are not all equal (dynamic sampling)")
@@ -151,11 +156,17 @@ class ExplorerDraining(Request):
 
 @wire("master.trainer.step", reply=Ok)
 class TrainerStepDone(Request):
-    """Trainer to master: trainer step `step` is done; weights are at version `version`."""
+    """Trainer to master: trainer step `step` is done; weights are at version `version`. With
+    `published`, that version is also written and announced, as a `WeightsPublished` sent just
+    after it would: the synchronous plans' path from the train's end to the explorer's barrier
+    crosses one round trip, not two (issue 27 item 2)."""
 
     step: int = Field(ge=0)
     version: int = Field(ge=0)
     metrics: dict[str, float] = Field(default_factory=dict)
+    published: WeightsPublished | None = Field(
+        default=None, description="a checkpoint version written with the step, announced after "
+        "the count (journaled as its own `WeightsPublished`)")
 
 
 @wire("master.trainer.resumed", reply=Ok)
