@@ -105,7 +105,7 @@ async def stages(root: Path, shape: tuple[int, int, int], steps: int) -> dict[st
             await timed_async(STAGES[2], store.put(put.experiences,
                                                    [GROUP] * len(put.experiences)), step)
             leased = await timed_async(STAGES[3], store.writer.call(
-                store._op_sample, groups, store.policy, None, None, None, "trainer"), step)
+                store._op_sample, groups, store.policy, None, None, None, "trainer", groups), step)
             lease = timed(STAGES[4], lambda: store.lease_from(leased), step)
             reply = SampleResult(lease_id=lease.lease_id, expires_at=lease.expires_at,
                                  experiences=lease.experiences, group_ids=lease.group_ids)

@@ -11,8 +11,10 @@ processes) and the trainer (in this process) speak the real protocol with the re
               it is "scored", as streaming explorers do -> ExplorerStepDone (completing the
               task lease)
     trainer:  Register, ReleaseLeases, RewindTo(0), TrainerResumed(0), heartbeats -> TrainerGo
-              -> SampleGroups -> "train" for --train-seconds -> AckLease beside TrainerStepDone
-              (carrying WeightsPublished); every --checkpoint-every steps TrainerCheckpointed and the
+              -> its groups, asked for as the step before trained and leased in parts as they
+              are put (SampleGroups with min_groups 1; --whole-sample: one SampleGroups after
+              the TrainerGo) -> "train" for --train-seconds -> AckLease of every part beside
+              TrainerStepDone (carrying WeightsPublished); every --checkpoint-every steps TrainerCheckpointed and the
               buffer's CheckpointSaved, which lets the buffer prune consumed rows
 
 The plan is synchronous over files (`sync: {method: checkpoint, offset: 0}`): every step waits
@@ -309,7 +311,8 @@ async def trainer(cfg: dict, pids: dict[str, int], waiting, start, args, db: Pat
     master = RpcClient(cfg["master"], peer="master", name="trainer")
     buffer = RpcClient(cfg["buffer"], peer="buffer", name="trainer")
     sub = Subscriber(cfg["publish"], topics=["trainer", "stop"], snapshot=master)
-    out = {"go": [], "sample": [], "ack": [], "published": {}, "trained": [], "groups": [],
+    out = {"go": [], "sample": [], "parts": [], "ack": [], "published": {}, "trained": [],
+           "groups": [],
            "sampled_bytes": 0, "db_peak": 0}
     heart = None
     try:
@@ -336,7 +339,24 @@ async def trainer(cfg: dict, pids: dict[str, int], waiting, start, args, db: Pat
             out[f"idle_{phase}_cpu_per_s"] = {
                 k: (cpu_seconds(p) - cpu0[k]) / (time.monotonic() - t0) for k, p in pids.items()}
             event.set()
+        async def gather(groups: int) -> list:
+            """A step's groups: in parts as they are put (SampleGroups with min_groups 1), as
+            the trainer gathers them under fifo with sync points; or (--whole-sample) in one
+            lease once all are there."""
+            parts: list = []
+            while (have := sum(len(p.group_ids) for p in parts)) < groups:
+                try:
+                    parts.append(await buffer.call(SampleGroups(
+                        num_groups=groups - have, min_groups=None if args.whole_sample else 1,
+                        wait=10, holder="trainer", lease_seconds=TIMEOUT * 10),
+                        timeout=TIMEOUT))
+                except RequestFailed as exc:
+                    if exc.code != "not_enough":
+                        raise
+            return parts
+
         done = 0
+        ahead = None
         while True:
             event = await sub.recv(TIMEOUT, what="TrainerGo")
             if isinstance(event.body, Stop):
@@ -354,22 +374,25 @@ async def trainer(cfg: dict, pids: dict[str, int], waiting, start, args, db: Pat
                 out["window_t" + edge] = arrived
                 out["rss" + edge] = {k: rss_mb(p) for k, p in pids.items()}
             began = time.time()
-            while True:
-                try:
-                    sample = await buffer.call(SampleGroups(num_groups=go.groups, wait=10,
-                                                            holder="trainer"), timeout=TIMEOUT)
-                    break
-                except RequestFailed as exc:
-                    if exc.code != "not_enough":
-                        raise
-            out["sample"].append((began, time.time(), len(sample.experiences)))
-            out["sampled_bytes"] += sum(e.nbytes for e in sample.experiences)
-            out["groups"] += sample.group_ids
+            if ahead is not None and ahead[:2] == (go.step, go.groups):
+                parts = await ahead[2]
+            else:
+                parts = await gather(go.groups)
+            ahead = None
+            experiences = [e for p in parts for e in p.experiences]
+            out["sample"].append((began, time.time(), len(experiences)))
+            out["parts"].append(len(parts))
+            out["sampled_bytes"] += sum(e.nbytes for e in experiences)
+            out["groups"] += [g for p in parts for g in p.group_ids]
             await asyncio.sleep(args.train_seconds)
+            if not args.whole_sample and go.step + 1 < args.steps_now:
+                # as the trainer does: the next step's groups asked for once this one trained
+                ahead = (go.step + 1, go.groups, asyncio.create_task(gather(go.groups)))
 
             async def ack() -> None:
                 began = time.time()
-                await buffer.call(AckLease(lease_id=sample.lease_id, step=go.step),
+                await buffer.call(AckLease(lease_id=parts[0].lease_id,
+                                           more=[p.lease_id for p in parts[1:]], step=go.step),
                                   timeout=TIMEOUT)
                 out["ack"].append(time.time() - began)
 
@@ -565,6 +588,7 @@ def summarise(n: int, steps: int, args, run, tr: dict, stats: list[dict], replay
         sample_exp_per_s=(sum(k for *_, k in samples)
                           / busy_seconds([(b, e) for b, e, _ in samples])) if samples else 0.0,
         sampled_mb_per_step=tr["sampled_bytes"] / steps / 1e6,
+        sample_parts=statistics.fmean(tr["parts"][args.warmup:-1]),
         db_peak_mb=tr["db_peak"] / 1e6, db_end_mb=disk_bytes(Path(run.run_dir) / run.buffer.db) / 1e6,
         journal_bytes=journal.stat().st_size, journal_records=records, replay_s=replay_s,
         accounting=dict(
@@ -802,6 +826,9 @@ def main() -> None:
     parser.add_argument("--idle-seconds", type=float, default=10.0,
                         help="heartbeats only, before the first step: their CPU per second")
     parser.add_argument("--checkpoint-every", type=int, default=10)
+    parser.add_argument("--whole-sample", action="store_true",
+                        help="the trainer leases each step's groups whole after its TrainerGo "
+                             "(before issue 27 item 5), not in parts ahead of it")
     parser.add_argument("--explorer-procs", type=int, default=1,
                         help="processes hosting the simulated explorers")
     parser.add_argument("--step-seconds", type=float, default=30.0,

@@ -123,6 +123,34 @@ def test_lease_ack_release_and_expiry(open_store, clock):
     run(go())
 
 
+def test_a_step_gathers_its_groups_in_parts_and_acks_them_at_once(open_store):
+    """min_groups: a sample leases the groups there are once that many are ready (issue 27 item
+    5); an ack with `more` consumes every lease it names, or (one unknown) none of them."""
+    store = open_store()
+
+    async def go():
+        await put(store, make_group("a", 2), 2)
+        first = await store.sample(3, min_groups=1)
+        assert len(first.group_ids) == 1  # the one there is, not all three
+        with pytest.raises(NotEnoughExperiences, match=r"have 0 ready groups, need 1"):
+            await store.sample(2, min_groups=1)
+        await put(store, make_group("b", 2) + make_group("c", 2) + make_group("d", 2), 2)
+        second = await store.sample(2, min_groups=1)  # never more than asked
+        assert len(second.group_ids) == 2
+        with pytest.raises(BadPut, match="min_groups must be between 1 and num_groups"):
+            await store.sample(1, min_groups=2)
+        with pytest.raises(UnknownLease):
+            await store.ack(first.lease_id, 0, more=[second.lease_id, "nope"])
+        stats = await store.stats()
+        assert stats.by_state["consumed"] == 0 and stats.leases == 2  # none of them
+        await store.ack(first.lease_id, 0, more=[second.lease_id])
+        stats = await store.stats()
+        assert stats.by_state["consumed"] == 6 and stats.leases == 0
+        assert stats.groups_ready == 1
+
+    run(go())
+
+
 def test_fifo_newest_and_priority_order(open_store):
     store = open_store(priority="reward_variance")
 

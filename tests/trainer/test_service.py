@@ -21,6 +21,7 @@ import pytest
 import torch
 import yaml
 from backstop import BACKSTOP
+from processes import until
 
 from tandem.common.config import RunConfig, load_config
 from tandem.common.errors import PeerDead, TandemError
@@ -66,11 +67,13 @@ async def wait_ready(client: RpcClient, request, what: str, log: Path) -> None:
                 raise AssertionError(f"{what} did not start:\n{log.read_text()[-2000:]}")
 
 
-async def play_explorer(cfg, tokenizer, puts: list, received: dict, after_put=None) -> None:
+async def play_explorer(cfg, tokenizer, puts: list, received: dict, after_put=None,
+                        after_group=None) -> None:
     """Explorer-0: per barrier, lease tasks, put one scored group per task, report the step.
 
     At an nccl sync point it joins the trainer's weight group and receives the version.
-    `after_put(step)` runs between a step's put and its reports.
+    `after_put(step)` runs between a step's put and its reports; with `after_group(step, k)`
+    the groups are put one by one (as a streaming explorer does), and it runs after each.
     """
     name = "explorer-0"
     rpc = RpcClient(cfg.master.address, peer="master", name=name)
@@ -123,7 +126,13 @@ async def play_explorer(cfg, tokenizer, puts: list, received: dict, after_put=No
                         action_mask=np.ones(len(response), dtype=np.uint8),
                         logprobs=np.full(len(response), -4.6, dtype=np.float32), reward=reward,
                         policy_version=msg.version, explorer=name))
-            await buffer.call(PutExperiences(experiences=experiences), timeout=BACKSTOP)
+            if after_group is None:
+                await buffer.call(PutExperiences(experiences=experiences), timeout=BACKSTOP)
+            else:
+                for k in range(0, len(experiences), 2):
+                    await buffer.call(PutExperiences(experiences=experiences[k:k + 2]),
+                                      timeout=BACKSTOP)
+                    await after_group(msg.step, k // 2)
             puts.append((msg.step, msg.version, msg.wait))
             if after_put is not None:
                 await after_put(msg.step)
@@ -140,7 +149,7 @@ async def play_explorer(cfg, tokenizer, puts: list, received: dict, after_put=No
 
 
 async def run_scenario(tmp_path, tiny_model_path, tokenizer, method: str, check,
-                       torchrun: bool = False, after_put=None) -> None:
+                       torchrun: bool = False, after_put=None, after_group=None) -> None:
     """Master and buffer processes, the trainer embedded (or `tandem-trainer` on two gloo ranks
     under torchrun), the test playing explorer-0: three steps with a synchronous plan
     (offset 0), so versions 1 and 2 are published."""
@@ -178,7 +187,8 @@ async def run_scenario(tmp_path, tiny_model_path, tokenizer, method: str, check,
         received: dict = {}
         trainer = None if torchrun else Trainer(cfg)
         explorer = play_explorer(cfg, tokenizer, puts, received,
-                                 after_put and (lambda step: after_put(trainer, step)))
+                                 after_put and (lambda step: after_put(trainer, step)),
+                                 after_group and (lambda step, k: after_group(trainer, step, k)))
         if torchrun:
             ranks = subprocess.Popen(
                 [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -254,6 +264,32 @@ async def test_trainer_trains_and_publishes_checkpoints_against_real_master_and_
 
     await run_scenario(tmp_path, tiny_model_path, tokenizer, "checkpoint", check,
                        after_put=leased_before_its_trainer_go)
+
+
+async def leased_as_put(trainer, step, k):
+    """Groups put one by one (issue 27 item 5): the trainer leases each as it is put, while the
+    step's other group is still "rolled out", and the step trains on both parts."""
+    if step == 0:
+        return  # the first step's groups are asked for on its TrainerGo
+    ahead = trainer._ahead
+    assert ahead is not None and ahead.step == step and ahead.in_parts
+    await until(lambda: len(ahead.parts) == k + 1, f"step {step}'s part {k} leased")
+    assert [len(p.group_ids) for p in ahead.parts] == [1] * (k + 1)
+    if k == 1:
+        sample = await asyncio.wait_for(asyncio.shield(ahead.task), BACKSTOP)
+        assert len(sample.lease_ids) == 2 and len({e.group_id for e in sample.experiences}) == 2
+
+
+@pytest.mark.slow
+async def test_a_steps_groups_are_leased_in_parts_as_they_are_put(
+        tmp_path, tiny_model_path, tokenizer, zmq_sockets_closed):
+    """Each step acks both its parts at once: the run ends with every group consumed and no
+    lease left (run_scenario's checks)."""
+    def check(run_dir, received):
+        assert WeightSubscriber(run_dir).versions() == [1, 2]
+
+    await run_scenario(tmp_path, tiny_model_path, tokenizer, "checkpoint", check,
+                       after_group=leased_as_put)
 
 
 @pytest.mark.slow
@@ -364,7 +400,7 @@ async def test_a_steps_ack_and_its_count_travel_at_once(tmp_path, tiny_model_pat
     trainer.writer.write = write
     try:
         reporting = asyncio.create_task(trainer._report_step(
-            0, "lease-0", {"loss/total": 1.0, "buffer/dropped_stale": 0.0}, {"loss/total": 1.0}))
+            0, ["lease-0"], {"loss/total": 1.0, "buffer/dropped_stale": 0.0}, {"loss/total": 1.0}))
         # all three under way before either peer answers
         await asyncio.wait_for(asyncio.gather(master.called.wait(), buffer.called.wait(),
                                               wrote.wait()), BACKSTOP)
@@ -398,7 +434,7 @@ async def test_a_synchronous_plan_announces_its_version_with_the_count(
         assert not trainer._announced_with_count(TrainerGo(step=0, publish=1, publish_by="checkpoint"))
         metrics = trainer.train_step(fixed_batch, write=False)
         writing = asyncio.ensure_future(trainer._write_version(1))
-        reporting = asyncio.create_task(trainer._report_step(0, "lease-0", metrics, metrics,
+        reporting = asyncio.create_task(trainer._report_step(0, ["lease-0"], metrics, metrics,
                                                              writing))
         await asyncio.wait_for(asyncio.gather(buffer.called.wait(), master.called.wait()),
                                BACKSTOP)

@@ -276,7 +276,7 @@ class Buffer:
                     lease = await self.store.sample(
                         msg.num_groups, policy=msg.policy, min_version=msg.min_version,
                         max_version=msg.max_version, lease_seconds=msg.lease_seconds,
-                        holder=msg.holder)
+                        holder=msg.holder, min_groups=msg.min_groups)
                     break
                 except NotEnoughExperiences as exc:
                     dropped += exc.dropped
@@ -312,7 +312,7 @@ class Buffer:
                                     for k, v in lease.images.items()})
 
     async def on_ack(self, msg: AckLease, ctx: CallContext) -> Ok:
-        await self.store.ack(msg.lease_id, msg.step)
+        await self.store.ack(msg.lease_id, msg.step, msg.more)
         self._m_acks.inc()
         log.debug("buffer.ack", peer=ctx.peer, lease=msg.lease_id, step=msg.step)
         return Ok()

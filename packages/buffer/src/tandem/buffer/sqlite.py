@@ -15,7 +15,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import msgpack
 import structlog
@@ -127,13 +127,18 @@ class SqliteStore(ExperienceStore):
 
     async def sample(self, num_groups: int, *, policy: str | None = None,
                      min_version: int | None = None, max_version: int | None = None,
-                     lease_seconds: float | None = None, holder: str | None = None) -> Lease:
+                     lease_seconds: float | None = None, holder: str | None = None,
+                     min_groups: int | None = None) -> Lease:
         if num_groups < 1:
             raise BadPut(f"num_groups must be at least 1, got {num_groups}")
+        if min_groups is not None and not 1 <= min_groups <= num_groups:
+            raise BadPut(f"min_groups must be between 1 and num_groups ({num_groups}), "
+                         f"got {min_groups}")
         if policy is not None and policy not in POLICIES:
             raise BadPut(f"unknown sampling policy {policy!r}; choose one of {POLICIES}")
         leased = await self.writer.call(self._op_sample, num_groups, policy or self.policy,
-                                        min_version, max_version, lease_seconds, holder)
+                                        min_version, max_version, lease_seconds, holder,
+                                        min_groups or num_groups)
         return self.lease_from(leased)
 
     @staticmethod
@@ -144,8 +149,9 @@ class SqliteStore(ExperienceStore):
                      experiences=[from_row(*row) for row in leased.rows], holder=leased.holder,
                      images=leased.images)
 
-    async def ack(self, lease_id: str, step: int | None = None) -> None:
-        await self.writer.call(self._op_ack, lease_id, step)
+    async def ack(self, lease_id: str, step: int | None = None,
+                  more: Sequence[str] = ()) -> None:
+        await self.writer.call(self._op_ack, [lease_id, *more], step)
 
     async def release(self, lease_id: str) -> None:
         await self.writer.call(self._op_release, lease_id)
@@ -304,7 +310,7 @@ class SqliteStore(ExperienceStore):
 
     def _op_sample(self, num_groups: int, policy: str, min_version: int | None,
                    max_version: int | None, lease_seconds: float | None,
-                   holder: str | None) -> LeasedRows:
+                   holder: str | None, min_groups: int) -> LeasedRows:
         conn = self._conn
         now = self.clock()
         self._expire(now)
@@ -320,8 +326,8 @@ class SqliteStore(ExperienceStore):
                 f"ORDER BY {_ORDER[policy]} LIMIT ?", (uses, *params, num_groups - len(chosen))))
             uses = conn.execute("SELECT min(uses) FROM groups WHERE state = 'ready' AND uses > ?",
                                 (uses,)).fetchone()[0]
-        if len(chosen) < num_groups:  # every admissible ready group was found: that is all
-            raise NotEnoughExperiences(len(chosen), num_groups, dropped)  # the drop still commits
+        if len(chosen) < min_groups:  # every admissible ready group was found: that is all
+            raise NotEnoughExperiences(len(chosen), min_groups, dropped)  # the drop still commits
         lease_id = uuid.uuid4().hex
         expires_at = now + (lease_seconds or self.lease_seconds)
         conn.execute("INSERT INTO leases (lease_id, expires_at, holder) VALUES (?, ?, ?)",
@@ -366,9 +372,15 @@ class SqliteStore(ExperienceStore):
                 f"SELECT hash, data FROM images WHERE hash IN ({marks(chunk)})", chunk))
         return out
 
-    def _op_ack(self, lease_id: str, step: int | None) -> None:
-        conn = self._conn
+    def _op_ack(self, lease_ids: list[str], step: int | None) -> None:
+        """Every lease in `lease_ids`, or (an unknown one raises, and the op's savepoint rolls
+        back) none."""
         self._expire(self.clock())
+        for lease_id in lease_ids:
+            self._ack_one(lease_id, step)
+
+    def _ack_one(self, lease_id: str, step: int | None) -> None:
+        conn = self._conn
         if not self._lease_exists(lease_id):
             raise UnknownLease(lease_id)
         groups = conn.execute(

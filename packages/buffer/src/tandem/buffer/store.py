@@ -34,6 +34,7 @@ Semantics (docs/design.md §6), the same for every implementation:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tandem.common.errors import TandemError
@@ -151,12 +152,16 @@ class ExperienceStore(ABC):
     @abstractmethod
     async def sample(self, num_groups: int, *, policy: str | None = None,
                      min_version: int | None = None, max_version: int | None = None,
-                     lease_seconds: float | None = None, holder: str | None = None) -> Lease:
-        """Lease `num_groups` ready groups, or raise `NotEnoughExperiences`."""
+                     lease_seconds: float | None = None, holder: str | None = None,
+                     min_groups: int | None = None) -> Lease:
+        """Lease `num_groups` ready groups, or raise `NotEnoughExperiences`; with `min_groups`,
+        as many of them as are ready when that is at least `min_groups`."""
 
     @abstractmethod
-    async def ack(self, lease_id: str, step: int | None = None) -> None:
-        """The lease's groups were trained on, by trainer step `step` when given."""
+    async def ack(self, lease_id: str, step: int | None = None,
+                  more: Sequence[str] = ()) -> None:
+        """The lease's groups (and those of the leases in `more`, in the same transaction) were
+        trained on, by trainer step `step` when given."""
 
     @abstractmethod
     async def release(self, lease_id: str) -> None:

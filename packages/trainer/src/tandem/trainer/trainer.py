@@ -32,8 +32,10 @@ import socket
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Sequence
+from typing import Any
 
 import structlog
 import torch
@@ -42,7 +44,8 @@ from tandem.common import failpoints
 from tandem.common.config import RunConfig
 from tandem.common.errors import PeerDead, RequestFailed, TandemError, WaitTimeout
 from tandem.common.messages.buffer import (
-    AckLease, CheckpointSaved, ReleaseLeases, RewindTo, SampleGroups, SampleResult)
+    AckLease, CheckpointSaved, ReleaseLease, ReleaseLeases, RewindTo, SampleGroups,
+    SampleResult)
 from tandem.common.messages.experience import Experience
 from tandem.common.messages.master import (
     Register, Registered, Stop, TrainerCheckpointed, TrainerGo, TrainerResumed, TrainerStepDone,
@@ -475,19 +478,19 @@ class Trainer:
         if go.publish is not None and self._announced_with_count(go):
             start = time.time()
             writing = asyncio.ensure_future(self._write_version(go.publish))
-            await self._report_step(go.step, sample.lease_id, metrics, written, writing)
+            await self._report_step(go.step, sample.lease_ids, metrics, written, writing)
             moved = writing.result()[1]
             self.tracer.record("sync", start, time.time(), step=go.step, version=go.publish,
                                method="checkpoint", bytes=moved)
         else:
-            await self._report_step(go.step, sample.lease_id, metrics, written)
+            await self._report_step(go.step, sample.lease_ids, metrics, written)
             if go.publish is not None:
                 await self._publish(go.publish, go)
         every = self.tc.checkpoint_every
         if every and self.step % every == 0:
             await self._checkpoint()
 
-    async def _report_step(self, step: int, lease_id: str, metrics: dict[str, float],
+    async def _report_step(self, step: int, lease_ids: list[str], metrics: dict[str, float],
                            written: dict[str, float],
                            writing: asyncio.Future[tuple[WeightsPublished, int]] | None = None
                            ) -> None:
@@ -507,7 +510,7 @@ class Trainer:
                 timeout_key="transport.rpc_timeout")
 
         acked, counted, wrote = await asyncio.gather(
-            self._buffer.call(AckLease(lease_id=lease_id, step=step),
+            self._buffer.call(AckLease(lease_id=lease_ids[0], more=lease_ids[1:], step=step),
                               timeout_key="transport.rpc_timeout"),
             count(), asyncio.to_thread(self.writer.write, step + 1, written),
             return_exceptions=True)
@@ -523,27 +526,60 @@ class Trainer:
         total = self.config.master.total_steps
         if self.tc.dynamic_sampling or (total is not None and step >= total):
             return
-        self._ahead = _SampleAhead(step, groups)
+        self._ahead = _SampleAhead(step, groups, self._gathers_in_parts())
         self._ahead.task = asyncio.create_task(self._sample_ahead(self._ahead))
 
-    async def _sample_ahead(self, ahead: _SampleAhead) -> SampleResult | None:
+    def _gathers_in_parts(self) -> bool:
+        """Whether a step's groups are leased as they become ready (`_SampleAhead`): under the
+        fifo policy in a plan with sync points, where the groups leased in parts are the ones
+        a whole lease at the end would pick (the oldest first), so only when they travel
+        changes. The newest and priority policies choose among all the groups there are."""
+        return self.config.buffer.policy == "fifo" and self.config.sync.offset is not None
+
+    async def _sample_ahead(self, ahead: _SampleAhead) -> _Leased | None:
         """`SampleGroups` for `ahead`'s step, each held by the buffer up to the same bound as
         `_sample`'s, asked again on `not_enough` until the step's TrainerGo arrives (then the
-        request in flight is the last); None when none was answered with groups."""
+        request in flight is the last); None when the step's groups were not all leased (the
+        parts leased are given back). In parts (`_gathers_in_parts`): each answer leases the
+        groups ready then, and the rest are asked for at once; a part's lease is held for the
+        rest of the step's rollout too (`buffer.lease_seconds` plus
+        `master.task_lease_seconds`, which bounds a rollout)."""
         rpc_timeout = self.config.transport.rpc_timeout
         lag = self.tc.drop_older_than
+        parts = ahead.parts
+        lease_seconds = (self.config.buffer.lease_seconds + self.config.master.task_lease_seconds
+                         if ahead.in_parts else None)
         while True:
+            have = sum(len(p.group_ids) for p in parts)
+            if have >= ahead.groups:
+                return _Leased(parts)
             try:
-                return await self._buffer.call(
-                    SampleGroups(num_groups=ahead.groups, holder=self.name,
+                parts.append(await self._buffer.call(
+                    SampleGroups(num_groups=ahead.groups - have, holder=self.name,
+                                 min_groups=1 if ahead.in_parts else None,
+                                 lease_seconds=lease_seconds,
                                  wait=min(self.tc.sample_wait, rpc_timeout / 2),
                                  min_version=None if lag is None else max(0, ahead.step - lag)),
-                    timeout=rpc_timeout, timeout_key="transport.rpc_timeout")
+                    timeout=rpc_timeout, timeout_key="transport.rpc_timeout"))
             except RequestFailed as exc:
                 if exc.code != "not_enough" or ahead.released or self._stopping:
+                    await self._give_back(ahead)
                     return None
 
-    async def _take_ahead(self, go: TrainerGo, groups: int) -> SampleResult | None:
+    async def _give_back(self, ahead: _SampleAhead) -> None:
+        """Release the parts `ahead` leased, one by one: the step before may not be acked yet,
+        so not every lease of this holder (best effort: a lease not released expires, and a
+        resumed trainer releases its holder's)."""
+        parts, ahead.parts = ahead.parts, []
+        for part in parts:
+            try:
+                await self._buffer.call(ReleaseLease(lease_id=part.lease_id), retries=0,
+                                        timeout_key="transport.rpc_timeout")
+            except (PeerDead, RequestFailed) as exc:
+                log.warning("trainer.part_unreleased", step=ahead.step, lease=part.lease_id,
+                            error=str(exc))
+
+    async def _take_ahead(self, go: TrainerGo, groups: int) -> _Leased | None:
         """The groups asked for ahead of `go`, when that request was for this step and this
         many groups; otherwise (a resume, fewer groups at the taskset's end) what it leased is
         given back and None says: sample now."""
@@ -574,14 +610,14 @@ class Trainer:
         if not ahead.task.done():
             ahead.task.cancel()
         result, = await asyncio.gather(ahead.task, return_exceptions=True)
-        if isinstance(result, SampleResult):
+        if isinstance(result, _Leased) or ahead.parts:  # whole, or parts of a cancelled gather
             try:
                 await self._buffer.call(ReleaseLeases(holder=self.name), retries=0,
                                         timeout_key="transport.rpc_timeout")
             except (PeerDead, RequestFailed) as exc:
                 log.warning("trainer.ahead_unreleased", step=ahead.step, error=str(exc))
 
-    async def _sample(self, groups: int, step: int) -> SampleResult:
+    async def _sample(self, groups: int, step: int) -> _Leased:
         """Lease `groups` whole groups, waiting up to `trainer.idle_timeout` for them.
 
         Every wait here counts against a bound: the buffer holds a request at most half of
@@ -610,7 +646,7 @@ class Trainer:
                     raise
         if time.time() - start > 0.01:
             self.tracer.record("wait", start, time.time(), step=step, what="sample", groups=groups)
-        return result
+        return _Leased([result])
 
     async def _publish(self, version: int, go: TrainerGo) -> None:
         method = go.publish_by or self.config.sync.method
@@ -807,7 +843,33 @@ class _SampleAhead:
     AckLease consumes them, and a lease not used is given back, so nothing is lost or trained
     twice (docs/reliability.md P2)."""
 
-    def __init__(self, step: int, groups: int):
+    def __init__(self, step: int, groups: int, in_parts: bool = False):
         self.step, self.groups = step, groups
+        self.in_parts = in_parts  # leased as the groups become ready (`_gathers_in_parts`)
+        self.parts: list[SampleResult] = []  # the leases so far
         self.released = False  # the step's TrainerGo came: no request after the one in flight
         self.task: asyncio.Task | None = None
+
+
+@dataclass
+class _Leased:
+    """A step's groups: one lease, or several gathered in parts (`_SampleAhead`); the step's
+    ack consumes them all at once (`AckLease.more`)."""
+
+    parts: list[SampleResult]
+
+    @property
+    def lease_ids(self) -> list[str]:
+        return [p.lease_id for p in self.parts]
+
+    @property
+    def experiences(self) -> list[Experience]:
+        return [e for p in self.parts for e in p.experiences]
+
+    @property
+    def images(self) -> dict[str, Any]:
+        return {h: v for p in self.parts for h, v in p.images.items()}
+
+    @property
+    def dropped_stale(self) -> int:
+        return sum(p.dropped_stale for p in self.parts)

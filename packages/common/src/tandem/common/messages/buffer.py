@@ -62,9 +62,14 @@ class SampleResult(Message):
 
 @wire("buffer.sample", reply=SampleResult)
 class SampleGroups(Request):
-    """Trainer to buffer: lease `num_groups` complete groups; waits up to `wait` seconds."""
+    """Trainer to buffer: lease `num_groups` complete groups; waits up to `wait` seconds. With
+    `min_groups`, answers as soon as that many are ready, leasing up to `num_groups` of those
+    there are: a trainer gathers its step's groups in parts while they are rolled out."""
 
     num_groups: int = Field(ge=1)
+    min_groups: int | None = Field(
+        default=None, ge=1, description="answer once this many are ready (at most num_groups); "
+        "None: num_groups, all or nothing")
     policy: Literal["fifo", "newest", "priority"] | None = None
     min_version: int | None = Field(default=None, description="staleness filter")
     max_version: int | None = Field(default=None, description="only groups at or below it")
@@ -87,6 +92,9 @@ class AckLease(Request):
         default=None, ge=0,
         description="the trainer step that consumed the groups (TrainerGo.step); RewindTo "
                     "undoes the acks of steps at or after a checkpoint's. None: never rewound")
+    more: list[str] = Field(
+        default_factory=list, description="further leases the same step consumed (its groups "
+        "gathered in parts), acked in the same transaction: all of them or none")
 
 
 @wire("buffer.release_leases.reply")
