@@ -24,8 +24,9 @@ from backstop import BACKSTOP
 from processes import until
 
 from tandem.common.config import RunConfig, load_config
-from tandem.common.errors import PeerDead, TandemError
-from tandem.common.messages.buffer import GetBufferStats, PutExperiences
+from tandem.common.errors import PeerDead, RequestFailed, TandemError
+from tandem.common.messages.buffer import (
+    GetBufferStats, PutExperiences, SampleGroups, SampleResult)
 from tandem.common.messages.experience import Experience, experience_id, group_id
 from tandem.common.messages.master import (
     CompleteTasks, ExplorerStepDone, GetStatus, LeaseTasks, Register, TrainerGo, TrainerStepDone,
@@ -418,8 +419,9 @@ async def test_a_synchronous_plan_announces_its_version_with_the_count(
         tmp_path, tiny_model_path, fixed_batch):
     """synchronous with sync.method checkpoint (issue 27 item 2): the ack goes while the next
     version is written, and the count carries its announcement: one message to the master, not
-    a count and then a WeightsPublished. Not in an asynchronous plan (written behind the next
-    step), nor by broadcast, nor for a lost lineage's version."""
+    a count and then a WeightsPublished. By broadcast too (its group announced with the count,
+    tests/e2e and the scenarios here); not in an asynchronous plan (written behind the next
+    step), nor for a lost lineage's version, nor while stopping."""
     def config(**sync):
         return RunConfig.model_validate({
             "model": {"path": str(tiny_model_path)}, "run_dir": str(tmp_path), "sync": sync,
@@ -451,13 +453,60 @@ async def test_a_synchronous_plan_announces_its_version_with_the_count(
     assert dict(WeightSubscriber(tmp_path).load(1))  # whole, manifest checked
     assert [type(m).__name__ for m in buffer.sent] == ["AckLease"]
     assert trainer._counted == 1
-    for sync in ({"preset": "synchronous", "method": "nccl"},
-                 {"preset": "fully_async", "method": "checkpoint"}):
+    for sync, announced in (({"preset": "synchronous", "method": "nccl"}, True),
+                            ({"preset": "one_step_off_policy", "method": "nccl"}, True),
+                            ({"preset": "fully_async", "method": "checkpoint"}, False)):
         other = Trainer(config(**sync))
         try:
+            assert other._announced_with_count(go) is announced
+            other.request_stop()
             assert not other._announced_with_count(go)
         finally:
             await other.close()
+
+
+class _PartThenNotEnough:
+    """The buffer's side of a gather in parts that does not complete: the first SampleGroups
+    leases one group, the next is answered `not_enough` once the step's TrainerGo came."""
+
+    def __init__(self, group: list[Experience]):
+        self.sent: list = []
+        self.group = group
+        self.released = asyncio.Event()
+
+    async def call(self, msg, **kwargs):
+        self.sent.append(msg)
+        if isinstance(msg, SampleGroups) and len(self.sent) == 1:
+            return SampleResult(lease_id="part-0", expires_at=time.time() + 60,
+                                experiences=self.group, group_ids=[self.group[0].group_id])
+        if isinstance(msg, SampleGroups):
+            await self.released.wait()
+            raise RequestFailed("not_enough", "have 0 ready groups, need 1")
+        return Ok()
+
+
+async def test_a_gather_in_parts_that_falls_short_gives_back_its_parts(
+        tmp_path, tiny_model_path, fixed_batch, make_config):
+    """Groups leased in parts (fifo, sync points) but not all of them by the step's TrainerGo:
+    each part is released on its own (ReleaseLease; not ReleaseLeases(holder), which would take
+    back the step before's lease, maybe not acked yet) and the step samples whole."""
+    trainer = Trainer(make_config(tiny_model_path, run_dir=tmp_path))
+    assert trainer._gathers_in_parts()  # the defaults: fifo, synchronous
+    buffer = trainer._buffer = _PartThenNotEnough(fixed_batch[:4])
+    try:
+        trainer._ask_ahead(1, 2)
+        ahead = trainer._ahead
+        await until(lambda: len(buffer.sent) == 2, "the second part's SampleGroups")
+        assert [m.min_groups for m in buffer.sent] == [1, 1]
+        assert [m.num_groups for m in buffer.sent] == [2, 1]  # the rest, once a part came
+        ahead.released = True
+        buffer.released.set()
+        assert await asyncio.wait_for(ahead.task, BACKSTOP) is None
+    finally:
+        await trainer.close()
+    assert [(type(m).__name__, getattr(m, "lease_id", None)) for m in buffer.sent[2:]] == [
+        ("ReleaseLease", "part-0")]
+    assert ahead.parts == []
 
 
 async def test_an_asynchronous_plan_writes_each_version_behind_the_next_step(

@@ -34,7 +34,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import structlog
@@ -477,11 +477,13 @@ class Trainer:
         metrics["buffer/dropped_stale"] = float(sample.dropped_stale)
         if go.publish is not None and self._announced_with_count(go):
             start = time.time()
-            writing = asyncio.ensure_future(self._write_version(go.publish))
-            await self._report_step(go.step, sample.lease_ids, metrics, written, writing)
-            moved = writing.result()[1]
+            preparing = asyncio.ensure_future(self._prepare_version(go.publish, go))
+            await self._report_step(go.step, sample.lease_ids, metrics, written, preparing)
+            published, moved, then = preparing.result()
+            if then is not None:
+                await then()
             self.tracer.record("sync", start, time.time(), step=go.step, version=go.publish,
-                               method="checkpoint", bytes=moved)
+                               method=published.method, bytes=moved)
         else:
             await self._report_step(go.step, sample.lease_ids, metrics, written)
             if go.publish is not None:
@@ -492,12 +494,12 @@ class Trainer:
 
     async def _report_step(self, step: int, lease_ids: list[str], metrics: dict[str, float],
                            written: dict[str, float],
-                           writing: asyncio.Future[tuple[WeightsPublished, int]] | None = None
+                           writing: asyncio.Future[tuple[WeightsPublished, Any]] | None = None
                            ) -> None:
         """The step's groups consumed (buffer) and the step counted (master), both at once: two
         peers, so one round trip between the spans instead of two (issue 27 item 2); the
         trackers get `written` on a thread meanwhile (a few ms of TensorBoard and JSONL that
-        were on the path). `writing`: the next version being written (`_write_version`); the
+        were on the path). `writing`: the next version being prepared (`_prepare_version`); the
         count waits for it and carries its announcement, while the ack goes at once. The step
         counts for the exit checkpoint only when both were answered: a checkpoint never holds a
         step whose groups were not acked (they would be trained again) or that the master did
@@ -671,44 +673,69 @@ class Trainer:
             log.info("weights.broadcast_skipped", version=version, why="stopping")
             return
         else:
-            from tandem.weights import WeightBroadcaster, engine_members
+            published, moved, broadcast = await self._prepare_broadcast(version, go)
+            await self._master.call(published, timeout_key="transport.rpc_timeout")
+            await broadcast()
+        self.tracer.record("sync", start, time.time(), step=go.step, version=version, method=method,
+                           bytes=moved)
 
-            if self._broadcaster is None:
-                self._broadcaster = WeightBroadcaster.from_config(
-                    self.config, device=self.learner.device)
-            members = [m for name in go.explorers for m in engine_members(name)]
-            tensors = await asyncio.to_thread(self.policy_weights)
-            moved = sum(t.numel() * t.element_size() for _, t in tensors)
+    async def _prepare_broadcast(self, version: int, go: TrainerGo
+                                 ) -> tuple[WeightsPublished, int, Callable[[], Awaitable[None]]]:
+        """nccl: the weights copied and the group `go`'s explorers join; the announcement (not
+        sent here), the bytes, and the broadcast to run once it was sent."""
+        from tandem.weights import WeightBroadcaster, engine_members
+
+        if self._broadcaster is None:
+            self._broadcaster = WeightBroadcaster.from_config(self.config,
+                                                              device=self.learner.device)
+        members = [m for name in go.explorers for m in engine_members(name)]
+        tensors = await asyncio.to_thread(self.policy_weights)
+        moved = sum(t.numel() * t.element_size() for _, t in tensors)
+
+        def announcement() -> WeightsPublished:
+            rendezvous = self._broadcaster.rendezvous
+            if rendezvous is None or rendezvous.members != members:
+                # a new epoch only when the members change (or the last one failed)
+                rendezvous = self._broadcaster.open_group(members)
+            return WeightsPublished(version=version, method="nccl", rendezvous=rendezvous)
+
+        async def broadcast() -> None:
             for attempt in (1, 2):
-                rendezvous = self._broadcaster.rendezvous
-                if rendezvous is None or rendezvous.members != members:
-                    # a new epoch only when the members change (or the last one failed)
-                    rendezvous = self._broadcaster.open_group(members)
-                await self._master.call(
-                    WeightsPublished(version=version, method="nccl", rendezvous=rendezvous),
-                    timeout_key="transport.rpc_timeout")
+                if attempt == 2:  # a fresh group, announced on its own
+                    await self._master.call(announcement(), timeout_key="transport.rpc_timeout")
                 try:
                     await self._broadcast_unless_stopped(version, tensors)
-                    break
+                    return
                 except PeerDead as exc:
-                    # A member that restarted left the epoch; a fresh group (announced above on
-                    # the next pass) lets it rejoin. A member that stays away fails the step,
-                    # and a stop does not wait for members that are leaving.
+                    # A member that restarted left the epoch; a fresh group lets it rejoin. A
+                    # member that stays away fails the step, and a stop does not wait for
+                    # members that are leaving.
                     if self._stopping:
                         raise TrainerStopped(f"stop requested while broadcasting version "
                                              f"{version}: {exc}") from None
                     if attempt == 2:
                         raise
                     log.warning("weights.broadcast_retry", version=version, error=str(exc))
-        self.tracer.record("sync", start, time.time(), step=go.step, version=version, method=method,
-                           bytes=moved)
+
+        return announcement(), moved, broadcast
+
+    async def _prepare_version(self, version: int, go: TrainerGo
+                               ) -> tuple[WeightsPublished, int, Callable[[], Awaitable[None]] | None]:
+        """The version `go` asks for, ready to be announced with the step's count: written
+        (checkpoint), or copied with its group open (nccl, whose broadcast is returned to run
+        after the announcement)."""
+        if self.config.sync.method == "checkpoint":
+            published, moved = await self._write_version(version)
+            return published, moved, None
+        return await self._prepare_broadcast(version, go)
 
     def _announced_with_count(self, go: TrainerGo) -> bool:
-        """The version `go` asks for is written beside the step's ack and announced with its
-        count (`_report_step`): a checkpoint version in a plan whose explorers wait for it at a
-        sync point, of this lineage, with nothing of an earlier version still in flight."""
-        return (go.publish_by is None and self.config.sync.method == "checkpoint"
-                and self.config.sync.offset is not None and self._publishing is None)
+        """The version `go` asks for is prepared beside the step's ack and announced with its
+        count (`_report_step`): in a plan whose explorers wait for it at a sync point, of this
+        lineage, with nothing of an earlier version still in flight, and not while stopping
+        (a broadcast is then skipped: no explorer would join)."""
+        return (go.publish_by is None and self.config.sync.offset is not None
+                and self._publishing is None and not self._stopping)
 
     async def _write_version(self, version: int, *, lost: bool = False
                              ) -> tuple[WeightsPublished, int]:
