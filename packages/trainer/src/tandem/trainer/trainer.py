@@ -26,12 +26,15 @@ handed in directly. Either way the caller ends with `await close()`.
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import os
 import shutil
 import socket
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Awaitable, Callable, Sequence
@@ -96,6 +99,8 @@ class Trainer:
         self._counted = self.learner.step_count  # steps the master acknowledged
         self._stopping = False
         self._stop_event: asyncio.Event | None = None
+        # the steps and the weight copies on their path run on this one thread (`_compute`)
+        self._compute_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer-compute")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._in_use: list[int] = []
         self._ahead: _SampleAhead | None = None  # the next step's sample, asked for early
@@ -207,7 +212,7 @@ class Trainer:
         it counted) and the buffer (groups consumed before this step can never be rewound)."""
         # traced: a stop's bound is `up.stop_timeout` plus this span (tests/e2e/test_stop.py)
         with self.tracer.span("checkpoint", step=self.step, stopping=self._stopping):
-            path = await asyncio.to_thread(self.save_checkpoint)
+            path = await self._compute(self.save_checkpoint)
         try:
             await self._master.call(TrainerCheckpointed(step=self.step, checkpoint=str(path)),
                                     timeout_key="transport.rpc_timeout")
@@ -377,7 +382,7 @@ class Trainer:
             # from disk (docs/design.md §5: the current version by checkpoint). The learner is at
             # version S exactly; it writes v{S} when missing, and announces it.
             # shared_memory: no segment outlives its trainer, so v{S} is always written again.
-            path = await asyncio.to_thread(self._current_version, start)
+            path = await self._compute(self._current_version, start)
             await self._master.call(WeightsPublished(version=start, method="checkpoint",
                                                      path=str(path)), timeout_key=rpc)
         if counted > start:
@@ -466,7 +471,7 @@ class Trainer:
         if sample is None:
             sample = await self._unless_stopped(self._sample(groups, go.step))
         failpoints.reached("trainer.leased")
-        metrics = await asyncio.to_thread(
+        metrics = await self._compute(
             self.train_step, sample.experiences, step=go.step, extra_batches=go.extra_batches,
             images={h: v.tobytes() for h, v in sample.images.items()}, write=False)
         written = dict(metrics)
@@ -658,7 +663,7 @@ class Trainer:
             # asynchronous plans: no explorer waits for this version at a sync point, so only
             # the copy of the weights is on the step's path; the write and the announcement go
             # on while the next step trains (issue 27 item 2)
-            tensors = await asyncio.to_thread(self.policy_weights, True)
+            tensors = await self._compute(self.policy_weights, True)
             self.tracer.record("sync", start, time.time(), step=go.step, version=version,
                                method=method, behind=True)
             self._publishing = asyncio.create_task(self._publish_behind(version, go, tensors))
@@ -689,7 +694,7 @@ class Trainer:
             self._broadcaster = WeightBroadcaster.from_config(self.config,
                                                               device=self.learner.device)
         members = [m for name in go.explorers for m in engine_members(name)]
-        tensors = await asyncio.to_thread(self.policy_weights)
+        tensors = await self._compute(self.policy_weights)
         moved = sum(t.numel() * t.element_size() for _, t in tensors)
 
         def announcement() -> WeightsPublished:
@@ -742,7 +747,7 @@ class Trainer:
         """Write checkpoint `version` (a folder, or a shared-memory segment; `lost`: a lost
         lineage's version, written only if missing); its announcement and the bytes it holds."""
         write = self._current_version if lost else self._publish_checkpoint
-        path = Path(await asyncio.to_thread(write, version))
+        path = Path(await self._compute(write, version))
         moved = (path.stat().st_size if path.is_file()  # a shared-memory segment
                  else sum(f.stat().st_size for f in path.iterdir() if f.is_file()))
         return WeightsPublished(version=version, method="checkpoint", path=str(path)), moved
@@ -840,6 +845,15 @@ class Trainer:
             if client is not None:
                 await client.close()
 
+    async def _compute(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """`fn(*args, **kwargs)` on the trainer's one compute thread: training steps, the weight
+        copies and the versions written on the step's path run on one thread, so the memory
+        one step frees is what the next reuses. Spread over the default pool's threads, each
+        thread's allocations went to its own malloc arena, and the trainer's peak PSS grew by
+        85-95 MiB (tools/bench_peer.py, issue 27 item 1)."""
+        call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self._compute_pool, call)
+
     async def close(self) -> None:
         """Release ranks > 0, flush the trace and TensorBoard, close the weight group.
 
@@ -847,6 +861,7 @@ class Trainer:
         caller runs last, frees the process group itself (see there).
         """
         self.tracer.flush()  # before a teardown that a supervisor may cut short
+        self._compute_pool.shutdown(wait=False)
         if self.dist.enabled and self.dist.is_main:
             dd.send_command(dd.STOP)
         self.learner.release()
