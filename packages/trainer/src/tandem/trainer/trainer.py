@@ -616,8 +616,8 @@ class Trainer:
         ahead.released = True
         if not ahead.task.done():
             ahead.task.cancel()
-        result, = await asyncio.gather(ahead.task, return_exceptions=True)
-        if isinstance(result, _Leased) or ahead.parts:  # whole, or parts of a cancelled gather
+        await asyncio.gather(ahead.task, return_exceptions=True)
+        if ahead.parts:  # what it leased, all of the step's groups or a cancelled gather's part
             try:
                 await self._buffer.call(ReleaseLeases(holder=self.name), retries=0,
                                         timeout_key="transport.rpc_timeout")
