@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import os
 import signal
+import textwrap
 
 from backstop import BACKSTOP
 from processes import cpu_seconds
 
+from tandem.common import plugins
 from tandem.common.config.reward import RewardConfig
+from tandem.common.plugins import REWARDS, load_plugins
+from tandem.common.registry import plugin_scope, reset_plugin_scope
 from tandem.common.messages.reward import ScoreItem
 from tandem.common.spawn import stat_fields
 from tandem.reward import LocalScorer
@@ -78,3 +82,64 @@ async def test_closing_the_pool_leaves_no_process():
         pids = [w.proc.pid for w in pool._all] + [pool._forker.proc.pid]
         assert all(_alive(pid) for pid in pids)
     assert not any(_alive(pid) for pid in pids)
+
+
+def _slow_import_plugin(tmp_path, marks):
+    """An isolated function whose first use costs 1.5 s (as a lazy import of a parser would),
+    paid by `warm_up`; each warm-up appends the pid that ran it to `marks`."""
+    path = tmp_path / "pool_slow_import.py"
+    path.write_text(textwrap.dedent(f"""
+        import os, time
+        from tandem.reward.base import PureReward, register, result
+
+        @register("pool_slow_import")
+        class SlowImport(PureReward):
+            isolated = True
+            ready = False
+
+            def warm_up(self):
+                if not SlowImport.ready:
+                    time.sleep(1.5)
+                    SlowImport.ready = True
+                    with open({str(marks)!r}, "a") as f:
+                        f.write(f"{{os.getpid()}}\\n")
+
+            def score(self, item):
+                self.warm_up()
+                return result(1.0, "warm")
+    """))
+    return path
+
+
+async def test_the_template_warms_only_the_functions_asked_for(tmp_path, monkeypatch):
+    # every isolated function warmed in every pool made each worker hold the math check's
+    # sympy (38 MiB) in a run that scores with k12; another is warmed when an item asks for
+    # it, in the template and outside the item's time limit, and the workers forked before
+    # are forked again
+    marks = tmp_path / "warmed"
+    token = plugin_scope("pool_slow_import")
+    try:
+        load_plugins([str(_slow_import_plugin(tmp_path, marks))])
+    finally:
+        reset_plugin_scope(token)
+    try:
+        config = RewardConfig(functions={"k12": 1.0}, workers=2, timeout=1.0)
+        async with LocalScorer(config=config) as scorer:
+            await scorer.start()
+            pool = scorer._pool
+            assert pool._forker.asked == {"k12"}
+            before = {w.proc.pid for w in pool._all}
+            assert not marks.exists()
+            item = ScoreItem(fn="pool_slow_import", response="x")
+            scores = await scorer.score([item, item])
+            assert [s.score for s in scores] == [1.0, 1.0], scores
+            assert marks.read_text().split() == [str(pool._forker.proc.pid)]
+            assert pool.killed == 0  # no item ran into its 1 s limit
+            after = {w.proc.pid for w in pool._all}
+            assert not after & before and len(after) == 2
+            [k12] = await scorer.score([ScoreItem(fn="k12", response="5", truth="5")])
+            assert k12.score == 1.0
+            assert marks.read_text().split() == [str(pool._forker.proc.pid)]
+    finally:
+        REWARDS.unregister("pool_slow_import")
+        monkeypatch.delitem(plugins._loaded, str(tmp_path / "pool_slow_import.py"))

@@ -55,8 +55,9 @@ class PureReward(RewardFunction):
         raise NotImplementedError
 
     def warm_up(self) -> None:
-        """Pay this function's one-off costs (lazy imports, parser tables) now. A worker
-        process calls it for every isolated function before it says ready, so that the first
+        """Pay this function's one-off costs (lazy imports, parser tables) now. The workers'
+        template process calls it for each isolated function of `reward.functions` before it
+        forks them, and for another before the first item that names it, so that the first
         item a fresh worker scores is not charged for them against `reward.timeout`."""
 
 

@@ -4,7 +4,10 @@ A thread cannot be stopped and math-verify's own limit (SIGALRM) works on the ma
 only, so an evaluation that must be bounded runs in a worker process; when it overruns, the
 worker is killed (SIGKILL) and a fresh one started in the background, and the evaluation
 scores 0 with reason `timeout`. Workers are forked from one template process that imported
-and warmed up the functions once (`worker`), so starting or replacing one costs a fork.
+and warmed up the functions once (`worker`), so starting or replacing one costs a fork. The
+template warms the run's `reward.functions` as it starts; an item that asks for another isolated
+function has it warmed there first (outside the item's time limit), and the idle workers forked
+before that are forked again.
 """
 
 from __future__ import annotations
@@ -47,8 +50,9 @@ class _Forked:
     Signalled through a pidfd, so a pid the kernel reused is never hit."""
 
     def __init__(self, pid: int, pidfd: int, stdin: asyncio.StreamWriter,
-                 stdout: asyncio.StreamReader):
+                 stdout: asyncio.StreamReader, warm: frozenset[str]):
         self.pid, self.pidfd, self.stdin, self.stdout = pid, pidfd, stdin, stdout
+        self.warm = warm  # the functions its template had been asked to warm when it forked
         self.returncode: int | None = None
         self._exited = asyncio.Event()
 
@@ -72,11 +76,14 @@ class _Forked:
 
 class _Template:
     """The process the workers are forked from (`worker.template`): started, imported and
-    warmed up once; `fork()` returns a `_Forked` worker. Its exit ends every worker (they die
-    with it) and fails what waits on it."""
+    warmed up once; `fork()` returns a `_Forked` worker, `warm(names)` warms more functions
+    for the workers forked after it. Its exit ends every worker (they die with it) and fails
+    what waits on it."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, control: socket.socket):
+    def __init__(self, proc: asyncio.subprocess.Process, control: socket.socket,
+                 warm: list[str]):
         self.proc, self.control = proc, control
+        self.asked = frozenset(warm)  # the functions it was asked to warm (warmed or failed)
         self.workers: dict[int, _Forked] = {}
         self._early: dict[int, int] = {}  # exits read before fork() registered the worker
         self._replies: asyncio.Queue[tuple[dict, list[int]]] = asyncio.Queue()
@@ -85,7 +92,7 @@ class _Template:
         asyncio.get_running_loop().add_reader(control.fileno(), self._readable)
 
     @classmethod
-    async def start(cls, config: RewardConfig) -> _Template:
+    async def start(cls, config: RewardConfig, warm: list[str]) -> _Template:
         env = dict(os.environ)
         env["PYTHONUNBUFFERED"] = "1"
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -100,12 +107,12 @@ class _Template:
         finally:
             theirs.close()
         ours.setblocking(False)
-        template = cls(proc, ours)
+        template = cls(proc, ours, warm)
         try:
             # the template imports the plugins this process imported, so a plugin's isolated
             # reward function is found there too (docs/extending.md)
             proc.stdin.write(pack({"reward": config.model_dump(mode="json"),
-                                   "plugins": loaded_plugins()}))
+                                   "plugins": loaded_plugins(), "warm": warm}))
             await proc.stdin.drain()
             proc.stdin.close()
             hello, _ = await asyncio.wait_for(template._replies.get(), STARTUP_TIMEOUT)
@@ -154,6 +161,20 @@ class _Template:
         self.workers.clear()
         self._replies.put_nowait(({"gone": True}, []))
 
+    async def warm(self, names: list[str]) -> None:
+        """Warm `names` in the template (imports and `warm_up` there, once); every worker forked
+        after this has them."""
+        async with self._lock:
+            if self.dead:
+                raise ConnectionError("the reward worker template exited")
+            socket.send_fds(self.control, [encode({"warm": names})], [])
+            reply, fds = await asyncio.wait_for(self._replies.get(), STARTUP_TIMEOUT)
+            for fd in fds:
+                os.close(fd)
+            if "warmed" not in reply:
+                raise ConnectionError(f"the reward worker template answered {reply!r}")
+            self.asked |= frozenset(names)
+
     async def fork(self) -> _Forked:
         loop = asyncio.get_running_loop()
         async with self._lock:
@@ -184,7 +205,7 @@ class _Template:
         transport, protocol = await loop.connect_write_pipe(
             asyncio.streams.FlowControlMixin, os.fdopen(in_w, "wb", buffering=0))
         writer = asyncio.StreamWriter(transport, protocol, None, loop)
-        worker = _Forked(reply["forked"], fds[0], writer, reader)
+        worker = _Forked(reply["forked"], fds[0], writer, reader, self.asked)
         if self.dead:
             worker.exited(-signal.SIGKILL)
         elif worker.pid in self._early:
@@ -225,11 +246,15 @@ class _Worker:
 
 
 class WorkerPool:
-    """`size` worker processes; `evaluate(fn, item, timeout)` runs on the first idle one."""
+    """`size` worker processes; `evaluate(fn, item, timeout)` runs on the first idle one.
+    `warm`: the functions the template warms as it starts (default: `reward.functions`)."""
 
-    def __init__(self, config: RewardConfig, *, size: int | None = None):
+    def __init__(self, config: RewardConfig, *, size: int | None = None,
+                 warm: list[str] | None = None):
         self.config = config
         self.size = size or config.workers
+        self._wanted = list(config.functions if warm is None else warm)
+        self._warming: dict[str, asyncio.Future] = {}
         self._idle: asyncio.Queue[_Worker] = asyncio.Queue()
         self._all: set[_Worker] = set()
         self._spawning: set[asyncio.Task] = set()
@@ -263,7 +288,7 @@ class WorkerPool:
             if self._forker is None or self._forker.dead:
                 if self._forker is not None:
                     await self._forker.close()
-                self._forker = await _Template.start(self.config)
+                self._forker = await _Template.start(self.config, list(self._wanted))
             return self._forker
 
     async def _spawn(self) -> _Worker:
@@ -310,11 +335,19 @@ class WorkerPool:
         running or at `deadline` (time.monotonic()), whichever is first. The wait for a free
         worker counts against the deadline only (without one: STARTUP_TIMEOUT at most)."""
         await self.start()
-        wait = STARTUP_TIMEOUT if deadline is None else max(0.0, deadline - time.monotonic())
-        try:
-            worker = await asyncio.wait_for(self._idle.get(), wait)
-        except TimeoutError:
-            raise EvaluationTimeout() from None
+        await self._warm(fn, deadline)
+        while True:
+            wait = (STARTUP_TIMEOUT if deadline is None
+                    else max(0.0, deadline - time.monotonic()))
+            try:
+                worker = await asyncio.wait_for(self._idle.get(), wait)
+            except TimeoutError:
+                raise EvaluationTimeout() from None
+            if fn in worker.proc.warm or self._forker is None or fn not in self._forker.asked:
+                break
+            # forked before its template warmed `fn`: a fresh fork has it (milliseconds)
+            await worker.kill()
+            self._replace(worker)
         if deadline is not None:
             timeout = min(timeout, deadline - time.monotonic())
             if timeout <= 0:
@@ -346,8 +379,37 @@ class WorkerPool:
             raise ValueError(reply["error"])
         return Score.model_validate(reply)
 
+    async def _warm(self, fn: str, deadline: float | None) -> None:
+        """`fn` warmed in the template before its first item is handed to a worker, so the
+        item's time limit does not pay for its imports; bounded by `deadline` like the wait
+        for a free worker. Asked once per function; a template started later warms it too."""
+        warming = self._warming.get(fn)
+        if warming is None:
+            if fn in self._wanted:
+                return  # warmed as the template started
+            self._wanted.append(fn)
+            warming = self._warming[fn] = asyncio.ensure_future(self._warm_in_template(fn))
+        if warming.done():
+            return
+        wait = STARTUP_TIMEOUT if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            await asyncio.wait_for(asyncio.shield(warming), wait)
+        except TimeoutError:
+            raise EvaluationTimeout() from None
+
+    async def _warm_in_template(self, fn: str) -> None:
+        try:
+            template = await self._template()
+            if fn not in template.asked:  # a template started since was asked at its start
+                await template.warm([fn])
+        except (TimeoutError, ConnectionError) as exc:  # its first item builds it
+            log.warning("reward.warm_up_failed", fn=fn, error=f"{type(exc).__name__}: {exc}")
+
     async def close(self) -> None:
         self._closed = True
+        for task in self._warming.values():
+            task.cancel()
+        await asyncio.gather(*self._warming.values(), return_exceptions=True)
         if self._starting is not None:
             self._starting.cancel()
             await asyncio.gather(self._starting, return_exceptions=True)

@@ -1,19 +1,23 @@
 """Reward worker processes for pure reward functions: `python -m tandem.reward.worker`.
 
 The pool (`pool.WorkerPool`) starts one *template* process, which imports the reward functions
-(and the plugins the pool's process imported), builds and warms up every isolated one
-(`warm`), and then forks each worker: a worker costs a fork, not an interpreter and its
-imports, so a pool of four starts for the price of one and a worker killed for overrunning is
-replaced in milliseconds. Started from a process of its own, not forked from the pool's, so
-no thread or socket of that process (ZeroMQ, asyncio) is carried into a worker.
+(and the plugins the pool's process imported), builds and warms up the isolated ones the pool
+names (`warm`: the run's `reward.functions`, then any other an item asks for), and then forks
+each worker: a worker costs a fork, not an interpreter and its imports, so a pool of four starts
+for the price of one and a worker killed for overrunning is replaced in milliseconds. Started
+from a process of its own, not forked from the pool's, so no thread or socket of that process
+(ZeroMQ, asyncio) is carried into a worker. A function no item asks for is never imported: the
+math check's sympy and math-verify are 38 MiB of every worker's memory (issue 27 item 1).
 
 Template protocol: on stdin one frame (a 4-byte big-endian length and a msgpack map)
-`{"reward": the reward section, "plugins": [what the parent imported]}`; then, on the unix
-SEQPACKET socket whose fd is its argument, one msgpack message each way: template -> parent
-`{"ready": true}` once warmed up; parent -> template `{"fork": true}` carrying two fds (the
-worker's stdin and stdout), answered by `{"forked": pid}` carrying a pidfd of the worker; and
-`{"exited": pid, "code": returncode}` when a worker ends (negative: the signal). It exits when
-the parent closes the socket, killing its workers, and with its parent (PR_SET_PDEATHSIG).
+`{"reward": the reward section, "plugins": [what the parent imported], "warm": [names]}`; then,
+on the unix SEQPACKET socket whose fd is its argument, one msgpack message each way: template ->
+parent `{"ready": true}` once warmed up; parent -> template `{"fork": true}` carrying two fds
+(the worker's stdin and stdout), answered by `{"forked": pid}` carrying a pidfd of the worker;
+parent -> template `{"warm": [names]}`, answered by `{"warmed": [every name warm now]}` (the
+workers forked after it have them); and `{"exited": pid, "code": returncode}` when a worker ends
+(negative: the signal). It exits when the parent closes the socket, killing its workers, and
+with its parent (PR_SET_PDEATHSIG).
 
 Worker protocol on its stdin/stdout, frames as above: parent -> worker `{"fn": name, "item":
 {...}}` per evaluation; worker -> parent `{"ready": true}` first, then one `{"score",
@@ -61,19 +65,21 @@ def instance(cls, config):
     return fn
 
 
-def warm(config) -> dict:
-    """Every isolated pure function this worker may be asked for, built and warmed up
-    (`PureReward.warm_up`) before the worker says ready: the parent's time limit starts when
-    it hands over an item, and a replacement worker's first item must not pay for imports. A
-    function that fails here is left to fail on its first item, where the error is reported."""
-    from tandem.common.plugins import REWARDS, load_installed
+def warm(config, names, instances: dict) -> None:
+    """The isolated pure functions among `names`, built and warmed up (`PureReward.warm_up`)
+    into `instances` before the template forks a worker that may be asked for them: the
+    parent's time limit starts when it hands over an item, and a worker's first item must not
+    pay for imports. A function that fails here is left to fail on its first item, where the
+    error is reported; a name that is not an isolated function is skipped."""
+    from tandem.common.plugins import load_installed
 
     from .base import PureReward
     from .functions import lookup
 
     load_installed()
-    out = {}
-    for name in REWARDS.names():
+    for name in names:
+        if name in instances:
+            continue
         try:
             cls = lookup(name)
             if not (issubclass(cls, PureReward) and cls.isolated):
@@ -84,8 +90,7 @@ def warm(config) -> dict:
             print(f"reward worker: {name} not warmed up ({type(exc).__name__}: {exc}); its "
                   "first item builds it", file=sys.stderr)
             continue
-        out[name] = fn
-    return out
+        instances[name] = fn
 
 
 def serve(stdin, stdout, instances: dict, config) -> None:
@@ -138,7 +143,8 @@ def template(control_fd: int) -> None:
     first = read_frame(sys.stdin.buffer)
     load_plugins(first["plugins"])
     config = RewardConfig.model_validate(first["reward"])
-    instances = warm(config)
+    instances: dict = {}
+    warm(config, first["warm"], instances)
     control = socket.socket(fileno=control_fd)
     control.sendall(encode({"ready": True}))
     workers: dict[int, int] = {}  # pidfd -> pid
@@ -156,6 +162,13 @@ def template(control_fd: int) -> None:
                             except ProcessLookupError:
                                 pass
                         return
+                    request = unpack(data)
+                    if "warm" in request:
+                        for fd in fds:
+                            os.close(fd)
+                        warm(config, request["warm"], instances)
+                        control.sendall(encode({"warmed": sorted(instances)}))
+                        continue
                     if len(fds) != 2:
                         for fd in fds:
                             os.close(fd)
