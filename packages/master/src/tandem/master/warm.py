@@ -26,6 +26,7 @@ The protocol, one JSON line each way on a Unix stream socket:
 
 from __future__ import annotations
 
+import gc
 import importlib
 import io
 import json
@@ -246,6 +247,7 @@ class WarmServer:
             return
         sys.stdout.flush()
         sys.stderr.flush()
+        gc.freeze()  # the pages of what it imported stay shared (zygote.fork_component)
         pid = os.fork()
         if pid == 0:  # unwinds to main(), which turns this fork into the client's command
             raise _BecomeUp(request, received, conn)

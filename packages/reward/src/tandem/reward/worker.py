@@ -29,6 +29,7 @@ overruns. It exits on EOF, and with the template.
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import os
 import selectors
@@ -175,6 +176,9 @@ def template(control_fd: int) -> None:
                         control.sendall(encode({"error": "fork needs two fds"}))
                         continue
                     keep_out = [control.fileno(), sel.fileno(), *workers]
+                    # a collection in the worker leaves the template's objects, and so the
+                    # pages they share with it, untouched (tandem.master.zygote does the same)
+                    gc.freeze()
                     pid = os.fork()
                     if pid == 0:
                         _worker(me, fds[0], fds[1], keep_out, instances, config)
