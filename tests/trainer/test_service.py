@@ -439,6 +439,32 @@ async def test_a_steps_ack_and_its_count_travel_at_once(tmp_path, tiny_model_pat
     assert trainer._counted == 1 and written == [(1, {"loss/total": 1.0})]
 
 
+async def test_the_next_steps_sample_is_asked_for_after_the_ack(tmp_path, tiny_model_path,
+                                                                make_config):
+    """The buffer serves a peer's requests in order: asked for before the ack, the next step's
+    sample (its groups ready, under one_step_off_policy) was leased and encoded first, and the
+    ack, on the trainer's path, waited 12 ms behind it (issue 27 item 2)."""
+    trainer = Trainer(make_config(tiny_model_path, run_dir=tmp_path))
+    trainer._master = _AnswersWhenTold()
+    buffer = trainer._buffer = _AnswersWhenTold()
+    trainer._stop_event = asyncio.Event()
+    try:
+        reporting = asyncio.create_task(trainer._report_step(
+            0, ["lease-0"], {"loss/total": 1.0}, {"loss/total": 1.0}, ahead=2))
+        deadline = time.monotonic() + BACKSTOP
+        while len(buffer.sent) < 2:
+            assert time.monotonic() < deadline, buffer.sent
+            await asyncio.sleep(0.01)
+        assert [type(m).__name__ for m in buffer.sent] == ["AckLease", "SampleGroups"]
+        assert buffer.sent[1].num_groups == 2
+        trainer._master.answer.set()
+        buffer.answer.set()
+        await asyncio.wait_for(reporting, BACKSTOP)
+    finally:
+        await trainer._drop_ahead()
+        await trainer.close()
+
+
 async def test_a_synchronous_plan_announces_its_version_with_the_count(
         tmp_path, tiny_model_path, fixed_batch):
     """synchronous with sync.method checkpoint (issue 27 item 2): the ack goes while the next

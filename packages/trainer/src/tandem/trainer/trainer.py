@@ -476,21 +476,19 @@ class Trainer:
             images={h: v.tobytes() for h, v in sample.images.items()}, write=False)
         written = dict(metrics)
         self._trained_through = go.step
-        # the next step's groups are asked for now, so the buffer's answer travels while this
-        # step is reported and published instead of after the next TrainerGo (issue 27 item 2)
-        self._ask_ahead(go.step + 1, groups)
         metrics["buffer/dropped_stale"] = float(sample.dropped_stale)
         if go.publish is not None and self._announced_with_count(go):
             start = time.time()
             preparing = asyncio.ensure_future(self._prepare_version(go.publish, go))
-            await self._report_step(go.step, sample.lease_ids, metrics, written, preparing)
+            await self._report_step(go.step, sample.lease_ids, metrics, written, preparing,
+                                    ahead=groups)
             published, moved, then = preparing.result()
             if then is not None:
                 await then()
             self.tracer.record("sync", start, time.time(), step=go.step, version=go.publish,
                                method=published.method, bytes=moved)
         else:
-            await self._report_step(go.step, sample.lease_ids, metrics, written)
+            await self._report_step(go.step, sample.lease_ids, metrics, written, ahead=groups)
             if go.publish is not None:
                 await self._publish(go.publish, go)
         every = self.tc.checkpoint_every
@@ -499,8 +497,8 @@ class Trainer:
 
     async def _report_step(self, step: int, lease_ids: list[str], metrics: dict[str, float],
                            written: dict[str, float],
-                           writing: asyncio.Future[tuple[WeightsPublished, Any]] | None = None
-                           ) -> None:
+                           writing: asyncio.Future[tuple[WeightsPublished, Any]] | None = None,
+                           *, ahead: int | None = None) -> None:
         """The step's groups consumed (buffer) and the step counted (master), both at once: two
         peers, so one round trip between the spans instead of two (issue 27 item 2); the
         trackers get `written` on a thread meanwhile (a few ms of TensorBoard and JSONL that
@@ -509,17 +507,26 @@ class Trainer:
         counts for the exit checkpoint only when both were answered: a checkpoint never holds a
         step whose groups were not acked (they would be trained again) or that the master did
         not count; a crash between the two leaves what a crash between them did before (the
-        resume releases the lease, rewinds the acks, and trains the step again)."""
+        resume releases the lease, rewinds the acks, and trains the step again).
+
+        The next step's `ahead` groups are asked for right after the ack is sent (`_ask_ahead`),
+        so the buffer's answer travels while this step is reported and published instead of
+        after the next TrainerGo (issue 27 item 2); after the ack, not before it: the buffer
+        serves its requests in order, and the ack waited 12 ms behind the lease and encoding of
+        a sample whose groups were ready."""
         async def count() -> object:
             published = None if writing is None else (await writing)[0]
             return await self._master.call(
                 TrainerStepDone(step=step, version=step + 1, metrics=metrics, published=published),
                 timeout_key="transport.rpc_timeout")
 
+        ack = asyncio.ensure_future(self._buffer.call(
+            AckLease(lease_id=lease_ids[0], more=lease_ids[1:], step=step),
+            timeout_key="transport.rpc_timeout"))
+        if ahead is not None:
+            self._ask_ahead(step + 1, ahead)
         acked, counted, wrote = await asyncio.gather(
-            self._buffer.call(AckLease(lease_id=lease_ids[0], more=lease_ids[1:], step=step),
-                              timeout_key="transport.rpc_timeout"),
-            count(), asyncio.to_thread(self.writer.write, step + 1, written),
+            ack, count(), asyncio.to_thread(self.writer.write, step + 1, written),
             return_exceptions=True)
         for result in (acked, counted, wrote):
             if isinstance(result, BaseException):
