@@ -203,13 +203,6 @@ async def _serve(build: Callable[[], Component], threads: int | None = None) -> 
     try:
         component = build()
         _torch_threads(threads)
-        # What the imports (torch, transformers, the component's own) created lives as long as
-        # the process: in the collector's permanent generation, a full collection does not
-        # scan it (0.2 s a time in a trainer or an explorer started by exec) nor, in a process
-        # forked from a warm one, copy the pages it shares (tandem.master.zygote)
-        import gc
-
-        gc.freeze()
         try:
             await component.serve()
         finally:
