@@ -134,7 +134,7 @@ def test_a_forked_components_log_exists_when_fork_returns(tmp_path):
 
 
 _SHARED_HEAP = """
-import gc, os, sys
+import gc, os, sys, time
 from tandem.master import zygote
 
 heap = [[n] for n in range(1_000_000)]  # what the zygote imported, in small: 70 MiB
@@ -148,6 +148,11 @@ except zygote._Become:  # the component: a full collection, then its own copied 
         out.write(str(dirty))
     os.rename(sys.argv[1] + ".tmp", sys.argv[1])
     os._exit(0)
+# the zygote stays until the component has measured: once it is gone, the pages they shared
+# are the component's alone and count as its private memory
+deadline = time.monotonic() + 60
+while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:
+    time.sleep(0.02)
 """
 
 

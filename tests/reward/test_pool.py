@@ -5,9 +5,12 @@ processes dies first."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import textwrap
+
+import pytest
 
 from backstop import BACKSTOP
 from processes import cpu_seconds
@@ -19,6 +22,7 @@ from tandem.common.registry import plugin_scope, reset_plugin_scope
 from tandem.common.messages.reward import ScoreItem
 from tandem.common.spawn import stat_fields
 from tandem.reward import LocalScorer
+from tandem.reward import pool as pool_module
 
 EVIL = ScoreItem(response="\\boxed{" + "(" * 3000 + "}", truth="1")  # overruns any limit
 
@@ -84,9 +88,9 @@ async def test_closing_the_pool_leaves_no_process():
     assert not any(_alive(pid) for pid in pids)
 
 
-def _slow_import_plugin(tmp_path, marks):
-    """An isolated function whose first use costs 1.5 s (as a lazy import of a parser would),
-    paid by `warm_up`; each warm-up appends the pid that ran it to `marks`."""
+def _slow_import_plugin(tmp_path, marks, seconds=1.5):
+    """An isolated function whose first use costs `seconds` (as a lazy import of a parser
+    would), paid by `warm_up`; each warm-up appends the pid that ran it to `marks`."""
     path = tmp_path / "pool_slow_import.py"
     path.write_text(textwrap.dedent(f"""
         import os, time
@@ -99,7 +103,7 @@ def _slow_import_plugin(tmp_path, marks):
 
             def warm_up(self):
                 if not SlowImport.ready:
-                    time.sleep(1.5)
+                    time.sleep({seconds})
                     SlowImport.ready = True
                     with open({str(marks)!r}, "a") as f:
                         f.write(f"{{os.getpid()}}\\n")
@@ -111,7 +115,7 @@ def _slow_import_plugin(tmp_path, marks):
     return path
 
 
-async def test_the_template_warms_only_the_functions_asked_for(tmp_path, monkeypatch):
+async def test_the_template_warms_only_the_functions_asked_for(tmp_path):
     # every isolated function warmed in every pool made each worker hold the math check's
     # sympy (38 MiB) in a run that scores with k12; another is warmed when an item asks for
     # it, in the template and outside the item's time limit, and the workers forked before
@@ -142,4 +146,30 @@ async def test_the_template_warms_only_the_functions_asked_for(tmp_path, monkeyp
             assert marks.read_text().split() == [str(pool._forker.proc.pid)]
     finally:
         REWARDS.unregister("pool_slow_import")
-        monkeypatch.delitem(plugins._loaded, str(tmp_path / "pool_slow_import.py"))
+        plugins._loaded.pop(str(tmp_path / "pool_slow_import.py"), None)
+
+
+async def test_a_warm_up_that_overruns_takes_its_template_down(tmp_path, monkeypatch):
+    # the template answers one request at a time; a warm-up whose answer was no longer awaited
+    # came back as the answer to the next fork, whose own answer (a pid and its pidfd) then
+    # answered the fork after: each later worker was another one's pid, and a kill for
+    # overrunning hit a busy worker
+    token = plugin_scope("pool_slow_import")
+    try:
+        load_plugins([str(_slow_import_plugin(tmp_path, tmp_path / "warmed", seconds=30))])
+    finally:
+        reset_plugin_scope(token)
+    try:
+        async with LocalScorer(config=RewardConfig(functions={"k12": 1.0}, workers=1)) as scorer:
+            await scorer.start()
+            template = scorer._pool._forker
+            monkeypatch.setattr(pool_module, "STARTUP_TIMEOUT", 1.0)
+            with pytest.raises(TimeoutError):
+                await template.warm(["pool_slow_import"])
+            assert template.dead
+            assert await asyncio.wait_for(template.proc.wait(), BACKSTOP) == -signal.SIGKILL
+            with pytest.raises(ConnectionError):
+                await template.fork()
+    finally:
+        REWARDS.unregister("pool_slow_import")
+        plugins._loaded.pop(str(tmp_path / "pool_slow_import.py"), None)

@@ -161,6 +161,19 @@ class _Template:
         self.workers.clear()
         self._replies.put_nowait(({"gone": True}, []))
 
+    async def _reply(self) -> tuple[dict, list[int]]:
+        """The template's answer to the request just sent. One not read (a timeout, a cancelled
+        caller) would be taken as the answer to the next request: the template is then killed,
+        and started again by the pool, rather than paired wrongly."""
+        try:
+            return await asyncio.wait_for(self._replies.get(), STARTUP_TIMEOUT)
+        except BaseException:
+            if not self.dead:
+                with contextlib.suppress(ProcessLookupError):
+                    self.proc.kill()
+                self._gone()
+            raise
+
     async def warm(self, names: list[str]) -> None:
         """Warm `names` in the template (imports and `warm_up` there, once); every worker forked
         after this has them."""
@@ -168,7 +181,7 @@ class _Template:
             if self.dead:
                 raise ConnectionError("the reward worker template exited")
             socket.send_fds(self.control, [encode({"warm": names})], [])
-            reply, fds = await asyncio.wait_for(self._replies.get(), STARTUP_TIMEOUT)
+            reply, fds = await self._reply()
             for fd in fds:
                 os.close(fd)
             if "warmed" not in reply:
@@ -188,7 +201,7 @@ class _Template:
                 os.close(in_r)
                 os.close(out_w)
             try:
-                reply, fds = await asyncio.wait_for(self._replies.get(), STARTUP_TIMEOUT)
+                reply, fds = await self._reply()
             except BaseException:
                 os.close(in_w)
                 os.close(out_r)
@@ -199,13 +212,14 @@ class _Template:
                 for fd in fds:
                     os.close(fd)
                 raise ConnectionError(f"the reward worker template answered {reply!r}")
+            warm = self.asked  # what it had warmed when it forked this one
         reader = asyncio.StreamReader(loop=loop)
         await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),
                                      os.fdopen(out_r, "rb", buffering=0))
         transport, protocol = await loop.connect_write_pipe(
             asyncio.streams.FlowControlMixin, os.fdopen(in_w, "wb", buffering=0))
         writer = asyncio.StreamWriter(transport, protocol, None, loop)
-        worker = _Forked(reply["forked"], fds[0], writer, reader, self.asked)
+        worker = _Forked(reply["forked"], fds[0], writer, reader, warm)
         if self.dead:
             worker.exited(-signal.SIGKILL)
         elif worker.pid in self._early:
@@ -285,6 +299,8 @@ class WorkerPool:
     async def _template(self) -> _Template:
         """The template the workers are forked from; started again if it exited."""
         async with self._template_lock:
+            if self._closed:
+                raise TandemError("the reward worker pool is closed")
             if self._forker is None or self._forker.dead:
                 if self._forker is not None:
                     await self._forker.close()
@@ -346,8 +362,10 @@ class WorkerPool:
             if fn in worker.proc.warm or self._forker is None or fn not in self._forker.asked:
                 break
             # forked before its template warmed `fn`: a fresh fork has it (milliseconds)
-            await worker.kill()
-            self._replace(worker)
+            try:
+                await asyncio.shield(worker.kill())
+            finally:
+                self._replace(worker)
         if deadline is not None:
             timeout = min(timeout, deadline - time.monotonic())
             if timeout <= 0:
@@ -402,14 +420,13 @@ class WorkerPool:
             template = await self._template()
             if fn not in template.asked:  # a template started since was asked at its start
                 await template.warm([fn])
-        except (TimeoutError, ConnectionError) as exc:  # its first item builds it
-            log.warning("reward.warm_up_failed", fn=fn, error=f"{type(exc).__name__}: {exc}")
+        except (TimeoutError, ConnectionError, TandemError) as exc:  # its first item builds it
+            if not self._closed:
+                log.warning("reward.warm_up_failed", fn=fn,
+                            error=f"{type(exc).__name__}: {exc}")
 
     async def close(self) -> None:
         self._closed = True
-        for task in self._warming.values():
-            task.cancel()
-        await asyncio.gather(*self._warming.values(), return_exceptions=True)
         if self._starting is not None:
             self._starting.cancel()
             await asyncio.gather(self._starting, return_exceptions=True)
@@ -424,3 +441,5 @@ class WorkerPool:
         if self._forker is not None:
             await self._forker.close()
             self._forker = None
+        # a warm-up under way ends with the template (ConnectionError) or finds the pool closed
+        await asyncio.gather(*self._warming.values(), return_exceptions=True)
