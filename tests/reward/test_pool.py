@@ -139,6 +139,8 @@ async def test_the_template_warms_only_the_functions_asked_for(tmp_path):
             assert [s.score for s in scores] == [1.0, 1.0], scores
             assert marks.read_text().split() == [str(pool._forker.proc.pid)]
             assert pool.killed == 0  # no item ran into its 1 s limit
+            # each replacement is forked in the background; the pool is whole once they are in
+            await asyncio.wait_for(asyncio.gather(*pool._spawning), BACKSTOP)
             after = {w.proc.pid for w in pool._all}
             assert not after & before and len(after) == 2
             [k12] = await scorer.score([ScoreItem(fn="k12", response="5", truth="5")])
