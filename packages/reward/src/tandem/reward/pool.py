@@ -260,15 +260,12 @@ class _Worker:
 
 
 class WorkerPool:
-    """`size` worker processes; `evaluate(fn, item, timeout)` runs on the first idle one.
-    `warm`: the functions the template warms as it starts (default: `reward.functions`)."""
+    """`size` worker processes; `evaluate(fn, item, timeout)` runs on the first idle one."""
 
-    def __init__(self, config: RewardConfig, *, size: int | None = None,
-                 warm: list[str] | None = None):
+    def __init__(self, config: RewardConfig, *, size: int | None = None):
         self.config = config
         self.size = size or config.workers
-        self._wanted = list(config.functions if warm is None else warm)
-        self._warming: dict[str, asyncio.Future] = {}
+        self._warming: dict[str, asyncio.Future] = {}  # functions warmed since, by name
         self._idle: asyncio.Queue[_Worker] = asyncio.Queue()
         self._all: set[_Worker] = set()
         self._spawning: set[asyncio.Task] = set()
@@ -304,7 +301,9 @@ class WorkerPool:
             if self._forker is None or self._forker.dead:
                 if self._forker is not None:
                     await self._forker.close()
-                self._forker = await _Template.start(self.config, list(self._wanted))
+                # `reward.functions`, and every other function an item has asked for
+                self._forker = await _Template.start(self.config,
+                                                     [*self.config.functions, *self._warming])
             return self._forker
 
     async def _spawn(self) -> _Worker:
@@ -403,9 +402,8 @@ class WorkerPool:
         for a free worker. Asked once per function; a template started later warms it too."""
         warming = self._warming.get(fn)
         if warming is None:
-            if fn in self._wanted:
+            if fn in self.config.functions:
                 return  # warmed as the template started
-            self._wanted.append(fn)
             warming = self._warming[fn] = asyncio.ensure_future(self._warm_in_template(fn))
         if warming.done():
             return
